@@ -1,0 +1,238 @@
+"""The one typed configuration schema: model, parallelism, optimizer, training and data.
+
+Field names are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), so a Megatron user recognizes every
+knob; every field name is unique across sections, which lets `train.py` map flags and preset keys to fields without a
+table. `Config.validate()` is the one place where bad combinations are refused, before any device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = 12  # transformer layers L
+    hidden_size: int = 768  # model width D
+    num_attention_heads: int = 12  # heads N; head dim H = D / N
+    ffn_hidden_size: int | None = None  # MLP width F; None means 4 * hidden_size
+    seq_length: int = 1024  # tokens per training sequence S
+    max_position_embeddings: int | None = None  # rows of the learned position table; None means seq_length
+    vocab_size: int = 50257  # tokenizer vocabulary before padding (set from the tokenizer when data is loaded)
+    make_vocab_size_divisible_by: int = 128  # each model-parallel vocab shard is a multiple of this
+    hidden_dropout: float = 0.1  # dropout on the residual branches and embeddings (same mask on all model ranks)
+    attention_dropout: float = 0.1  # dropout on attention probabilities (a different stream per model rank)
+    init_method_std: float = 0.02  # std of N(0, std) init; residual projections use std / sqrt(2 L)
+    layernorm_epsilon: float = 1e-5  # LayerNorm epsilon
+    label_smoothing: float = 0.0  # label smoothing of the vocab-parallel cross-entropy
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary padded so every shard of every TP size up to 8 is a multiple of 128 (50,257 -> 51,200).
+
+        Megatron pads to a multiple of 128 x TP, which makes the embedding's shape depend on the mesh; padding for
+        TP = 8 once keeps parameters mesh-independent (DESIGN.md section 2) at the paper's own padded size.
+        """
+        multiple = self.make_vocab_size_divisible_by * 8
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def num_params(self) -> int:
+        """Parameters with the output layer tied to the input embedding (GPT-2 124M: 124,439,808 unpadded)."""
+        return _num_params(self, self.padded_vocab_size)
+
+    def num_params_unpadded(self) -> int:
+        return _num_params(self, self.vocab_size)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N (forward + backward of every weight) + 12 L D S (attention scores and
+        context, forward and backward); N counts the tied embedding once, as it is used for the logits."""
+        return 6 * self.num_params() + 12 * self.num_layers * self.hidden_size * self.seq_length
+
+
+def _num_params(m: ModelConfig, vocab: int) -> int:
+    d, f = m.hidden_size, m.ffn_size
+    layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d  # qkv, out, fc1, fc2, 2 LN
+    return vocab * d + m.max_positions * d + m.num_layers * layer + 2 * d  # + final LN
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1  # TP: devices one layer is split over (the "model" axis)
+    pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
+    data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1.5e-4  # peak learning rate
+    min_lr: float = 1e-5  # learning rate at the end of decay
+    lr_decay_style: str = "cosine"  # constant | linear | cosine
+    lr_warmup_iters: int = 0  # linear warmup from 0 over this many steps
+    lr_decay_iters: int | None = None  # steps of decay after which lr stays at min_lr; None means train_iters
+    weight_decay: float = 0.01  # AdamW decoupled weight decay (not on biases or LayerNorm)
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables it
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    micro_batch_size: int = 4  # sequences per data-parallel rank per microbatch
+    global_batch_size: int = 32  # sequences per optimizer step; accumulation = global / (micro x DP)
+    train_iters: int = 200  # optimizer steps
+    seed: int = 1234  # one seed for init, data order and dropout
+    bf16: bool = False  # bf16 compute, fp32 master weights
+    fp16: bool = False  # fp16 compute with dynamic loss scaling
+    initial_loss_scale: float = 2.0**16  # starting dynamic loss scale (fp16)
+    loss_scale_window: int = 1000  # good steps before the loss scale doubles
+    min_loss_scale: float = 1.0  # the loss scale never halves below this
+    recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core only)
+    log_interval: int = 10  # steps between metrics lines
+    eval_interval: int = 100  # steps between validation runs; 0 disables
+    eval_iters: int = 10  # validation batches per evaluation
+    save: str | None = None  # checkpoint (and run) directory
+    save_interval: int | None = None  # steps between checkpoints; None saves only at the end
+    load: str | None = None  # checkpoint directory to resume from
+    run_dir: str | None = None  # where metrics and the resolved config go when --save is not given
+    tensorboard_dir: str | None = None  # TensorBoard event directory
+    generate_tokens: int = 0  # tokens of a sample printed after training; 0 disables
+
+    @property
+    def compute_dtype(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: tuple[str, ...] = ()  # plain text files; empty means the built-in corpus
+    vocab_file: str | None = None  # GPT-2 encoder.json (tokenizer for --data-path)
+    merge_file: str | None = None  # GPT-2 vocab.bpe merges
+    split: str = "949,50,1"  # train,valid,test weights of the token stream, as in Megatron
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+            "training": TrainingConfig, "data": DataConfig}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def replace(self, **flat: Any) -> "Config":
+        """Returns a copy with fields set by their (unique) names, e.g. `cfg.replace(hidden_size=64)`."""
+        parts = {name: {} for name in SECTIONS}
+        for key, value in flat.items():
+            section = FIELD_SECTION.get(key)
+            if section is None:
+                raise ValueError(f"unknown config field {key!r}; see `python train.py --help` for the known ones.")
+            parts[section][key] = value
+        return dataclasses.replace(
+            self, **{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in parts.items() if kw})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, dict[str, Any]]) -> "Config":
+        return cls().replace(**{k: _coerce(k, v) for section in d.values() for k, v in section.items()})
+
+    def validate(self, num_devices: int | None = None) -> "Config":
+        """Refuses a bad combination with one sentence naming the flag and the fix; returns self."""
+        m, p, t, o = self.model, self.parallel, self.training, self.optimizer
+        tp = p.tensor_model_parallel_size
+        _check(m.hidden_size % m.num_attention_heads == 0,
+               f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+               "choose a hidden size that is a multiple of the head count.")
+        _check(tp >= 1 and m.num_attention_heads % tp == 0,
+               f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size "
+               f"{tp}; use a TP size that divides the head count.")
+        _check(m.ffn_size % tp == 0,
+               f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}.")
+        _check(m.padded_vocab_size % (tp * m.make_vocab_size_divisible_by) == 0,
+               f"--tensor-model-parallel-size {tp} does not divide the padded vocabulary "
+               f"{m.padded_vocab_size} into multiples of 128; use a TP size of at most 8.")
+        _check(m.max_positions >= m.seq_length,
+               f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
+               "raise it to at least the sequence length.")
+        _check(p.pipeline_model_parallel_size == 1,
+               "--pipeline-model-parallel-size > 1 is not supported yet (pipeline parallelism is a later issue); "
+               "use 1.")
+        _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
+        _check(t.recompute_granularity in (None, "full", "selective"),
+               f"--recompute-granularity must be full or selective, got {t.recompute_granularity!r}.")
+        _check(o.lr_decay_style in ("constant", "linear", "cosine"),
+               f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
+        _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+               "--hidden-dropout and --attention-dropout must lie in [0, 1).")
+        _check(t.micro_batch_size >= 1 and t.global_batch_size >= 1 and t.train_iters >= 0,
+               "--micro-batch-size and --global-batch-size must be >= 1 and --train-iters >= 0.")
+        if num_devices is not None:
+            from mtx.parallel.mesh import resolve_sizes
+
+            dp, _, _ = resolve_sizes(p.data_parallel_size, p.pipeline_model_parallel_size, tp, num_devices)
+            _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                   f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+                   f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of "
+                   f"{t.micro_batch_size * dp}.")
+        return self
+
+    def data_parallel_size(self, num_devices: int) -> int:
+        from mtx.parallel.mesh import resolve_sizes
+
+        p = self.parallel
+        return resolve_sizes(p.data_parallel_size, p.pipeline_model_parallel_size,
+                             p.tensor_model_parallel_size, num_devices)[0]
+
+
+FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+FIELD_TYPES = {f.name: f.type for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if key == "data_path" and value is not None:
+        return tuple([value] if isinstance(value, str) else value)
+    return value
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def load_preset(path: str | Path) -> dict[str, Any]:
+    """Reads a TOML preset of flat Megatron-named keys (`hidden_size = 1024`); unknown keys are an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config {path}: no such file; pass a preset such as configs/gpt2_124m.toml.")
+    with path.open("rb") as fh:
+        try:
+            values = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {path} is not valid TOML ({e}); fix the file.") from None
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - set(FIELD_SECTION))
+    if unknown:
+        raise ValueError(f"--config {path} sets unknown field(s) {', '.join(unknown)}; remove or rename them.")
+    return {k: _coerce(k, v) for k, v in values.items()}

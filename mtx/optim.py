@@ -1,0 +1,74 @@
+"""The paper's optimizer recipe: AdamW (no decay on biases and LayerNorm), global-norm clipping, warmup + decay,
+and dynamic loss scaling for fp16.
+
+Everything here runs outside shard_map on global arrays, so optax sees each parameter once however it is sharded:
+the global gradient norm is exact, with no double counting of replicated parameters.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mtx.config import OptimizerConfig, TrainingConfig
+
+NO_DECAY = ("bias", "scale")  # biases and LayerNorm parameters
+
+
+def learning_rate_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Schedule:
+    """Megatron's schedule: linear warmup from 0 to lr, then constant/linear/cosine decay to min_lr."""
+    warmup = opt.lr_warmup_iters
+    decay_steps = max((opt.lr_decay_iters or train_iters) - warmup, 1)
+    if opt.lr_decay_style == "constant":
+        decay = optax.constant_schedule(opt.lr)
+    elif opt.lr_decay_style == "linear":
+        decay = optax.linear_schedule(opt.lr, opt.min_lr, decay_steps)
+    else:
+        decay = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.min_lr / opt.lr if opt.lr else 0.0)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), decay], [warmup])
+
+
+def weight_decay_mask(params):
+    """True where weight decay applies: every parameter except biases and LayerNorm scales/biases."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) not in NO_DECAY, params)
+
+
+def _leaf_name(path) -> str:
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    names = [n for n in names if isinstance(n, str) and n != "value"]
+    return names[-1] if names else ""
+
+
+def make_optimizer(opt: OptimizerConfig, train_iters: int) -> optax.GradientTransformation:
+    chain = [optax.clip_by_global_norm(opt.clip_grad)] if opt.clip_grad > 0 else []
+    chain.append(optax.adamw(learning_rate_schedule(opt, train_iters), b1=opt.adam_beta1, b2=opt.adam_beta2,
+                             eps=opt.adam_eps, weight_decay=opt.weight_decay, mask=weight_decay_mask))
+    return optax.chain(*chain)
+
+
+class LossScale(NamedTuple):
+    """Dynamic loss scale (fp16): halve and skip the step on overflow, double after `window` good steps."""
+
+    scale: jax.Array  # float32 scalar; 1.0 and never changed when loss scaling is off
+    good_steps: jax.Array  # int32 scalar: finite steps since the last change
+    skipped: jax.Array  # int32 scalar: steps skipped for overflow so far (they do not advance the lr schedule)
+
+    @staticmethod
+    def create(train: TrainingConfig) -> "LossScale":
+        scale = train.initial_loss_scale if train.fp16 else 1.0
+        return LossScale(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    def update(self, finite: jax.Array, train: TrainingConfig) -> "LossScale":
+        if not train.fp16:
+            return self
+        grow = finite & (self.good_steps + 1 >= train.loss_scale_window)
+        scale = jnp.where(finite, jnp.where(grow, self.scale * 2.0, self.scale),
+                          jnp.maximum(self.scale / 2.0, train.min_loss_scale))
+        good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
+        skipped = self.skipped + jnp.where(finite, 0, 1)
+        return LossScale(scale.astype(jnp.float32), good.astype(jnp.int32), skipped.astype(jnp.int32))

@@ -1,0 +1,118 @@
+"""Megatron's tensor-parallel layers (paper section 3, Fig. 3), each written in the local view inside shard_map.
+
+Every parameter states its layout once, here, where it is declared: the global array has the full (mesh-independent)
+shape and `out_sharding` says how the mesh splits it. Inside `jax.shard_map` a layer sees only its local slice, so
+`kernel` of a ColumnParallelLinear is (D, F / tp) there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtx.parallel.mesh import MODEL
+from mtx.parallel.ops import f, g, gather_from_model_parallel, model_rank, scatter_to_model_parallel
+
+REPLICATED = None
+
+
+def param(rngs: nnx.Rngs | None, shape, spec: tuple, *, std: float | None = None, value: float = 0.0) -> nnx.Param:
+    """A float32 parameter of global `shape` with layout `spec`: N(0, std) when `std` is given, else `value`."""
+    assert len(spec) == len(shape), (shape, spec)
+    if std is None:
+        init = jnp.full(shape, value, jnp.float32)
+    else:
+        init = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    # eager_sharding=False: the layout is metadata; arrays are placed by the caller's jit out_shardings.
+    return nnx.Param(init, out_sharding=spec, eager_sharding=False)
+
+
+class ColumnParallelLinear(nnx.Module):
+    """Y = X A + b with A split by columns: A = [A_1 ... A_tp]; rank r computes X A_r, its own slice of Y.
+
+    The input is replicated, so `f` comes first: identity forward, and in the backward the partial input gradients
+    of all ranks are summed (the one all-reduce of this layer). No communication forward unless gather_output.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
+                 gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.kernel = param(rngs, (in_features, out_features), (REPLICATED, MODEL), std=std)
+        self.bias = param(None, (out_features,), (MODEL,)) if use_bias else None
+        self.gather_output = gather_output
+        self.dtype = dtype
+
+    def __call__(self, x_BSD):
+        """(..., D) replicated -> (..., F / tp) on this rank, or (..., F) replicated with gather_output."""
+        y = f(x_BSD.astype(self.dtype)) @ self.kernel[...].astype(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return gather_from_model_parallel(y) if self.gather_output else y
+
+
+class RowParallelLinear(nnx.Module):
+    """Y = X A + b with A split by rows: A = [A_1; ...; A_tp] and X = [X_1 ... X_tp]; Y = g(sum_r X_r A_r) + b.
+
+    The input arrives already split (the output of a ColumnParallelLinear), so no communication is needed before the
+    matmul; `g` all-reduces the partial products. The bias is replicated and added once, after the reduce.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
+                 input_is_parallel: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.kernel = param(rngs, (in_features, out_features), (MODEL, REPLICATED), std=std)
+        self.bias = param(None, (out_features,), (REPLICATED,)) if use_bias else None
+        self.input_is_parallel = input_is_parallel
+        self.dtype = dtype
+
+    def __call__(self, x_BSF):
+        """(..., F / tp) on this rank (or (..., F) replicated without input_is_parallel) -> (..., D) replicated."""
+        if not self.input_is_parallel:
+            x_BSF = scatter_to_model_parallel(x_BSF)
+        y = g(x_BSF.astype(self.dtype) @ self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class VocabParallelEmbedding(nnx.Module):
+    """Embedding table split by vocabulary rows: rank r holds ids [r V/tp, (r+1) V/tp).
+
+    Each rank looks up the ids in its range, writes zeros for the others, and `g` sums the partial lookups, so every
+    rank ends with the full embedding. `attend` reuses the table as the (tied) output layer, giving this rank's slice
+    of the logits, which are never gathered.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.embedding = param(rngs, (num_embeddings, features), (MODEL, REPLICATED), std=std)
+        self.dtype = dtype
+
+    def __call__(self, ids_BS):
+        """(B, S) int ids, replicated -> (B, S, D) replicated."""
+        table_VD = self.embedding[...]  # local (V / tp, D)
+        v_local = table_VD.shape[0]
+        local_ids = ids_BS - model_rank() * v_local
+        in_range = (local_ids >= 0) & (local_ids < v_local)
+        x_BSD = jnp.take(table_VD, jnp.where(in_range, local_ids, 0), axis=0)
+        x_BSD = jnp.where(in_range[..., None], x_BSD, 0.0)
+        return g(x_BSD).astype(self.dtype)
+
+    def attend(self, x_BSD):
+        """(B, S, D) replicated -> (B, S, V / tp) logits of this rank's vocabulary slice (f before the matmul)."""
+        return f(x_BSD.astype(self.dtype)) @ self.embedding[...].astype(self.dtype).T
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with replicated scale and bias, computed in float32 whatever the compute dtype."""
+
+    def __init__(self, features: int, *, epsilon: float = 1e-5, dtype=jnp.float32):
+        self.scale = param(None, (features,), (REPLICATED,), value=1.0)
+        self.bias = param(None, (features,), (REPLICATED,))
+        self.epsilon = epsilon
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+        return (y * self.scale[...] + self.bias[...]).astype(self.dtype)

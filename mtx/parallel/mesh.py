@@ -1,0 +1,47 @@
+"""The (data, pipeline, model) device mesh.
+
+"model" is the innermost axis, so consecutive devices (one NVLink node on a GPU host) form a tensor-parallel
+group, as Megatron places tensor parallelism inside a node and data parallelism across nodes (paper, app. B.1).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+AXES = ("data", "pipeline", "model")
+DATA, PIPELINE, MODEL = AXES
+
+
+def resolve_sizes(data: int, pipeline: int, model: int, num_devices: int) -> tuple[int, int, int]:
+    """Returns (data, pipeline, model) with data == -1 replaced by all devices left over; refuses bad sizes."""
+    for name, size in (("--tensor-model-parallel-size", model), ("--pipeline-model-parallel-size", pipeline)):
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}.")
+    if data == -1:
+        if num_devices % (pipeline * model):
+            raise ValueError(
+                f"{num_devices} devices are not divisible by tensor x pipeline = {model} x {pipeline}; "
+                f"choose sizes whose product divides {num_devices}."
+            )
+        data = num_devices // (pipeline * model)
+    if data < 1:
+        raise ValueError(f"data-parallel size must be >= 1 or -1 (all remaining devices), got {data}.")
+    if data * pipeline * model > num_devices:
+        raise ValueError(
+            f"the mesh data x pipeline x model = {data} x {pipeline} x {model} needs {data * pipeline * model} "
+            f"devices but only {num_devices} exist; lower the parallel sizes."
+        )
+    return data, pipeline, model
+
+
+def make_mesh(data: int = -1, pipeline: int = 1, model: int = 1, devices=None) -> jax.sharding.Mesh:
+    """Builds the ("data", "pipeline", "model") mesh; data=-1 takes all devices not used by pipeline x model."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_sizes(data, pipeline, model, len(devices))
+    n = int(np.prod(shape))
+    axis_types = (jax.sharding.AxisType.Explicit,) * 3
+    if n == len(jax.devices()) and devices == list(jax.devices()):
+        # jax.make_mesh orders devices so that the innermost axis gets the fastest links.
+        return jax.make_mesh(shape, AXES, axis_types=axis_types)
+    return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(shape), AXES, axis_types=axis_types)

@@ -1,0 +1,75 @@
+"""Megatron's communication operators (paper Code 1), in the local view inside `jax.shard_map`.
+
+shard_map runs with `check_vma=True`, so every value carries the set of mesh axes it varies over. That type system
+is what makes Megatron's conjugate pairs fall out of autodiff:
+
+- `f`: identity forward; all-reduce over "model" backward. A value that is the same on every model rank (invariant)
+  is cast to one that may differ per rank. The transpose of that cast is a psum, so the backward all-reduce happens
+  exactly here, once.
+- `g`: all-reduce over "model" forward; identity backward. psum turns per-rank partial sums into one invariant value;
+  its transpose under check_vma is the cast back to varying, which moves no data.
+
+With `check_vma=False` the transpose of psum is another psum, which would double the backward all-reduce; the
+gradient tests in tests/test_layers.py catch that.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+from mtx.parallel.mesh import MODEL
+
+
+def f(x):
+    """Megatron's f (copy to the model-parallel region): identity forward, all-reduce over "model" backward."""
+    return jax.lax.pcast(x, MODEL, to="varying")
+
+
+def g(x):
+    """Megatron's g (reduce from the model-parallel region): all-reduce over "model" forward, identity backward."""
+    return jax.lax.psum(x, MODEL)
+
+
+def model_rank():
+    """This device's index on the "model" axis (0 outside a model-parallel region of size 1)."""
+    return jax.lax.axis_index(MODEL)
+
+
+def model_size() -> int:
+    """Number of model-parallel ranks (static)."""
+    return jax.lax.axis_size(MODEL)
+
+
+_GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
+
+
+def gather_from_model_parallel(x, axis: int = -1):
+    """Concatenates the per-rank slices of `x` along `axis`; backward keeps this rank's slice (no communication).
+
+    The result is the same on every model rank, so it is typed invariant; its transpose is a local slice.
+    """
+    axis = axis % x.ndim
+    if _GATHER_HAS_TO:
+        return jax.lax.all_gather(x, MODEL, axis=axis, tiled=True, to="invariant")
+    # Older jax: place the local slice in a zero buffer and psum it (same values, twice the traffic).
+    tp, rank = model_size(), model_rank()
+    shape = list(x.shape)
+    shape[axis] *= tp
+    buf = jnp.zeros(shape, x.dtype)
+    return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(buf, x, rank * x.shape[axis], axis), MODEL)
+
+
+def scatter_to_model_parallel(x, axis: int = -1):
+    """Keeps this rank's slice of an invariant `x` along `axis`; backward all-reduces the zero-padded slices.
+
+    The slice index depends on the rank, so the cast to varying (and its psum transpose) is explicit here.
+    """
+    axis = axis % x.ndim
+    tp = model_size()
+    if x.shape[axis] % tp:
+        raise ValueError(f"dimension {axis} of size {x.shape[axis]} does not split over {tp} model ranks.")
+    local = x.shape[axis] // tp
+    return jax.lax.dynamic_slice_in_dim(f(x), model_rank() * local, local, axis)
