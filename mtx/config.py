@@ -1,5 +1,8 @@
 """The one typed configuration schema: model, parallelism, optimizer, training and data.
 
+The defaults are the embedded default run (`python train.py`): a small GPT (4 layers, width 128) on the built-in
+corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs.
+
 Field names are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), so a Megatron user recognizes every
 knob; every field name is unique across sections, which lets `train.py` map flags and preset keys to fields without a
 table. `Config.validate()` is the one place where bad combinations are refused, before any device work.
@@ -17,11 +20,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = 12  # transformer layers L
-    hidden_size: int = 768  # model width D
-    num_attention_heads: int = 12  # heads N; head dim H = D / N
+    num_layers: int = 4  # transformer layers L
+    hidden_size: int = 128  # model width D
+    num_attention_heads: int = 8  # heads N; head dim H = D / N
     ffn_hidden_size: int | None = None  # MLP width F; None means 4 * hidden_size
-    seq_length: int = 1024  # tokens per training sequence S
+    seq_length: int = 128  # tokens per training sequence S
     max_position_embeddings: int | None = None  # rows of the learned position table; None means seq_length
     vocab_size: int = 50257  # tokenizer vocabulary before padding (set from the tokenizer when data is loaded)
     make_vocab_size_divisible_by: int = 128  # each model-parallel vocab shard is a multiple of this
@@ -74,17 +77,17 @@ def _num_params(m: ModelConfig, vocab: int) -> int:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1  # TP: devices one layer is split over (the "model" axis)
+    tensor_model_parallel_size: int = 2  # TP: devices one layer is split over (the "model" axis)
     pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
     data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1.5e-4  # peak learning rate
-    min_lr: float = 1e-5  # learning rate at the end of decay
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # learning rate at the end of decay
     lr_decay_style: str = "cosine"  # constant | linear | cosine
-    lr_warmup_iters: int = 0  # linear warmup from 0 over this many steps
+    lr_warmup_iters: int = 30  # linear warmup from 0 over this many steps
     lr_decay_iters: int | None = None  # steps of decay after which lr stays at min_lr; None means train_iters
     weight_decay: float = 0.01  # AdamW decoupled weight decay (not on biases or LayerNorm)
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables it
@@ -97,7 +100,7 @@ class OptimizerConfig:
 class TrainingConfig:
     micro_batch_size: int = 4  # sequences per data-parallel rank per microbatch
     global_batch_size: int = 32  # sequences per optimizer step; accumulation = global / (micro x DP)
-    train_iters: int = 200  # optimizer steps
+    train_iters: int = 300  # optimizer steps
     seed: int = 1234  # one seed for init, data order and dropout
     bf16: bool = False  # bf16 compute, fp32 master weights
     fp16: bool = False  # fp16 compute with dynamic loss scaling
@@ -113,7 +116,7 @@ class TrainingConfig:
     load: str | None = None  # checkpoint directory to resume from
     run_dir: str | None = None  # where metrics and the resolved config go when --save is not given
     tensorboard_dir: str | None = None  # TensorBoard event directory
-    generate_tokens: int = 0  # tokens of a sample printed after training; 0 disables
+    generate_tokens: int = 200  # tokens of a sample printed after training; 0 disables
 
     @property
     def compute_dtype(self) -> str:

@@ -53,7 +53,7 @@ def gather_from_model_parallel(x, axis: int = -1):
     """
     axis = axis % x.ndim
     if _GATHER_HAS_TO:
-        return jax.lax.all_gather(x, MODEL, axis=axis, tiled=True, to="invariant")
+        return jax.lax.all_gather(x, MODEL, axis=axis, tiled=True, to="invarying")
     # Older jax: place the local slice in a zero buffer and psum it (same values, twice the traffic).
     tp, rank = model_size(), model_rank()
     shape = list(x.shape)

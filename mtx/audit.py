@@ -1,0 +1,294 @@
+"""Communication audit: the collectives XLA actually compiles for one transformer layer and for the loss.
+
+The Megatron paper (section 3, Fig. 4) promises exactly four all-reduces of b*s*h elements per layer over the
+tensor-parallel group: two forward (the `g` after attention and after the MLP) and two backward (the `f` before
+them), nothing else. This module checks the promise on the compiled program rather than on the source: it lowers
+one `TransformerLayer` inside `jax.shard_map` over a (data, 1, model) mesh, compiles it, reads the optimized HLO
+text and counts every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute, with the mesh
+axes its replica groups span and the elements it moves (its result shape; summed over tuple results).
+
+It compiles twice, forward alone and forward+backward (the gradient w.r.t. the layer input and all parameters of
+sum(y * dy) for an arbitrary cotangent dy, the loss value kept alive so no forward collective is dead code), and
+reports backward = (forward+backward) - forward. As in mtx/step.py, parameters are cast to varying over "data"
+before differentiating, so no data-parallel gradient reduction appears inside the layer: in training it happens
+once per step, not per layer. The vocab-parallel cross-entropy is audited the same way (`audit_loss`); its
+collectives should move O(b*s) elements each, never the b*s*v logits.
+
+Counts are static: a collective inside a loop body counts once. The audit compiles with XLA's all-reduce combiner
+off (`cpu-all-reduce-combiner`, `all-reduce-combiner` on GPU; per compilation through `compiler_options`, not
+process-wide XLA_FLAGS). The combiner merges independent all-reduces into one tuple all-reduce: the same bytes in
+fewer launches, a scheduling choice rather than the algorithm's communication. On a lone layer it even merges the
+MLP's forward `g` with its own backward `f` (nothing downstream waits for the layer's output, unlike in a stack),
+and in the loss it merges the sum-of-exponentials and target-logit psums; left on, it would hide the per-op counts.
+
+    python -m mtx.audit --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
+        --micro-batch-size 4 --tensor-model-parallel-size 8 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import sys
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mtx.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from mtx.models.transformer import TransformerLayer
+from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mtx.parallel.mesh import DATA, MODEL, make_mesh
+from mtx.parallel.sharded import named_shardings, partition_specs
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"%(?P<name>\S+) = (?P<shape>.+?) (?P<kind>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\("
+                 r"(?P<operands>[^)]*)\)(?P<attrs>.*)$")
+_NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,all-reduce-combiner"}  # see the docstring
+_DIMS = re.compile(r"[a-z][a-z0-9]*\[([\d,]*)\]")
+
+
+# ---- HLO text -> collectives ----
+
+def _axis_groups(axis_sizes: dict[str, int]) -> dict[frozenset, str]:
+    """For every subset of the mesh axes of size > 1, its replica groups (flattened mesh positions) -> "a,b"."""
+    names, shape = list(axis_sizes), tuple(axis_sizes.values())
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    big = [i for i, n in enumerate(shape) if n > 1]
+    table = {}
+    for k in range(len(big), 0, -1):  # smaller subsets last, so they win where size-1 axes make groups equal
+        for subset in itertools.combinations(big, k):
+            rest = [i for i in range(len(shape)) if i not in subset]
+            rows = ids.transpose(rest + list(subset)).reshape(-1, int(np.prod([shape[i] for i in subset])))
+            table[frozenset(frozenset(r.tolist()) for r in rows)] = ",".join(names[i] for i in subset)
+    return table
+
+
+def _parse_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
+    """Replica groups in any of XLA's three printed forms: {{0,1},{2,3}}, [2,4]<=[4,2]T(1,0), mesh[...] {'a'}."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        axes = [a.strip() for a in m.group(2).split(",")]
+        if any(":" in a for a in axes):
+            return None  # a sub-axis ('model':(1)2), which no audited program uses
+        inverse = {label: groups for groups, label in _axis_groups(sizes).items()}
+        spanned = ",".join(a for a in sizes if f"'{a}'" in axes and sizes[a] > 1)
+        if not spanned:
+            return [[i] for i in range(num_devices)]
+        return [sorted(g) for g in inverse[spanned]] if spanned in inverse else None
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs):
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    if m := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs):
+        groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return groups or [list(range(num_devices))]  # {} means one group of every device
+    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs):  # collective-permute
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+    return None
+
+
+def _axes_of(groups: list[list[int]] | None, table: dict[frozenset, str], permute: bool) -> str | None:
+    """The mesh axes the groups span; None when every group is a single device (nothing moves)."""
+    if groups is None:
+        return "?"
+    if all(len(set(g)) <= 1 for g in groups):
+        return None
+    if permute:  # pairs: the smallest axis subset whose groups each hold both ends of every pair
+        fits = [(len(label.split(",")), label) for part, label in table.items()
+                if all(any(set(pair) <= grp for grp in part) for pair in groups)]
+        return min(fits)[1] if fits else "?"
+    return table.get(frozenset(frozenset(g) for g in groups), "?")
+
+
+def collectives(hlo: str, axis_sizes: dict[str, int]) -> list[tuple[str, str, int]]:
+    """Every collective of compiled HLO text as (kind, axes, elements); an async start/done pair counts once."""
+    table, n = _axis_groups(axis_sizes), int(np.prod(list(axis_sizes.values())))
+    ops = [m for line in hlo.splitlines() if (m := _OP.search(line))]
+    starts = {m["name"]: m for m in ops if m["phase"] == "-start"}
+    found = []
+    for m in ops:
+        if m["phase"] == "-start":
+            continue  # counted at its -done, whose result is the collective's output (a start returns a tuple)
+        if m["phase"] == "-done":  # the replica groups are printed on the start
+            start = starts.get(m["operands"].split()[-1].lstrip("%"))
+            attrs = start["attrs"] if start else ""
+        else:
+            attrs = m["attrs"]
+        axes = _axes_of(_parse_groups(attrs, n), table, permute=m["kind"] == "collective-permute")
+        if axes is not None:
+            elements = sum(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in _DIMS.findall(m["shape"]))
+            found.append((m["kind"], axes, elements))
+    return found
+
+
+def summarize(forward: list, forward_backward: list) -> dict:
+    """Counts by kind and by "kind axes", elements by "kind axes", and the ops, for forward and backward.
+
+    Backward is (forward+backward) - forward: per key a signed difference, per op a multiset difference.
+    """
+    def tally(ops):
+        by_axis, elements = Counter(), Counter()
+        for kind, axes, n in ops:
+            by_axis[f"{kind} {axes}"] += 1
+            elements[f"{kind} {axes}"] += n
+        return by_axis, elements
+
+    (fa, fe), (ba, be) = tally(forward), tally(forward_backward)
+    keys = sorted(set(fa) | set(ba))
+    by_axis = {"forward": dict(fa), "backward": {k: ba[k] - fa[k] for k in keys if ba[k] != fa[k]}}
+    elements = {"forward": dict(fe), "backward": {k: be[k] - fe[k] for k in keys if be[k] != fe[k]}}
+    kinds = {phase: {kind: sum(n for k, n in by_axis[phase].items() if k.split()[0] == kind) for kind in KINDS}
+             for phase in ("forward", "backward")}
+    ops = {"forward": sorted(forward), "backward": sorted((Counter(forward_backward) - Counter(forward)).elements())}
+    return {**kinds, "by_axis": by_axis, "elements": elements,
+            "ops": {k: [{"kind": a, "axes": b, "elements": c} for a, b, c in v] for k, v in ops.items()}}
+
+
+# ---- what is compiled ----
+
+def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int, micro_batch_size: int,
+                 tensor_model_parallel_size: int, data_parallel_size: int = 1, ffn_hidden_size: int | None = None,
+                 recompute_granularity: str | None = None, vocab_size: int = 50257,
+                 num_devices: int | None = None) -> Config:
+    """The validated Config of one audit (dropout off: its masks would add no communication, only noise)."""
+    return Config().replace(
+        hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length,
+        micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * max(data_parallel_size, 1),
+        tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
+        ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    ).validate(len(jax.devices()) if num_devices is None else num_devices)
+
+
+def _mesh(cfg: Config):
+    return make_mesh(cfg.data_parallel_size(len(jax.devices())), 1, cfg.parallel.tensor_model_parallel_size)
+
+
+def _audit(mesh, forward, forward_backward, args) -> dict:
+    sizes = dict(mesh.shape)
+    compiled = [jax.jit(fn).lower(*args).compile(compiler_options=_NO_COMBINER) for fn in (forward, forward_backward)]
+    return summarize(*(collectives(c.as_text(), sizes) for c in compiled))
+
+
+def audit_layer(cfg: Config) -> dict:
+    """Collectives of one TransformerLayer, forward and backward, local batch b = micro_batch_size."""
+    mesh = _mesh(cfg)
+    recompute = cfg.training.recompute_granularity
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
+        cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective")))
+    specs = partition_specs(abstract)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, named_shardings(abstract, mesh))
+    m, t = cfg.model, cfg.training
+    x = jax.ShapeDtypeStruct((t.micro_batch_size * mesh.shape[DATA], m.seq_length, m.hidden_size), jnp.float32,
+                             sharding=NamedSharding(mesh, P(DATA)))
+
+    def layer(p, x_BSD):
+        return nnx.merge(graphdef, p)(x_BSD)
+
+    if recompute == "full":  # keep the layer input only; the backward recomputes the rest (as GPT does per layer)
+        layer = jax.checkpoint(layer)
+
+    def forward(p, x_BSD, dy_BSD):
+        return layer(p, x_BSD)
+
+    def forward_backward(p, x_BSD, dy_BSD):
+        p = jax.tree.map(lambda v: jax.lax.pcast(v, DATA, to="varying"), p)  # no data all-reduce per layer
+        loss, (dp, dx) = jax.value_and_grad(lambda p, x: jnp.sum(layer(p, x) * dy_BSD), argnums=(0, 1))(p, x_BSD)
+        return loss[None], jax.tree.map(lambda g: g[None], dp), dx  # leading axis: one gradient per data rank
+
+    with_data = jax.tree.map(lambda s: P(DATA, *s), specs, is_leaf=lambda s: isinstance(s, P))
+    return _audit(mesh,
+                  jax.shard_map(forward, mesh=mesh, in_specs=(specs, P(DATA), P(DATA)), out_specs=P(DATA)),
+                  jax.shard_map(forward_backward, mesh=mesh, in_specs=(specs, P(DATA), P(DATA)),
+                                out_specs=(P(DATA), with_data, P(DATA))),
+                  (params, x, x))
+
+
+def audit_loss(cfg: Config) -> dict:
+    """Collectives of vocab_parallel_cross_entropy on logits (b, s, V / tp) per rank, forward and backward."""
+    mesh = _mesh(cfg)
+    m, t = cfg.model, cfg.training
+    b, s, v = t.micro_batch_size * mesh.shape[DATA], m.seq_length, m.padded_vocab_size
+    logits = jax.ShapeDtypeStruct((b, s, v), jnp.float32, sharding=NamedSharding(mesh, P(DATA, None, MODEL)))
+    targets = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=NamedSharding(mesh, P(DATA)))
+    weights = jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=NamedSharding(mesh, P(DATA)))
+    ce = lambda z, y: vocab_parallel_cross_entropy(z, y, label_smoothing=m.label_smoothing)
+
+    def forward(z, y, w):
+        return ce(z, y)
+
+    def forward_backward(z, y, w):
+        loss, dz = jax.value_and_grad(lambda z: jnp.sum(ce(z, y) * w))(z)
+        return loss[None], dz
+
+    specs = (P(DATA, None, MODEL), P(DATA), P(DATA))
+    return _audit(mesh, jax.shard_map(forward, mesh=mesh, in_specs=specs, out_specs=P(DATA)),
+                  jax.shard_map(forward_backward, mesh=mesh, in_specs=specs, out_specs=(P(DATA), specs[0])),
+                  (logits, targets, weights))
+
+
+# ---- command line ----
+
+def _table(title: str, report: dict) -> str:
+    keys = sorted(set(report["by_axis"]["forward"]) | set(report["by_axis"]["backward"]))
+    lines = [title, f"  {'collective':<28}{'fwd ops':>8}{'fwd elements':>16}{'bwd ops':>9}{'bwd elements':>16}"]
+    for k in keys:
+        row = [report[t][p].get(k, 0) for p in ("forward", "backward") for t in ("by_axis", "elements")]
+        lines.append(f"  {k:<28}{row[0]:>8}{row[1]:>16,}{row[2]:>9}{row[3]:>16,}")
+    return "\n".join(lines if keys else lines[:1] + ["  no collectives"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mtx.audit", description=__doc__.split("\n\n")[0])
+    m, tp, t = ModelConfig, ParallelConfig, TrainingConfig  # defaults: the config schema's
+    ap.add_argument("--hidden-size", type=int, default=m.hidden_size)
+    ap.add_argument("--num-attention-heads", type=int, default=m.num_attention_heads)
+    ap.add_argument("--seq-length", type=int, default=m.seq_length)
+    ap.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size)
+    ap.add_argument("--tensor-model-parallel-size", type=int, default=tp.tensor_model_parallel_size)
+    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--ffn-hidden-size", type=int, default=None)
+    ap.add_argument("--recompute-granularity", default=None, help="full | selective")
+    ap.add_argument("--vocab-size", type=int, default=50257, help="before padding (ModelConfig.padded_vocab_size)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    a = ap.parse_args(argv)
+    # XLA reads the device count when the CPU backend starts (the first device query), not when jax is imported.
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in xla_flags:
+        n = max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = {k: v for k, v in vars(a).items() if k != "json"}
+    try:
+        cfg = audit_config(**flags)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = cfg.model
+    flags.update(data_parallel_size=cfg.data_parallel_size(len(jax.devices())), ffn_hidden_size=m.ffn_size,
+                 padded_vocab_size=m.padded_vocab_size)
+    report = {"config": flags, **audit_layer(cfg), "loss": audit_loss(cfg)}
+    if a.json:
+        print(json.dumps(report))
+    else:
+        print(_table(f"TransformerLayer  D={m.hidden_size} N={m.num_attention_heads} F={m.ffn_size} S={m.seq_length} "
+                     f"b={cfg.training.micro_batch_size} tp={flags['tensor_model_parallel_size']} "
+                     f"dp={flags['data_parallel_size']} fp32 recompute={flags['recompute_granularity'] or 'none'}",
+                     report))
+        print(_table(f"vocab-parallel cross-entropy  V={m.padded_vocab_size}", report["loss"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The token stream, its train/valid/test split, and the batches of every step.
+
+Batch k is a pure function of (tokens, seq_length, seed, k, batch_size): it never depends on how many devices
+exist, so the global batch of a step is the same on every mesh (DESIGN.md section 2) and resuming at step k
+needs no saved data state (data position = step).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+
+from mtx.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+
+SPLITS = ("train", "valid", "test")
+# Modules whose docstrings stand in for the built-in corpus where pydoc_data is not installed.
+_FALLBACK_MODULES = ("argparse", "collections", "dataclasses", "functools", "itertools", "json", "os", "pathlib",
+                     "re", "statistics", "string", "textwrap", "typing", "unittest")
+
+
+@functools.cache
+def builtin_corpus() -> str:
+    """English text shipped with Python itself, so a first run needs no download and no data files.
+
+    It is the reference documentation behind `help("topic")` (`pydoc_data.topics`): 493,500 bytes on Python 3.12,
+    99.6% ASCII. Its contents vary slightly between Python versions, so only runs on the same Python compare.
+    """
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip pydoc_data; docstrings are the next best English prose
+        import importlib
+        import inspect
+
+        texts = []
+        for name in _FALLBACK_MODULES:
+            module = importlib.import_module(name)
+            own = [obj for _, obj in sorted(vars(module).items())  # the module's own classes and functions
+                   if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == name]
+            texts += [inspect.getdoc(obj) or "" for obj in (module, *own)]
+        return "\n\n".join(t for t in texts if t)
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, source: str) -> None:
+    """Refuses ids outside [0, vocab_size): data tokenized with another vocabulary would index past the embedding."""
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} in {source} is outside the vocabulary of {vocab_size}; the data was "
+                         "tokenized with a different vocabulary — re-tokenize it or pass the matching --vocab-file.")
+
+
+class GPTDataset:
+    """A 1-D token stream split contiguously into train/valid/test, served as windows of seq_length + 1 tokens.
+
+    Sample j of a split is its tokens [j S, j S + S + 1): windows overlap by one token so that every token but a
+    split's last is a target once (input = w[:-1], target = w[1:], as in Megatron). The training samples are read
+    in an infinite sequence of epochs, each a fresh permutation; valid and test are read in order, wrapping around.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, seq_length: int, split: str = "949,50,1", seed: int,
+                 tokenizer: Tokenizer):
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"the token stream must be a 1-D integer array, got {tokens.dtype} of shape "
+                             f"{tokens.shape}.")
+        if seq_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
+        check_token_ids(tokens, tokenizer.vocab_size, "the token stream")
+        self.tokens = tokens.astype(np.int32, copy=False)
+        self.seq_length = seq_length
+        self.seed = seed
+        self.tokenizer = tokenizer
+        weights = _parse_split(split)
+        bounds = _split_bounds(weights, len(self.tokens))
+        self._parts = {name: self.tokens[bounds[i]:bounds[i + 1]] for i, name in enumerate(SPLITS)}
+        self._weights = dict(zip(SPLITS, weights))
+        self._perm, self._perm_epoch = np.empty(0, np.int64), -1  # the last epoch's training order
+        for name in ("train", "valid"):
+            # Train must hold a sample, and valid too when it has weight, since evaluation reads it. Test is read
+            # by nothing during training and its default 0.1% share is often shorter than one sequence, so an
+            # empty test split is only refused when someone asks it for a batch.
+            if self.num_samples(name) == 0 and (name == "train" or self._weights[name] > 0):
+                raise ValueError(self._too_small(name))
+
+    def num_samples(self, split: str) -> int:
+        """Windows of seq_length + 1 tokens at stride seq_length that fit in the split: (tokens - 1) // S."""
+        return max(len(self._part(split)) - 1, 0) // self.seq_length
+
+    def num_tokens(self, split: str) -> int:
+        return len(self._part(split))
+
+    def batch(self, split: str, index: int, batch_size: int) -> np.ndarray:
+        """(batch_size, seq_length + 1) int32: samples index*batch_size ... (index+1)*batch_size - 1 of the split."""
+        part, n = self._part(split), self.num_samples(split)
+        if n == 0:
+            raise ValueError(self._too_small(split))
+        if index < 0 or batch_size < 1:
+            raise ValueError(f"batch index must be >= 0 and batch size >= 1, got {index} and {batch_size}.")
+        position = index * batch_size + np.arange(batch_size, dtype=np.int64)  # in the infinite epoch sequence
+        epoch, within = np.divmod(position, n)
+        if split == "train":
+            # A batch spans at most a few epochs (two unless batch_size > n); each epoch's order is drawn once.
+            sample = np.empty_like(within)
+            for e in np.unique(epoch):
+                sample[epoch == e] = self._permutation(int(e))[within[epoch == e]]
+        else:
+            sample = within
+        starts = sample * self.seq_length
+        return part[starts[:, None] + np.arange(self.seq_length + 1)]
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        # Seeded by (seed, epoch, split) alone, so any epoch's order can be recomputed on resume without replaying
+        # earlier ones. Cached: consecutive batches almost always share an epoch.
+        if self._perm_epoch != epoch:
+            rng = np.random.default_rng((self.seed, epoch, SPLITS.index("train")))
+            self._perm, self._perm_epoch = rng.permutation(self.num_samples("train")), epoch
+        return self._perm
+
+    def _part(self, split: str) -> np.ndarray:
+        if split not in self._parts:
+            raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}.")
+        return self._parts[split]
+
+    def _too_small(self, split: str) -> str:
+        if self._weights[split] == 0:
+            return (f"the {split} split is empty because its --split weight is 0; give it a weight (e.g. "
+                    "--split 949,50,1) to read from it.")
+        return (f"the {split} split holds {self.num_tokens(split)} tokens, fewer than one sequence of "
+                f"--seq-length {self.seq_length} + 1; use a shorter --seq-length, more data (--data-path), or a "
+                "larger --split share for it.")
+
+
+def build_dataset(cfg) -> GPTDataset:
+    """The dataset of a `mtx.config.Config`: its --data-path files (or the built-in corpus) and tokenizer.
+
+    Text files are tokenized whole; `.npy` files hold already-tokenized 1-D integer arrays. Files are joined
+    with the tokenizer's end-of-document token between them, so no sample silently runs across a boundary
+    without the model seeing where one document ended.
+    """
+    data = cfg.data
+    if not data.data_path:
+        tokenizer: Tokenizer = ByteTokenizer()
+        tokens = _tokenize(tokenizer, builtin_corpus())
+    else:
+        tokenizer = build_tokenizer(data.vocab_file, data.merge_file)
+        parts = []
+        for i, path in enumerate(data.data_path):
+            if i:
+                parts.append(np.array([tokenizer.eod], np.int32))
+            parts.append(_load(Path(path), tokenizer))
+        tokens = np.concatenate(parts)
+    return GPTDataset(tokens, seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed,
+                      tokenizer=tokenizer)
+
+
+def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
+    if not path.is_file():
+        raise ValueError(f"--data-path {path}: no such file; pass plain-text or .npy token files, or omit "
+                         "--data-path to train on the built-in corpus.")
+    if path.suffix == ".npy":
+        ids = np.load(path, allow_pickle=False)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"--data-path {path} holds a {ids.dtype} array of shape {ids.shape}; a .npy data "
+                             "file must be a 1-D integer array of token ids.")
+        check_token_ids(ids, tokenizer.vocab_size, f"--data-path {path}")
+        return ids.astype(np.int32)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass plain "
+                         "UTF-8 text or a .npy array of token ids.") from None
+    return _tokenize(tokenizer, text)
+
+
+def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):  # a view of the bytes; skips a Python int per byte
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    return np.asarray(tokenizer.encode(text), np.int32)
+
+
+def _parse_split(split: str) -> list[float]:
+    """Megatron's --split: up to three weights "train,valid,test" (',' or '/'), missing ones 0, normalized."""
+    try:
+        weights = [float(w) for w in re.split(r"[,/]", split.strip())]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r} must be up to three non-negative weights train,valid,test with a "
+                         "positive sum, e.g. 949,50,1.")
+    weights += [0.0] * (3 - len(weights))
+    return [w / sum(weights) for w in weights]
+
+
+def _split_bounds(weights: list[float], n: int) -> list[int]:
+    # Rounding the cumulative fractions (not each share) keeps the three parts contiguous and summing to n.
+    return [0] + [round(c * n) for c in np.cumsum(weights)[:-1]] + [n]

@@ -1,0 +1,169 @@
+"""The training loop behind train.py: validate, load data, build the mesh, train, evaluate, save, sample.
+
+Every check of the user's input (flags, data files, run and checkpoint directories) happens before the first array
+is placed on a device, and nothing existing is ever overwritten: a new run refuses a --save or run directory that
+already belongs to another run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
+from mtx.config import Config
+from mtx.data import build_dataset
+from mtx.metrics import MetricsLogger, throughput
+from mtx.parallel.mesh import make_mesh
+from mtx.step import Trainer
+
+
+@dataclass
+class RunResult:
+    state: object
+    trainer: Trainer
+    run_dir: Path
+    losses: dict[int, float] = field(default_factory=dict)  # step -> training loss, at every step
+    sample: str | None = None
+
+
+@dataclass
+class Plan:
+    """A run that passed every input check: the resolved config, its data and its directory."""
+
+    cfg: Config
+    dataset: object
+    run_dir: Path
+
+
+def prepare(cfg: Config) -> Plan:
+    """Everything that can fail on bad input, with no device work: config, data, directories, checkpoint."""
+    num_devices = len(jax.devices())
+    cfg.validate(num_devices)
+    dataset = build_dataset(cfg)
+    cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
+    t = cfg.training
+    resuming = bool(t.load)
+    if t.load:
+        if not is_checkpoint_dir(t.load):
+            raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
+        ckpt = Checkpointer(t.load)
+        check_compatible(ckpt.saved_config(ckpt.latest_step()).model, cfg.model, t.load)
+        ckpt.close()
+    run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if t.save and is_checkpoint_dir(t.save) and not (t.load and Path(t.load) == Path(t.save)):
+        raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
+                         "resume it, or choose a new --save directory.")
+    if (run_dir / "metrics.jsonl").exists() and not resuming:
+        raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
+                         "--run-dir (or --save), or --load its checkpoint to resume.")
+    return Plan(cfg, dataset, run_dir)
+
+
+def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
+    """Trains as `cfg` says; a Config is first checked by `prepare`."""
+    plan = cfg if isinstance(cfg, Plan) else prepare(cfg)
+    cfg, dataset, run_dir = plan.cfg, plan.dataset, plan.run_dir
+    t, p = cfg.training, cfg.parallel
+    mesh = mesh or make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
+    trainer = Trainer(cfg, mesh)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    saver = Checkpointer(t.save) if t.save else None
+    if t.load:
+        loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
+        state = loader.restore(trainer.abstract_state(), cfg)
+        if loader is not saver:
+            loader.close()
+    else:
+        state = trainer.init_state()
+    start = int(jax.device_get(state.step))
+    _print_banner(cfg, mesh, trainer, start)
+
+    logger = MetricsLogger(run_dir, t.tensorboard_dir)
+    result = RunResult(state, trainer, run_dir)
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    flops_per_token = cfg.model.flops_per_token()
+    bar = _progress_bar(start, t.train_iters, progress)
+    pending, interval_start, interval_steps = [], time.perf_counter(), 0
+    for step in range(start, t.train_iters):
+        batch = trainer.put_batch(dataset.batch("train", step, t.global_batch_size))
+        state, metrics = trainer.train_step(state, batch)
+        pending.append((step + 1, metrics))
+        if step == start:  # the first step compiles: time the interval from its end
+            jax.block_until_ready(metrics)
+            interval_start = time.perf_counter()
+        else:
+            interval_steps += 1
+        last = step + 1 == t.train_iters
+        if (step + 1) % t.log_interval == 0 or last:
+            fetched = jax.device_get(pending)  # the only host sync of the interval
+            elapsed = time.perf_counter() - interval_start
+            result.losses.update((s, float(m["loss"])) for s, m in fetched)
+            s, m = fetched[-1]
+            timing = (throughput(tokens_per_step * interval_steps, elapsed, flops_per_token, mesh.size)
+                      if interval_steps else {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
+            record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                      "loss_scale": float(m["loss_scale"]),
+                      "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
+                      "step_time_s": elapsed / interval_steps if interval_steps else None, **timing}
+            logger.log(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}",
+                            mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
+            bar.update(len(fetched))
+            pending, interval_start, interval_steps = [], time.perf_counter(), 0
+        if t.eval_interval and ((step + 1) % t.eval_interval == 0 or last) and dataset.num_samples("valid"):
+            val = evaluate(trainer, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
+            logger.log({"step": step + 1, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+            bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
+        if saver and t.save_interval and (step + 1) % t.save_interval == 0:
+            saver.save(state, cfg)
+    bar.close()
+    if saver:
+        if saver.latest_step() != int(jax.device_get(state.step)):
+            saver.save(state, cfg)
+        saver.wait()
+        saver.close()
+    logger.close()
+    result.state = state
+    if t.generate_tokens:
+        result.sample = sample_text(trainer, state.params, dataset, t.generate_tokens, t.seed)
+        print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
+    return result
+
+
+def evaluate(trainer: Trainer, params, dataset, iters: int, batch_size: int) -> float:
+    """Mean validation loss over `iters` batches (the same batches at every evaluation)."""
+    losses = [trainer.eval_step(params, trainer.put_batch(dataset.batch("valid", i, batch_size)))
+              for i in range(iters)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def sample_text(trainer: Trainer, params, dataset, num_tokens: int, seed: int) -> str:
+    from mtx.generate import generate
+
+    prompt = dataset.batch("valid" if dataset.num_samples("valid") else "train", 0, 1)[0, :16].tolist()
+    ids = generate(trainer, params, prompt, num_tokens, seed=seed)
+    return dataset.tokenizer.decode(ids)
+
+
+def _print_banner(cfg: Config, mesh, trainer: Trainer, start: int) -> None:
+    m, t = cfg.model, cfg.training
+    print(f"mtx: GPT {m.num_layers} layers x {m.hidden_size} wide, {m.num_attention_heads} heads, "
+          f"{cfg.model.num_params() / 1e6:.2f}M parameters (vocab {m.vocab_size} padded to {m.padded_vocab_size})")
+    print(f"mtx: mesh data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} model={mesh.shape['model']} on "
+          f"{mesh.size} {jax.devices()[0].platform} device(s); {trainer.num_microbatches} microbatch(es) of "
+          f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")
+
+
+def _progress_bar(start: int, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)

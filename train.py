@@ -1,0 +1,29 @@
+"""Train a GPT with Megatron-LM's flags: `python train.py --help`.
+
+With no flags it trains the embedded default (a small GPT on the built-in corpus); without an accelerator it runs on
+8 simulated CPU devices with tensor and data parallelism.
+"""
+
+import os
+import sys
+
+# Only the CPU platform reads this flag: on a GPU host jax.devices() still lists the GPUs.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def main(argv=None) -> int:
+    from mtx.cli import parse_config
+    from mtx.run import prepare, train
+
+    try:  # bad input fails here, in one line that names the fix, before any device work
+        plan = prepare(parse_config(argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    train(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
