@@ -15,11 +15,14 @@ once per step, not per layer. The vocab-parallel cross-entropy is audited the sa
 collectives should move O(b*s) elements each, never the b*s*v logits.
 
 Counts are static: a collective inside a loop body counts once. The audit compiles with XLA's all-reduce combiner
-off (`cpu-all-reduce-combiner`, `all-reduce-combiner` on GPU; per compilation through `compiler_options`, not
+off (`cpu-all-reduce-combiner`, `gpu-all-reduce-combiner`; per compilation through `compiler_options`, not
 process-wide XLA_FLAGS). The combiner merges independent all-reduces into one tuple all-reduce: the same bytes in
 fewer launches, a scheduling choice rather than the algorithm's communication. On a lone layer it even merges the
 MLP's forward `g` with its own backward `f` (nothing downstream waits for the layer's output, unlike in a stack),
 and in the loss it merges the sum-of-exponentials and target-logit psums; left on, it would hide the per-op counts.
+
+Runs on CPU with simulated devices (tp x dp of them unless XLA_FLAGS already sets a count); JAX_PLATFORMS=cuda
+audits the GPU compilation instead (async start/done pairs count once; same counts on 2 H200s at tp = 2).
 
     python -m mtx.audit --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
         --micro-batch-size 4 --tensor-model-parallel-size 8 [--json]
@@ -51,7 +54,7 @@ from mtx.parallel.sharded import named_shardings, partition_specs
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"%(?P<name>\S+) = (?P<shape>.+?) (?P<kind>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\("
                  r"(?P<operands>[^)]*)\)(?P<attrs>.*)$")
-_NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,all-reduce-combiner"}  # see the docstring
+_NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,gpu-all-reduce-combiner"}  # see the docstring
 _DIMS = re.compile(r"[a-z][a-z0-9]*\[([\d,]*)\]")
 
 

@@ -114,6 +114,7 @@ class TrainingConfig:
     save: str | None = None  # checkpoint (and run) directory
     save_interval: int | None = None  # steps between checkpoints; None saves only at the end
     load: str | None = None  # checkpoint directory to resume from
+    ckpt_step: int | None = None  # step to load from --load; None means the latest
     run_dir: str | None = None  # where metrics and the resolved config go when --save is not given
     tensorboard_dir: str | None = None  # TensorBoard event directory
     generate_tokens: int = 200  # tokens of a sample printed after training; 0 disables

@@ -54,7 +54,14 @@ def prepare(cfg: Config) -> Plan:
         if not is_checkpoint_dir(t.load):
             raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
         ckpt = Checkpointer(t.load)
-        check_compatible(ckpt.saved_config(ckpt.latest_step()).model, cfg.model, t.load)
+        step = ckpt.latest_step() if t.ckpt_step is None else t.ckpt_step
+        if step not in ckpt.steps():
+            raise ValueError(f"--load {t.load} has no step {step} (it has {ckpt.steps()}); pass one of those "
+                             "to --ckpt-step.")
+        check_compatible(ckpt.saved_config(step).model, cfg.model, t.load)
+        if t.save and Path(t.save) == Path(t.load) and step != ckpt.latest_step():
+            raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
+                             "--save directory.")
         ckpt.close()
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if t.save and is_checkpoint_dir(t.save) and not (t.load and Path(t.load) == Path(t.save)):
@@ -79,7 +86,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     saver = Checkpointer(t.save) if t.save else None
     if t.load:
         loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
-        state = loader.restore(trainer.abstract_state(), cfg)
+        state = loader.restore(trainer.abstract_state(), cfg, step=t.ckpt_step)
         if loader is not saver:
             loader.close()
     else:

@@ -20,7 +20,7 @@ from mtx.config import Config
 from mtx.models.gpt import GPT
 from mtx.optim import LossScale, learning_rate_schedule, make_optimizer
 from mtx.parallel.mesh import DATA
-from mtx.parallel.sharded import init_sharded, partition_specs
+from mtx.parallel.sharded import named_shardings, partition_specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -52,27 +52,36 @@ class Trainer:
         self.make_model = build_model(cfg)
         self.optimizer = make_optimizer(cfg.optimizer, cfg.training.train_iters)
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.training.train_iters)
-        self.graphdef, abstract = nnx.split(nnx.eval_shape(self.make_model))
-        self.param_specs = partition_specs(abstract)
+        self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self.make_model))
+        self.param_specs = partition_specs(self.abstract_params)
         self.batch_sharding = NamedSharding(mesh, P(DATA))
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_loss)
 
     # ---- state ----
-    def init_state(self) -> TrainState:
-        _, params = init_sharded(self.make_model, self.mesh)
+    def _fresh_state(self) -> TrainState:
+        params = nnx.state(self.make_model())
+        return TrainState(jnp.asarray(0, jnp.int32), params, self.optimizer.init(params),
+                          LossScale.create(self.cfg.training))
+
+    def state_shardings(self) -> TrainState:
+        """Where each piece of the state lives: parameters and Adam's moments as the parameters declare, the rest
+        replicated."""
         replicated = NamedSharding(self.mesh, P())
-        # Adam's moments are laid out like the parameters they belong to; counters are replicated.
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding, jax.eval_shape(self.optimizer.init, params),
-            jax.tree.map(lambda p: p.sharding, params), transform_non_params=lambda _: replicated)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
-        loss_scale = jax.device_put(LossScale.create(self.cfg.training), replicated)
-        return TrainState(jax.device_put(jnp.asarray(0, jnp.int32), replicated), params, opt_state, loss_scale)
+        params = named_shardings(self.abstract_params, self.mesh)
+        opt_state = optax.tree_map_params(
+            self.optimizer, lambda _, sharding: sharding, jax.eval_shape(self.optimizer.init, self.abstract_params),
+            params, transform_non_params=lambda _: replicated)
+        return TrainState(replicated, params, opt_state, LossScale(replicated, replicated, replicated))
+
+    def init_state(self) -> TrainState:
+        """The initial state, built directly in its shardings (values independent of the mesh)."""
+        return jax.jit(self._fresh_state, out_shardings=self.state_shardings())()
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state on this mesh (the restore target of a checkpoint)."""
-        return jax.eval_shape(self.init_state)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(self._fresh_state), self.state_shardings())
 
     # ---- inside shard_map ----
     def _local_loss_and_grads(self, params, tokens, key, scale):
@@ -117,7 +126,7 @@ class Trainer:
             in_specs=(self.param_specs, P(DATA), P(), P()), out_specs=(P(), self.param_specs),
         )(state.params, tokens, key, state.loss_scale.scale)
         grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,77 @@
+"""The config owns the arithmetic (parameter counts, FLOPs, padded vocab) and refuses bad combinations early."""
+
+import pytest
+
+from mtx.cli import parse_config
+from mtx.config import Config, ModelConfig, load_preset
+
+PRESETS = {"gpt2_124m": 124_439_808, "gpt2_355m": 354_823_168}
+
+
+def test_gpt2_124m_parameter_count():
+    m = Config().replace(**load_preset("configs/gpt2_124m.toml")).model
+    assert m.num_params_unpadded() == 124_439_808
+    assert m.padded_vocab_size == 51_200  # the paper's padding of 50,257
+    assert m.num_params() == 124_439_808 + (51_200 - 50_257) * 768
+
+
+@pytest.mark.parametrize("name,billions", [("gpt_1.2b", 1.2), ("gpt_2.5b", 2.5), ("gpt_4.2b", 4.2), ("gpt_8.3b", 8.3)])
+def test_paper_table1_sizes(name, billions):
+    cfg = Config().replace(**load_preset(f"configs/{name}.toml"))
+    assert round(cfg.model.num_params() / 1e9, 1) == billions
+    assert cfg.model.padded_vocab_size == 51_200
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    m = ModelConfig(num_layers=40, hidden_size=1536, num_attention_heads=16, seq_length=1024)
+    assert m.flops_per_token() == 6 * m.num_params() + 12 * 40 * 1536 * 1024
+
+
+@pytest.mark.parametrize("vocab,padded", [(50257, 51200), (257, 1024), (1024, 1024), (30522, 30720)])
+def test_padded_vocab_is_multiple_of_128_per_shard(vocab, padded):
+    m = ModelConfig(vocab_size=vocab)
+    assert m.padded_vocab_size == padded
+    for tp in (1, 2, 4, 8):
+        assert (m.padded_vocab_size // tp) % 128 == 0
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (dict(hidden_size=96, num_attention_heads=12, tensor_model_parallel_size=8), "--tensor-model-parallel-size"),
+    (dict(hidden_size=100, num_attention_heads=8), "--num-attention-heads"),
+    (dict(bf16=True, fp16=True), "--fp16 and --bf16"),
+    (dict(recompute_granularity="some"), "--recompute-granularity"),
+    (dict(seq_length=256, max_position_embeddings=128), "--max-position-embeddings"),
+])
+def test_bad_combinations_fail_with_the_flag_named(flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        Config().replace(**flags).validate(8)
+
+
+def test_more_devices_than_exist():
+    with pytest.raises(ValueError, match="only 8 exist"):
+        Config().replace(tensor_model_parallel_size=8, data_parallel_size=2).validate(8)
+
+
+def test_inconsistent_batch_sizes():
+    with pytest.raises(ValueError, match="--global-batch-size 30 is not divisible"):
+        Config().replace(global_batch_size=30, micro_batch_size=4).validate(8)
+
+
+def test_flags_override_preset_and_unknown_flags_fail(capsys):
+    cfg = parse_config(["--config", "configs/tiny.toml", "--hidden-size", "128", "--bf16"])
+    assert cfg.model.hidden_size == 128 and cfg.model.num_layers == 2 and cfg.training.bf16
+    with pytest.raises(SystemExit):
+        parse_config(["--no-such-flag", "1"])
+    assert "unsupported flag(s) --no-such-flag" in capsys.readouterr().err
+
+
+def test_preset_with_unknown_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("hiden_size = 3\n")
+    with pytest.raises(ValueError, match="unknown field"):
+        load_preset(bad)
+
+
+def test_config_round_trips_through_dict():
+    cfg = Config().replace(data_path=("a.txt",), hidden_size=256)
+    assert Config.from_dict(cfg.to_dict()) == cfg

@@ -1,0 +1,189 @@
+"""End to end: the mesh does not change the math, training learns, checkpoints resume exactly on any mesh."""
+
+import json
+import math
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtx.cli import parse_config
+from mtx.config import Config, load_preset
+from mtx.parallel.mesh import make_mesh
+from mtx.parallel.sharded import init_sharded
+from mtx.run import train
+from mtx.step import build_model
+
+TINY = Config().replace(**load_preset("configs/tiny.toml"))
+EXACT = dict(hidden_dropout=0.0, attention_dropout=0.0)  # fp32 is the default compute dtype
+
+
+def run(tmp_path, name, **flags):
+    cfg = TINY.replace(run_dir=str(tmp_path / name), **flags)
+    return train(cfg, progress=False)
+
+
+def losses(result, steps):
+    return np.array([result.losses[s] for s in steps])
+
+
+# (data, model) meshes; with global batch 16 and micro batch 2, data=1 accumulates 8 microbatches, data=8 one.
+MESHES = [(1, 1), (8, 1), (1, 8), (2, 4), (4, 2)]
+
+
+def test_loss_is_the_same_on_every_mesh(tmp_path):
+    curves = {}
+    for dp, tp in MESHES:
+        r = run(tmp_path, f"mesh{dp}x{tp}", train_iters=10, log_interval=5, data_parallel_size=dp,
+                tensor_model_parallel_size=tp, **EXACT)
+        curves[(dp, tp)] = losses(r, range(1, 11))
+    for mesh, curve in curves.items():
+        np.testing.assert_allclose(curve, curves[(1, 1)], rtol=1e-5, err_msg=f"mesh (data, model) = {mesh}")
+    assert curves[(1, 1)][-1] < curves[(1, 1)][0]  # and it is learning, not constant
+
+
+def test_parameters_are_bit_identical_on_every_mesh():
+    make = build_model(TINY)
+    reference = None
+    for dp, tp in MESHES:
+        _, state = init_sharded(make, make_mesh(dp, 1, tp, devices=jax.devices()[: dp * tp]))
+        leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
+        if reference is None:
+            reference = leaves
+        for a, b in zip(leaves, reference):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_initialization_follows_the_paper():
+    _, state = init_sharded(build_model(TINY.replace(num_layers=8, hidden_size=256)), make_mesh(1, 1, 1))
+    p = nnx.to_pure_dict(state)
+    assert abs(np.std(np.asarray(p["layers"]["mlp"]["fc1"]["kernel"])) - 0.02) < 1e-3
+    residual_std = 0.02 / math.sqrt(2 * 8)
+    for w in (p["layers"]["mlp"]["fc2"]["kernel"], p["layers"]["attention"]["proj"]["kernel"]):
+        assert abs(np.std(np.asarray(w)) - residual_std) < 1e-3 * residual_std * 50
+    assert np.all(np.asarray(p["layers"]["ln1"]["scale"]) == 1.0)
+    assert np.all(np.asarray(p["layers"]["attention"]["qkv"]["bias"]) == 0.0)
+
+
+def test_tiny_model_learns_the_builtin_corpus(tmp_path):
+    r = run(tmp_path, "learn", train_iters=150, lr=3e-3, min_lr=3e-4, log_interval=50)
+    first, last = r.losses[1], np.mean(losses(r, range(141, 151)))
+    assert first > 5.0  # ~ln(257): uniform over bytes
+    assert last < 0.55 * first, (first, last)
+
+
+def test_recomputation_does_not_change_the_math(tmp_path):
+    base = losses(run(tmp_path, "none", train_iters=3, **EXACT), [1, 2, 3])
+    for granularity in ("full", "selective"):
+        again = losses(run(tmp_path, granularity, train_iters=3, recompute_granularity=granularity, **EXACT),
+                       [1, 2, 3])
+        np.testing.assert_allclose(again, base, rtol=1e-6)
+
+
+def test_bf16_and_fp16_train(tmp_path):
+    for flag in ("bf16", "fp16"):
+        r = run(tmp_path, flag, train_iters=20, lr=3e-3, **{flag: True})
+        curve = losses(r, range(1, 21))
+        assert np.all(np.isfinite(curve)) and curve[-1] < curve[0] - 0.3, (flag, curve)
+
+
+def test_resume_continues_the_same_trajectory_on_any_mesh(tmp_path):
+    """Dropout on: the RNG stream must resume too. Saved on (data, model) = (2, 4), resumed on 3 meshes."""
+    ckpt = str(tmp_path / "ckpt")
+    full = run(tmp_path, "full", train_iters=8, save=ckpt, save_interval=4, data_parallel_size=2,
+               tensor_model_parallel_size=4)
+    with open(tmp_path / "ckpt" / "metrics.jsonl") as fh:
+        assert [json.loads(line)["step"] for line in fh if "loss" in line][-1] == 8
+    for dp, tp in [(2, 4), (8, 1), (1, 2)]:
+        resumed = run(tmp_path, f"resume{dp}x{tp}", train_iters=8, load=ckpt, ckpt_step=4, data_parallel_size=dp,
+                      tensor_model_parallel_size=tp)
+        assert min(resumed.losses) == 5
+        np.testing.assert_allclose(losses(resumed, range(5, 9)), losses(full, range(5, 9)), rtol=1e-5,
+                                   err_msg=f"resumed on (data, model) = ({dp}, {tp})")
+
+
+def test_data_parallel_gradient_accumulation_matches_one_big_batch(tmp_path):
+    one = run(tmp_path, "micro16", train_iters=3, micro_batch_size=16, data_parallel_size=1,
+              tensor_model_parallel_size=1, **EXACT)
+    many = run(tmp_path, "micro1", train_iters=3, micro_batch_size=1, data_parallel_size=2,
+               tensor_model_parallel_size=2, **EXACT)
+    np.testing.assert_allclose(losses(many, [1, 2, 3]), losses(one, [1, 2, 3]), rtol=1e-5)
+
+
+def test_metrics_and_config_are_written(tmp_path):
+    r = run(tmp_path, "metrics", train_iters=6, log_interval=3, eval_interval=3, eval_iters=2, split="90,10,0")
+    records = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [x for x in records if "loss" in x]
+    assert [x["step"] for x in train_records] == [3, 6]
+    for key in ("step", "loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s", "tflops_per_device",
+                "mfu"):
+        assert key in train_records[-1]
+    assert train_records[-1]["mfu"] is None  # CPU: no known peak
+    assert train_records[-1]["tokens_per_s"] > 0
+    assert [x["step"] for x in records if "val_loss" in x] == [3, 6]
+    saved = Config.from_dict(json.loads((r.run_dir / "config.json").read_text()))
+    assert saved.model.vocab_size == 257 and saved.model.num_layers == 2
+
+
+def test_tensorboard_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    run(tmp_path, "tb", train_iters=2, log_interval=1, tensorboard_dir=str(tmp_path / "tb"))
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+
+# ---- bad input: one line naming the fix, exit code 2, nothing touched ----
+
+def main(argv):
+    sys.path.insert(0, ".")
+    import train as train_script
+
+    return train_script.main(argv)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--global-batch-size", "10"], "--global-batch-size 10 is not divisible"),
+    (["--hidden-size", "96", "--num-attention-heads", "12", "--tensor-model-parallel-size", "8"],
+     "--tensor-model-parallel-size"),
+    (["--data-path", "no/such/file.txt"], "no/such/file.txt"),
+    (["--fp16", "--bf16"], "--fp16 and --bf16"),
+    (["--load", "no/such/ckpt"], "holds no checkpoint"),
+])
+def test_bad_input_is_one_line(flags, needle, tmp_path, capsys):
+    assert main(["--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and err.startswith("error: ") and "\n" not in err
+    assert not (tmp_path / "r").exists()  # no run directory was created
+
+
+def test_vocab_file_that_is_not_gpt2(tmp_path, capsys, shared_data):
+    argv = ["--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), "--data-path",
+            str(shared_data / "tinyshakespeare" / "input.txt"), "--vocab-file", str(shared_data / "bert" / "vocab.txt"),
+            "--merge-file", str(shared_data / "gpt2" / "vocab.bpe")]
+    assert main(argv) == 2
+    assert "GPT-2" in capsys.readouterr().err
+
+
+def test_incompatible_checkpoint_and_foreign_save_dir_are_refused(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, "first", train_iters=2, save=str(ckpt))
+    before = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
+    metrics = (ckpt / "metrics.jsonl").read_text()
+    # a second run aimed at the same --save without --load
+    assert main(["--config", "configs/tiny.toml", "--save", str(ckpt), "--train-iters", "4"]) == 2
+    assert "already holds checkpoints of another run" in capsys.readouterr().err
+    # loading it into a different architecture
+    assert main(["--config", "configs/tiny.toml", "--load", str(ckpt), "--hidden-size", "128",
+                 "--run-dir", str(tmp_path / "other")]) == 2
+    assert "hidden_size=64" in capsys.readouterr().err
+    assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == before
+    assert (ckpt / "metrics.jsonl").read_text() == metrics
+
+
+def test_default_run_parses_and_prints_a_sample(tmp_path):
+    """The embedded default's flags with fewer steps: it trains with TP and DP and prints a generated sample."""
+    cfg = parse_config(["--train-iters", "3", "--run-dir", str(tmp_path / "d"), "--generate-tokens", "8"])
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    r = train(cfg, progress=False)
+    assert r.sample is not None and len(r.sample) >= 8
