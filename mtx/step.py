@@ -20,6 +20,7 @@ from mtx.config import Config
 from mtx.models.gpt import GPT
 from mtx.optim import LossScale, learning_rate_schedule, make_optimizer
 from mtx.parallel.mesh import DATA
+from mtx.parallel.random import sample_keys
 from mtx.parallel.sharded import named_shardings, partition_specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -91,21 +92,22 @@ class Trainer:
         tokens_MBS = tokens.reshape(m, t.micro_batch_size, -1)
         n_tokens = t.global_batch_size * (tokens.shape[-1] - 1)  # loss is the mean over every token of the step
         dropout_on = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
-        key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
+        # Global batch position of this rank's first sequence: dropout keys follow the sequence, not the rank.
+        first = jax.lax.axis_index(DATA) * tokens.shape[0]
         # Each data rank differentiates its own copy: the gradient stays local until the one psum below.
         params = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"), params)
 
-        def loss_fn(p, tokens_BS, mb_key):
+        def loss_fn(p, tokens_BS, keys_B):
             per_token = nnx.merge(self.graphdef, p).loss(
-                tokens_BS[:, :-1], tokens_BS[:, 1:], key=mb_key if dropout_on else None,
-                label_smoothing=cfg.model.label_smoothing)
+                tokens_BS[:, :-1], tokens_BS[:, 1:], keys_B=keys_B, label_smoothing=cfg.model.label_smoothing)
             return per_token.sum() / n_tokens
 
         def micro(carry, inputs):
             loss_acc, grad_acc = carry
             tokens_BS, i = inputs
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, tokens_BS, jax.random.fold_in(key, i)) * scale)(
-                params)
+            b = t.micro_batch_size
+            keys_B = sample_keys(key, first + i * b, b) if dropout_on else None
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, tokens_BS, keys_B) * scale)(params)
             return (loss_acc + loss, jax.tree.map(jnp.add, grad_acc, grads)), None
 
         zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), DATA, to="varying"), jax.tree.map(jnp.zeros_like, params))

@@ -14,7 +14,7 @@ from mtx.config import ModelConfig
 from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
-from mtx.parallel.random import dropout
+from mtx.parallel.random import dropout, fold
 
 
 class GPT(nnx.Module):
@@ -35,30 +35,32 @@ class GPT(nnx.Module):
         self.recompute_full = recompute == "full"
         self.dtype = dtype
 
-    def __call__(self, tokens_BS, *, mask_BS=None, key=None):
-        """(B, S) ids -> (B, S, D) final hidden states, replicated over "model"."""
-        k_emb, k_layers = jax.random.split(key) if key is not None else (None, None)
+    def __call__(self, tokens_BS, *, mask_BS=None, keys_B=None):
+        """(B, S) ids -> (B, S, D) final hidden states, replicated over "model".
+
+        keys_B: one dropout key per sequence (mtx/parallel/random.py); None turns dropout off.
+        """
         s = tokens_BS.shape[1]
         x_BSD = self.embedding(tokens_BS) + self.position_embeddings[:s].astype(self.dtype)
-        x_BSD = dropout(x_BSD, self.hidden_dropout, k_emb, model_parallel=False)
+        x_BSD = dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
 
         graphdef, stacked = nnx.split(self.layers)
 
         def body(x_BSD, inputs):  # one compiled layer, run L times
             layer_state, i = inputs
-            layer_key = None if k_layers is None else jax.random.fold_in(k_layers, i)
-            return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, key=layer_key), None
+            layer_keys = None if keys_B is None else fold(keys_B, i + 1)
+            return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys), None
 
         if self.recompute_full:  # keep each layer's input only; recompute its activations in the backward
             body = jax.checkpoint(body)
         x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(self.num_layers)))
         return self.final_layernorm(x_BSD)
 
-    def logits(self, tokens_BS, *, mask_BS=None, key=None):
+    def logits(self, tokens_BS, *, mask_BS=None, keys_B=None):
         """(B, S) ids -> (B, S, V / tp): this rank's slice of the logits of the tied output layer."""
-        return self.embedding.attend(self(tokens_BS, mask_BS=mask_BS, key=key))
+        return self.embedding.attend(self(tokens_BS, mask_BS=mask_BS, keys_B=keys_B))
 
-    def loss(self, tokens_BS, targets_BS, *, mask_BS=None, key=None, label_smoothing: float = 0.0):
+    def loss(self, tokens_BS, targets_BS, *, mask_BS=None, keys_B=None, label_smoothing: float = 0.0):
         """Per-token cross-entropy (B, S), float32, replicated over "model"."""
-        logits_BSV = self.logits(tokens_BS, mask_BS=mask_BS, key=key)
+        logits_BSV = self.logits(tokens_BS, mask_BS=mask_BS, keys_B=keys_B)
         return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing)

@@ -20,14 +20,14 @@ from flax import nnx
 
 from mtx.config import ModelConfig
 from mtx.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
-from mtx.parallel.random import dropout
+from mtx.parallel.random import dropout, fold, model_parallel_keys
 
 
-def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, key=None):
+def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, keys_B=None):
     """Causal softmax(Q K^T / sqrt(H)) V over this rank's heads; scores and softmax in float32.
 
     mask_BS marks real tokens (1) and padding (0); padded keys get no attention. Attention dropout acts on this
-    rank's own heads, so it draws the per-rank (model-parallel) stream.
+    rank's own heads, so each head draws from its own (model-parallel) key.
     """
     s, h = q_BSNH.shape[1], q_BSNH.shape[-1]
     scores_BNQK = jnp.einsum("bqnh,bknh->bnqk", q_BSNH, k_BSNH, preferred_element_type=jnp.float32)
@@ -36,7 +36,8 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ke
     allowed = allowed_QK[None, None] if mask_BS is None else allowed_QK & (mask_BS[:, None, None, :] > 0)
     scores_BNQK = jnp.where(allowed, scores_BNQK, jnp.finfo(jnp.float32).min)
     probs_BNQK = jax.nn.softmax(scores_BNQK, axis=-1)
-    probs_BNQK = dropout(probs_BNQK, dropout_rate, key, model_parallel=True)
+    if keys_B is not None:
+        probs_BNQK = dropout(probs_BNQK, dropout_rate, model_parallel_keys(keys_B, probs_BNQK.shape[1]))
     return jnp.einsum("bnqk,bknh->bqnh", probs_BNQK.astype(v_BSNH.dtype), v_BSNH)
 
 
@@ -52,14 +53,14 @@ class ParallelSelfAttention(nnx.Module):
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
 
-    def __call__(self, x_BSD, *, mask_BS=None, key=None):
+    def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         b, s, _ = x_BSD.shape
         qkv = self.qkv(x_BSD).reshape(b, s, -1, 3, self.head_dim)  # (B, S, n_local, 3, H)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         core = functools.partial(attention_core, dropout_rate=self.dropout_rate)
         if self.selective_recompute:  # keep only the projections' activations; recompute the S x S part
             core = jax.checkpoint(core)
-        ctx_BSNH = core(q, k, v, mask_BS=mask_BS, key=key)
+        ctx_BSNH = core(q, k, v, mask_BS=mask_BS, keys_B=keys_B)
         return self.proj(ctx_BSNH.reshape(b, s, -1))
 
 
@@ -88,10 +89,11 @@ class TransformerLayer(nnx.Module):
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs)
         self.dropout_rate = cfg.hidden_dropout
 
-    def __call__(self, x_BSD, *, mask_BS=None, key=None):
-        k_attn, k_res1, k_res2 = jax.random.split(key, 3) if key is not None else (None, None, None)
-        h = self.attention(self.ln1(x_BSD), mask_BS=mask_BS, key=k_attn)
+    def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
+        """keys_B: one dropout key per sequence (None: no dropout)."""
+        k_attn, k_res1, k_res2 = (None,) * 3 if keys_B is None else (fold(keys_B, i) for i in range(3))
+        h = self.attention(self.ln1(x_BSD), mask_BS=mask_BS, keys_B=k_attn)
         # Residual-branch dropout acts on replicated values: the same mask on every model rank.
-        x_BSD = x_BSD + dropout(h, self.dropout_rate, k_res1, model_parallel=False)
+        x_BSD = x_BSD + dropout(h, self.dropout_rate, k_res1)
         h = self.mlp(self.ln2(x_BSD))
-        return x_BSD + dropout(h, self.dropout_rate, k_res2, model_parallel=False)
+        return x_BSD + dropout(h, self.dropout_rate, k_res2)

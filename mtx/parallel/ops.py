@@ -9,8 +9,10 @@ is what makes Megatron's conjugate pairs fall out of autodiff:
 - `g`: all-reduce over "model" forward; identity backward. psum turns per-rank partial sums into one invariant value;
   its transpose under check_vma is the cast back to varying, which moves no data.
 
-With `check_vma=False` the transpose of psum is another psum, which would double the backward all-reduce; the
-gradient tests in tests/test_layers.py catch that.
+With `check_vma=False` nothing tracks invariance: psum transposes to another psum and the cast to a no-op, so the
+backward all-reduce moves from `f` to `g` and the input gradients come out wrong (tp times too large where the
+replicated cotangent is summed). mtx always runs shard_map with check_vma=True; tests/test_layers.py compares every
+gradient with a single-device reference and catches such a mistake.
 """
 
 from __future__ import annotations
