@@ -24,6 +24,9 @@ from mtx.parallel.mesh import make_mesh
 from mtx.step import Trainer
 
 
+SAMPLE_PROMPT = "The "
+
+
 @dataclass
 class RunResult:
     state: object
@@ -125,13 +128,15 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}",
                             mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
             bar.update(len(fetched))
-            pending, interval_start, interval_steps = [], time.perf_counter(), 0
+            pending, interval_steps = [], 0
         if t.eval_interval and ((step + 1) % t.eval_interval == 0 or last) and dataset.num_samples("valid"):
             val = evaluate(trainer, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
             logger.log({"step": step + 1, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
             bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
         if saver and t.save_interval and (step + 1) % t.save_interval == 0:
             saver.save(state, cfg)
+        if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
+            interval_start = time.perf_counter()
     bar.close()
     if saver:
         if saver.latest_step() != int(jax.device_get(state.step)):
@@ -156,8 +161,7 @@ def evaluate(trainer: Trainer, params, dataset, iters: int, batch_size: int) -> 
 def sample_text(trainer: Trainer, params, dataset, num_tokens: int, seed: int) -> str:
     from mtx.generate import generate
 
-    prompt = dataset.batch("valid" if dataset.num_samples("valid") else "train", 0, 1)[0, :16].tolist()
-    ids = generate(trainer, params, prompt, num_tokens, seed=seed)
+    ids = generate(trainer, params, dataset.tokenizer.encode(SAMPLE_PROMPT), num_tokens, seed=seed)
     return dataset.tokenizer.decode(ids)
 
 
