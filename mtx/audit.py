@@ -162,19 +162,28 @@ def summarize(forward: list, forward_backward: list) -> dict:
 def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int, micro_batch_size: int,
                  tensor_model_parallel_size: int, data_parallel_size: int = 1, ffn_hidden_size: int | None = None,
                  recompute_granularity: str | None = None, vocab_size: int = 50257,
-                 num_devices: int | None = None) -> Config:
-    """The validated Config of one audit (dropout off: its masks would add no communication, only noise)."""
+                 pipeline_model_parallel_size: int = 1, num_layers: int | None = None,
+                 num_microbatches: int | None = None, num_devices: int | None = None) -> Config:
+    """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
+
+    With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
+    num_layers (default 2 x stages) layers."""
+    pp, dp = pipeline_model_parallel_size, max(data_parallel_size, 1)
+    m = num_microbatches or (2 * pp if pp > 1 else 1)
     return Config().replace(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * max(data_parallel_size, 1),
+        micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * dp * m,
         tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
+        pipeline_model_parallel_size=pp, num_layers=num_layers or 2 * pp,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
-def _mesh(cfg: Config):
-    return make_mesh(cfg.data_parallel_size(len(jax.devices())), 1, cfg.parallel.tensor_model_parallel_size)
+def _mesh(cfg: Config, *, pipeline: bool = False):
+    p = cfg.parallel
+    return make_mesh(cfg.data_parallel_size(len(jax.devices())), p.pipeline_model_parallel_size if pipeline else 1,
+                     p.tensor_model_parallel_size)
 
 
 def _audit(mesh, forward, forward_backward, args) -> dict:
@@ -241,6 +250,32 @@ def audit_loss(cfg: Config) -> dict:
                   (logits, targets, weights))
 
 
+def audit_pipeline(cfg: Config) -> dict:
+    """Collectives of a whole pipelined training step's loss and gradients (mtx/step.py), with the pipeline's
+    activation shifts counted per step: the collective-permute sits in the body of the tick scan, which runs
+    M + P - 1 times forward and again backward."""
+    from mtx.step import Trainer  # the step imports this module's neighbours; keep the audit importable alone
+
+    mesh = _mesh(cfg, pipeline=True)
+    trainer = Trainer(cfg, mesh)
+    state = trainer.abstract_state()
+    t, m = cfg.training, cfg.model
+    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), jnp.int32, sharding=trainer.batch_sharding)
+    forward = lambda p, x, step: trainer.loss_and_grads(p, x, step)[0]  # the backward is dead code here
+    report = _audit(mesh, forward, trainer.loss_and_grads, (state.params, tokens, state.step))
+    schedule = trainer.pipeline
+    permutes = {phase: [op for op in report["ops"][phase]
+                        if op["kind"] == "collective-permute" and op["axes"] == "pipeline"]
+                for phase in ("forward", "backward")}
+    report["schedule"] = {"stages": schedule.stages, "microbatches": schedule.microbatches,
+                          "layers_per_stage": list(schedule.counts), "ticks": schedule.ticks,
+                          "ideal_bubble": schedule.bubble}
+    report["per_step"] = {phase: {"collective-permute pipeline": len(ops) * schedule.ticks,
+                                  "elements_each": sorted({op["elements"] for op in ops})}
+                          for phase, ops in permutes.items()}
+    return report
+
+
 # ---- command line ----
 
 def _table(title: str, report: dict) -> str:
@@ -264,12 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ffn-hidden-size", type=int, default=None)
     ap.add_argument("--recompute-granularity", default=None, help="full | selective")
     ap.add_argument("--vocab-size", type=int, default=50257, help="before padding (ModelConfig.padded_vocab_size)")
+    ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                    help="> 1 also audits a whole pipelined step (its activation ppermutes per step)")
+    ap.add_argument("--num-layers", type=int, default=None, help="layers of the pipelined step (default 2 x stages)")
+    ap.add_argument("--num-microbatches", type=int, default=None, help="per data rank (default 2 x stages)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     a = ap.parse_args(argv)
     # XLA reads the device count when the CPU backend starts (the first device query), not when jax is imported.
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in xla_flags:
-        n = max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
+        n = max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1) * max(
+            a.pipeline_model_parallel_size, 1)
         os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = {k: v for k, v in vars(a).items() if k != "json"}
@@ -282,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     flags.update(data_parallel_size=cfg.data_parallel_size(len(jax.devices())), ffn_hidden_size=m.ffn_size,
                  padded_vocab_size=m.padded_vocab_size)
     report = {"config": flags, **audit_layer(cfg), "loss": audit_loss(cfg)}
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        report["pipeline"] = audit_pipeline(cfg)
     if a.json:
         print(json.dumps(report))
     else:
@@ -290,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"dp={flags['data_parallel_size']} fp32 recompute={flags['recompute_granularity'] or 'none'}",
                      report))
         print(_table(f"vocab-parallel cross-entropy  V={m.padded_vocab_size}", report["loss"]))
+        if "pipeline" in report:
+            pipe = report["pipeline"]
+            sch = pipe["schedule"]
+            print(_table(f"pipelined step  P={sch['stages']} M={sch['microbatches']} layers={sch['layers_per_stage']} "
+                         f"ticks={sch['ticks']} (static counts; loop bodies count once)", pipe))
+            for phase, row in pipe["per_step"].items():
+                print(f"  per step, {phase}: {row['collective-permute pipeline']} collective-permutes over pipeline "
+                      f"of {row['elements_each']} elements each")
     return 0
 
 

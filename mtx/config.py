@@ -80,6 +80,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 2  # TP: devices one layer is split over (the "model" axis)
     pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
     data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
+    num_layers_in_first_pipeline_stage: int | None = None  # uneven stages: layers of the first stage
+    num_layers_in_last_pipeline_stage: int | None = None  # uneven stages: layers of the last stage
+    pipeline_model_parallel_layout: str | None = None  # Megatron layout string, e.g. "Et|tt|tt|tL"
 
 
 @dataclass(frozen=True)
@@ -180,9 +183,7 @@ class Config:
         _check(m.max_positions >= m.seq_length,
                f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
                "raise it to at least the sequence length.")
-        _check(p.pipeline_model_parallel_size == 1,
-               "--pipeline-model-parallel-size > 1 is not supported yet (pipeline parallelism is a later issue); "
-               "use 1.")
+        self.stage_layer_counts()  # refuses layers that do not split over the stages as asked
         _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
         _check(t.recompute_granularity in (None, "full", "selective"),
                f"--recompute-granularity must be full or selective, got {t.recompute_granularity!r}.")
@@ -201,6 +202,15 @@ class Config:
                    f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of "
                    f"{t.micro_batch_size * dp}.")
         return self
+
+    def stage_layer_counts(self) -> tuple[int, ...]:
+        """Transformer layers of each pipeline stage (mtx/parallel/layout.py)."""
+        from mtx.parallel.layout import stage_layer_counts
+
+        p = self.parallel
+        return stage_layer_counts(self.model.num_layers, p.pipeline_model_parallel_size,
+                                  layout=p.pipeline_model_parallel_layout,
+                                  first=p.num_layers_in_first_pipeline_stage, last=p.num_layers_in_last_pipeline_stage)
 
     def data_parallel_size(self, num_devices: int) -> int:
         from mtx.parallel.mesh import resolve_sizes

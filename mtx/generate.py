@@ -16,18 +16,20 @@ from jax.sharding import PartitionSpec as P
 from mtx.parallel.ops import gather_from_model_parallel
 
 
-def make_next_token_fn(graphdef, param_specs, mesh, vocab_size: int, temperature: float = 1.0, top_k: int = 0):
+def make_next_token_fn(trainer, vocab_size: int, temperature: float = 1.0, top_k: int = 0):
     """Returns jitted (params, window_1S, position, key) -> next token id (sampled; greedy when temperature=0)."""
 
     def last_logits(params, window_1S, position):
-        logits_1SV = nnx.merge(graphdef, params).logits(window_1S)  # this rank's vocab slice
-        local_V = jax.lax.dynamic_index_in_dim(logits_1SV[0], position, keepdims=False)
+        hidden_1SD = trainer.local_final_hidden(params, window_1S)
+        hidden_D = jax.lax.dynamic_index_in_dim(hidden_1SD[0], position, keepdims=False)
+        local_V = nnx.merge(trainer.graphdef, params).embedding.attend(hidden_D)  # this rank's vocab slice
         return gather_from_model_parallel(local_V.astype(jnp.float32))
 
-    sharded = jax.shard_map(last_logits, mesh=mesh, in_specs=(param_specs, P(), P()), out_specs=P())
+    sharded = jax.shard_map(last_logits, mesh=trainer.mesh, in_specs=(trainer.param_specs, P(), P()),
+                            out_specs=P())
 
     def next_token(params, window_1S, position, key):
-        logits_V = sharded(params, window_1S, position)
+        logits_V = sharded(trainer.stage_params(params), window_1S, position)
         logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < vocab_size, logits_V, -jnp.inf)  # no padding ids
         if temperature == 0.0:
             return jnp.argmax(logits_V)
@@ -45,8 +47,7 @@ def generate(trainer, params, prompt_ids: list[int], num_tokens: int, *, tempera
     """`prompt_ids` continued by `num_tokens` sampled ids (the window slides once the sequence length is full)."""
     cfg = trainer.cfg.model
     seq = cfg.seq_length
-    next_token = make_next_token_fn(trainer.graphdef, trainer.param_specs, trainer.mesh, cfg.vocab_size,
-                                    temperature, top_k)
+    next_token = make_next_token_fn(trainer, cfg.vocab_size, temperature, top_k)
     replicated = NamedSharding(trainer.mesh, P())
     ids = list(prompt_ids) or [0]
     key = jax.random.key(seed)

@@ -172,6 +172,10 @@ def _print_banner(cfg: Config, mesh, trainer: Trainer, start: int) -> None:
     print(f"mtx: mesh data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} model={mesh.shape['model']} on "
           f"{mesh.size} {jax.devices()[0].platform} device(s); {trainer.num_microbatches} microbatch(es) of "
           f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")
+    if trainer.pipeline is not None:
+        sch = trainer.pipeline
+        print(f"mtx: pipeline {sch.stages} stages x layers {list(sch.counts)}, {sch.microbatches} microbatches, "
+              f"{sch.ticks} ticks (GPipe); ideal bubble (p-1)/(m+p-1) = {sch.bubble:.1%}")
 
 
 def _progress_bar(start: int, total: int, enabled: bool):

@@ -18,12 +18,21 @@ from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config
 from mtx.models.gpt import GPT
+from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.optim import LossScale, learning_rate_schedule, make_optimizer
-from mtx.parallel.mesh import DATA
+from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.pipeline import Schedule, from_slots, pipelined_final_hidden, pipelined_loss, to_slots
 from mtx.parallel.random import sample_keys
 from mtx.parallel.sharded import named_shardings, partition_specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _map_layers(fn, tree, specs):
+    """Applies fn(leaf, spec) to the leaves of the layer stack ("layers"), leaving the others alone."""
+    def one(path, leaf, spec):
+        return fn(leaf, spec) if jax.tree_util.keystr(path).startswith("['layers']") else leaf
+    return jax.tree_util.tree_map_with_path(one, tree, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 class TrainState(NamedTuple):
@@ -54,7 +63,8 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.optimizer, cfg.training.train_iters)
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.training.train_iters)
         self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self.make_model))
-        self.param_specs = partition_specs(self.abstract_params)
+        self.param_specs = partition_specs(self.abstract_params)  # as declared; the shard_map's in/out specs
+        self.pipeline = Schedule(cfg.stage_layer_counts(), self.num_microbatches) if mesh.shape[PIPELINE] > 1 else None
         self.batch_sharding = NamedSharding(mesh, P(DATA))
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_loss)
@@ -86,47 +96,68 @@ class Trainer:
 
     # ---- inside shard_map ----
     def _local_loss_and_grads(self, params, tokens, key, scale):
-        """This data rank's share of the batch -> (global mean loss, global mean grads), both reduced over "data"."""
+        """This data rank's share of the batch -> (global mean loss, global mean grads), both reduced over "data"
+        (and, for parameters every pipeline stage holds, over "pipeline")."""
         cfg, t = self.cfg, self.cfg.training
-        m = self.num_microbatches
-        tokens_MBS = tokens.reshape(m, t.micro_batch_size, -1)
+        m, b = self.num_microbatches, t.micro_batch_size
+        tokens_MBS = tokens.reshape(m, b, -1)
         n_tokens = t.global_batch_size * (tokens.shape[-1] - 1)  # loss is the mean over every token of the step
         dropout_on = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
         # Global batch position of this rank's first sequence: dropout keys follow the sequence, not the rank.
         first = jax.lax.axis_index(DATA) * tokens.shape[0]
-        # Each data rank differentiates its own copy: the gradient stays local until the one psum below.
-        params = jax.tree.map(lambda p: jax.lax.pcast(p, DATA, to="varying"), params)
+        keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
+        # Each rank differentiates its own copy: gradients stay local until the explicit psums below.
+        stage_replicated = jax.tree.map(lambda spec: PIPELINE not in spec, self.param_specs,
+                                        is_leaf=lambda x: isinstance(x, P))
+        params = jax.tree.map(lambda p, rep: jax.lax.pcast(p, (DATA, PIPELINE) if rep else DATA, to="varying"),
+                              params, stage_replicated)
+        label_smoothing = cfg.model.label_smoothing
 
-        def loss_fn(p, tokens_BS, keys_B):
-            per_token = nnx.merge(self.graphdef, p).loss(
-                tokens_BS[:, :-1], tokens_BS[:, 1:], keys_B=keys_B, label_smoothing=cfg.model.label_smoothing)
-            return per_token.sum() / n_tokens
+        if self.pipeline is not None:  # GPipe: one forward and backward through all M microbatches
+            def loss_fn(p):
+                model = nnx.merge(self.graphdef, p)
+                total = pipelined_loss(model, tokens_MBS, self.pipeline, keys_MB=keys_MB,
+                                       label_smoothing=label_smoothing)
+                return total / n_tokens * scale
 
-        def micro(carry, inputs):
-            loss_acc, grad_acc = carry
-            tokens_BS, i = inputs
-            b = t.micro_batch_size
-            keys_B = sample_keys(key, first + i * b, b) if dropout_on else None
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, tokens_BS, keys_B) * scale)(params)
-            return (loss_acc + loss, jax.tree.map(jnp.add, grad_acc, grads)), None
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+        else:  # gradient accumulation: one microbatch's activations alive at a time
+            def micro(carry, inputs):
+                loss_acc, grad_acc = carry
+                tokens_BS, keys_B = inputs
+                loss_fn = lambda p: nnx.merge(self.graphdef, p).loss(
+                    tokens_BS[:, :-1], tokens_BS[:, 1:], keys_B=keys_B,
+                    label_smoothing=label_smoothing).sum() / n_tokens * scale
+                loss, grads = jax.value_and_grad(loss_fn)(params)
+                return (loss_acc + loss, jax.tree.map(jnp.add, grad_acc, grads)), None
 
-        zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), DATA, to="varying"), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(micro, zeros, (tokens_MBS, jnp.arange(m)))
-        # The data-parallel gradient all-reduce: once per step, after accumulation.
-        return jax.lax.psum(loss, DATA) / scale, jax.lax.psum(grads, DATA)
+            zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
+                     jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(micro, zeros, (tokens_MBS, keys_MB))
+        # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
+        # holds (embeddings, final LN) also sum their per-stage parts over "pipeline".
+        grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, (DATA, PIPELINE) if rep else DATA), grads,
+                             stage_replicated)
+        return jax.lax.psum(loss, (DATA, PIPELINE)) / scale, grads
 
     # ---- jitted ----
     @property
     def num_microbatches(self) -> int:
         return num_microbatches(self.cfg, self.mesh)
 
-    def _train_step(self, state: TrainState, tokens):
-        t = self.cfg.training
-        key = jax.random.fold_in(jax.random.key(t.seed), state.step)
+    def loss_and_grads(self, params, tokens, step, scale=1.0):
+        """Global mean loss and gradients (of loss x scale) of one step's (G, S + 1) batch; params and gradients
+        in their stored (canonical) layout."""
+        key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
         loss, grads = jax.shard_map(
             self._local_loss_and_grads, mesh=self.mesh,
             in_specs=(self.param_specs, P(DATA), P(), P()), out_specs=(P(), self.param_specs),
-        )(state.params, tokens, key, state.loss_scale.scale)
+        )(self._stage_params(params), tokens, key, jnp.asarray(scale, jnp.float32))
+        return loss, self._canonical_grads(grads)
+
+    def _train_step(self, state: TrainState, tokens):
+        t = self.cfg.training
+        loss, grads = self.loss_and_grads(state.params, tokens, state.step, state.loss_scale.scale)
         grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
@@ -145,15 +176,52 @@ class Trainer:
         }
         return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
+    def _stage_params(self, params):
+        """Uneven pipeline stages: the layer stack regathered into equal per-stage slots, split over "pipeline"."""
+        if self.pipeline is None or not self.pipeline.padded:
+            return params
+        def regather(a, spec):  # whole stack on every stage -> slots -> each stage keeps its own
+            whole = jax.sharding.reshard(a, NamedSharding(self.mesh, P(None, *spec[1:])))
+            return jax.sharding.reshard(to_slots(whole, self.pipeline), NamedSharding(self.mesh, spec))
+
+        return _map_layers(regather, params, self.param_specs)
+
+    def _canonical_grads(self, grads):
+        if self.pipeline is None or not self.pipeline.padded:
+            return grads
+        storage = named_shardings(self.abstract_params, self.mesh)
+
+        def scatter_back(path, g, spec, sharding):  # slots -> whole stack -> stored like the parameter
+            if not jax.tree_util.keystr(path).startswith("['layers']"):
+                return g
+            whole = jax.sharding.reshard(g, NamedSharding(self.mesh, P(None, *spec[1:])))
+            return jax.sharding.reshard(from_slots(whole, self.pipeline), sharding)
+
+        return jax.tree_util.tree_map_with_path(scatter_back, grads, self.param_specs, storage,
+                                                is_leaf=lambda x: isinstance(x, P))
+
+    def local_final_hidden(self, params, tokens_BS):
+        """Inside shard_map: (B, S) ids -> (B, S, D) final hidden states (pipelined when the mesh has stages)."""
+        model = nnx.merge(self.graphdef, params)
+        if self.pipeline is None:  # one stage: the layers vary over the size-1 "pipeline" axis only by type
+            return jax.lax.pmean(model(tokens_BS), PIPELINE)
+        return pipelined_final_hidden(model, tokens_BS, Schedule(self.pipeline.counts, 1))
+
     def _eval_loss(self, params, tokens):
         """Mean next-token loss of a (B, S + 1) batch, no dropout."""
 
         def local(params, tokens):
-            per_token = nnx.merge(self.graphdef, params).loss(tokens[:, :-1], tokens[:, 1:])
+            hidden = self.local_final_hidden(params, tokens[:, :-1])
+            model = nnx.merge(self.graphdef, params)
+            per_token = vocab_parallel_cross_entropy(model.embedding.attend(hidden), tokens[:, 1:])
             return jax.lax.pmean(per_token.mean(), DATA)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)), out_specs=P())(
-            params, tokens)
+            self._stage_params(params), tokens)
+
+    def stage_params(self, params):
+        """The parameters as the shard_map expects them (see _stage_params); for callers outside the step."""
+        return self._stage_params(params)
 
     def put_batch(self, tokens_np):
         """Host (G, S + 1) tokens -> a global array split over "data" (the same global batch on every mesh)."""

@@ -13,7 +13,9 @@ from flax import nnx
 from mtx.config import ModelConfig
 from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mtx.parallel.mesh import PIPELINE
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
+from mtx.parallel.ops import vary_like
 from mtx.parallel.random import dropout, fold
 
 
@@ -24,13 +26,12 @@ class GPT(nnx.Module):
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
 
         @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make_layers(rngs):  # stacked: every layer parameter gets a leading L axis (replicated here)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
+        def make_layers(rngs):  # stacked: every layer parameter gets a leading L axis, split into pipeline stages
             return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective")
 
         self.layers = make_layers(rngs)
         self.final_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
-        self.num_layers = cfg.num_layers
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute_full = recompute == "full"
         self.dtype = dtype
@@ -40,21 +41,42 @@ class GPT(nnx.Module):
 
         keys_B: one dropout key per sequence (mtx/parallel/random.py); None turns dropout off.
         """
+        x_BSD = self.transform(self.embed(tokens_BS, keys_B=keys_B), mask_BS=mask_BS, keys_B=keys_B)
+        return self.final_layernorm(x_BSD)
+
+    def embed(self, tokens_BS, *, keys_B=None):
+        """(B, S) ids -> (B, S, D): token + position embeddings, then hidden dropout."""
         s = tokens_BS.shape[1]
         x_BSD = self.embedding(tokens_BS) + self.position_embeddings[:s].astype(self.dtype)
-        x_BSD = dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
+        return dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
 
+    def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
+        """Runs the layers held in self.layers (all L, or one pipeline stage's) on (B, S, D).
+
+        first_layer: global index of the first held layer (dropout keys follow the global layer index).
+        active_L: optional bool per held layer; an inactive layer (stage padding) passes x through unchanged.
+        """
         graphdef, stacked = nnx.split(self.layers)
+        num_held = jax.tree.leaves(stacked)[0].shape[0]
+        masked = active_L is not None
 
-        def body(x_BSD, inputs):  # one compiled layer, run L times
-            layer_state, i = inputs
-            layer_keys = None if keys_B is None else fold(keys_B, i + 1)
-            return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys), None
+        def body(x_BSD, inputs):  # one compiled layer, run once per held layer
+            layer_state, i, active = inputs
+            layer_keys = None if keys_B is None else fold(keys_B, first_layer + i + 1)
+            y_BSD = nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys)
+            return (jnp.where(active, y_BSD, x_BSD) if masked else y_BSD), None
 
         if self.recompute_full:  # keep each layer's input only; recompute its activations in the backward
             body = jax.checkpoint(body)
-        x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(self.num_layers)))
-        return self.final_layernorm(x_BSD)
+        active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
+        x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
+        x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))
+        return x_BSD
+
+    def head_loss(self, x_BSD, targets_BS, *, label_smoothing: float = 0.0):
+        """Final LN, tied output layer and vocab-parallel cross-entropy: (B, S, D) -> per-token loss (B, S)."""
+        logits_BSV = self.embedding.attend(self.final_layernorm(x_BSD))
+        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing)
 
     def logits(self, tokens_BS, *, mask_BS=None, keys_B=None):
         """(B, S) ids -> (B, S, V / tp): this rank's slice of the logits of the tied output layer."""

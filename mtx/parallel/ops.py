@@ -35,6 +35,28 @@ def g(x):
     return jax.lax.psum(x, MODEL)
 
 
+def varying_axes(x) -> set[str]:
+    """The mesh axes `x` varies over inside shard_map (empty outside). jax 0.11 keeps them in `aval.mat.varying`,
+    other versions in `aval.vma`."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
+
+
+def vary(x, axes):
+    """Casts `x` to vary over `axes` (those it does not vary over already); no data moves."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x, ref, *, exclude=(MODEL,)):
+    """Casts `x` to vary over every mesh axis (but `exclude`) that some leaf of `ref` varies over: a scan carry must
+    keep one type, and a layer's output varies wherever its parameters do (except over "model", where g makes the
+    residual stream replicated again)."""
+    axes = set().union(*(varying_axes(leaf) for leaf in jax.tree.leaves(ref)))
+    return vary(x, axes - set(exclude))
+
+
 def model_rank():
     """This device's index on the "model" axis (0 outside a model-parallel region of size 1)."""
     return jax.lax.axis_index(MODEL)

@@ -21,8 +21,17 @@ def partition_specs(state):
 
 
 def named_shardings(state, mesh: jax.sharding.Mesh):
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(state),
-                        is_leaf=lambda x: isinstance(x, P))
+    """Where each parameter is stored on `mesh`: its declared layout, minus any mesh axis that does not divide the
+    dimension (an uneven pipeline layout's layer stack, say, is then kept whole on every stage)."""
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, fit_spec(spec, x.shape, mesh)), partition_specs(state),
+                        state, is_leaf=lambda x: isinstance(x, P))
+
+
+def fit_spec(spec: P, shape, mesh: jax.sharding.Mesh) -> P:
+    """`spec` with the mesh axes removed that do not divide their dimension of `shape`."""
+    def fits(axis, dim):
+        return axis is None or dim % mesh.shape[axis] == 0
+    return P(*(axis if fits(axis, dim) else None for axis, dim in zip(spec, shape)))
 
 
 def init_sharded(make: Callable[[], nnx.Module], mesh: jax.sharding.Mesh):

@@ -1,0 +1,139 @@
+"""Pipeline parallelism (GPipe) as one microbatched scan over the "pipeline" mesh axis, inside the step's shard_map.
+
+Stage s holds the layers of its slice of the layer stack (the stack's leading axis is declared "pipeline"). The
+global batch of a data rank is cut into M microbatches; a `lax.scan` over M + P - 1 ticks runs, at tick t, every
+stage s on microbatch t - s (ticks outside 0..M-1 are the bubble: computed, never used), then `ppermute` shifts each
+stage's output to the next stage. The first stage feeds embeddings in, the last stage's outputs are the final hidden
+states. Autodiff through the scan is the GPipe backward; per-layer recomputation (`--recompute-granularity full`)
+keeps one (b, S, D) input per layer and tick.
+
+The loss is not computed on the last stage alone: its M outputs are reduce-scattered over "pipeline", so every stage
+computes the logits and vocab-parallel loss of M / P microbatches (the logits are the costliest single matmul of a
+GPT; this spreads them instead of leaving P - 1 stages idle). The tied embedding's gradient then has contributions
+from every stage and the first; they meet in the psum over "pipeline" that every pipeline-replicated parameter gets
+(Megatron's embedding-group all-reduce).
+
+Uneven stages (a layout string, or first/last stage sizes) hold `max(layers per stage)` slots each; slots past a
+stage's count are inactive (identity) layers, so every stage compiles to the same program.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtx.parallel.mesh import PIPELINE
+from mtx.parallel.ops import vary
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The static shape of one pipelined step."""
+
+    counts: tuple[int, ...]  # transformer layers of each stage
+    microbatches: int  # M, per data rank and step
+
+    @property
+    def stages(self) -> int:
+        return len(self.counts)
+
+    @property
+    def slots(self) -> int:
+        """Layer slots every stage holds (the largest stage)."""
+        return max(self.counts)
+
+    @property
+    def ticks(self) -> int:
+        return self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The ideal idle fraction of GPipe, (P - 1) / (M + P - 1)."""
+        return (self.stages - 1) / self.ticks
+
+    @property
+    def padded(self) -> bool:
+        """True when stages are uneven, so the layer stack must be regathered into per-stage slots."""
+        return len(set(self.counts)) > 1
+
+    def slot_layers(self) -> np.ndarray:
+        """(P * slots,) canonical layer index of every stage slot; padding slots repeat the stage's first layer."""
+        offsets = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
+        return np.array([offsets[s] + min(i, max(c - 1, 0)) for s, c in enumerate(self.counts)
+                         for i in range(self.slots)])
+
+    def slot_active(self) -> np.ndarray:
+        """(P * slots,) True where a slot holds a real layer of its stage."""
+        return np.array([i < c for c in self.counts for i in range(self.slots)])
+
+
+def to_slots(layer_params, schedule: Schedule):
+    """Canonical (L, ...) layer stack -> (P * slots, ...) per-stage slots (only for uneven stages)."""
+    index = jnp.asarray(schedule.slot_layers())
+    return jax.tree.map(lambda a: a[index], layer_params)
+
+
+def from_slots(slot_grads, schedule: Schedule):
+    """Gradients of the slots -> gradients of the canonical stack. Every layer sits in exactly one active slot, so
+    this is a gather; inactive (padding) slots carry zero gradient and are dropped."""
+    active = np.flatnonzero(schedule.slot_active())
+    slot_of_layer = jnp.asarray(active[np.argsort(schedule.slot_layers()[active], kind="stable")])
+    return jax.tree.map(lambda g: g[slot_of_layer], slot_grads)
+
+
+def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None):
+    """Runs this stage's layers over the M microbatches, GPipe style; returns (M, B, S, D) final-layer outputs,
+    meaningful on the last stage only. `model` is the local (this stage's) GPT; x0 the embeddings."""
+    stage = jax.lax.axis_index(PIPELINE)
+    p, m = schedule.stages, schedule.microbatches
+    counts = jnp.asarray(schedule.counts)
+    first_layer = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)[:-1]])[stage]
+    active_L = jnp.arange(schedule.slots) < counts[stage] if schedule.padded else None
+    shift = [(i, (i + 1) % p) for i in range(p)]  # stage i -> i + 1; what stage 0 receives is never used
+
+    def tick(x_recv_BSD, t):
+        mb = jnp.clip(t - stage, 0, m - 1)  # this stage's microbatch (clamped in the bubble)
+        x_BSD = jnp.where(stage == 0, x0_MBSD[jnp.clip(t, 0, m - 1)], x_recv_BSD)
+        keys_B = None if keys_MB is None else keys_MB[mb]
+        y_BSD = model.transform(x_BSD, keys_B=keys_B, first_layer=first_layer, active_L=active_L)
+        return jax.lax.ppermute(y_BSD, PIPELINE, shift), y_BSD
+
+    init = vary(jnp.zeros_like(x0_MBSD[0]), [PIPELINE])  # what stage 0 "receives" before tick 0
+    _, ys_TBSD = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+    return ys_TBSD[p - 1:]  # the last stage finishes microbatch t - (P - 1) at tick t
+
+
+def pipelined_loss(model, tokens_MBS, schedule: Schedule, *, keys_MB=None, label_smoothing: float = 0.0):
+    """Sum of per-token losses of this data rank's M microbatches ((M, B, S + 1) tokens), computed by this stage
+    for its M / P share (summed over "pipeline" it is the rank's total)."""
+    p, m = schedule.stages, schedule.microbatches
+    inputs, targets = tokens_MBS[..., :-1], tokens_MBS[..., 1:]
+    b, s = inputs.shape[1:]
+    keys_flat = None if keys_MB is None else keys_MB.reshape(m * b)
+    x0_MBSD = model.embed(inputs.reshape(m * b, s), keys_B=keys_flat).reshape(m, b, s, -1)
+    hidden_MBSD = pipelined_hidden(model, x0_MBSD, schedule, keys_MB=keys_MB)
+    # Spread the last stage's outputs over all stages: M padded up to a multiple of P, M' / P microbatches each.
+    share = math.ceil(m / p)
+    last = jax.lax.axis_index(PIPELINE) == p - 1
+    hidden_MBSD = jnp.where(last, hidden_MBSD, jnp.zeros((), hidden_MBSD.dtype))
+    pad = [(0, share * p - m)] + [(0, 0)] * 3
+    mine_MBSD = jax.lax.psum_scatter(jnp.pad(hidden_MBSD, pad), PIPELINE, scatter_dimension=0, tiled=True)
+    stage = jax.lax.axis_index(PIPELINE)
+    my_targets = jax.lax.dynamic_slice_in_dim(jnp.pad(targets, pad[:3]), stage * share, share)
+    real = (stage * share + jnp.arange(share)) < m  # padding microbatches count nothing
+    per_token = model.head_loss(mine_MBSD.reshape(share * b, s, -1), my_targets.reshape(share * b, s),
+                                label_smoothing=label_smoothing).reshape(share, b, s)
+    return jnp.sum(jnp.where(real[:, None, None], per_token, 0.0))
+
+
+def pipelined_final_hidden(model, tokens_BS, schedule: Schedule):
+    """(B, S) ids -> (B, S, D) final hidden states after the final LayerNorm on every stage (no dropout);
+    for evaluation and generation, with M = 1."""
+    x0 = model.embed(tokens_BS)[None]
+    hidden = pipelined_hidden(model, x0, schedule)[0]
+    last = jax.lax.axis_index(PIPELINE) == schedule.stages - 1
+    return model.final_layernorm(jax.lax.psum(jnp.where(last, hidden, jnp.zeros((), hidden.dtype)), PIPELINE))

@@ -1,0 +1,154 @@
+"""Pipeline parallelism: GPipe over "pipeline" composed with tensor and data parallelism, without changing the math."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtx.config import Config, load_preset
+from mtx.parallel import make_mesh
+from mtx.parallel.layout import parse_layout, stage_layer_counts
+from mtx.run import train
+from mtx.step import Trainer
+
+# The tiny preset deepened to 8 layers, exact (fp32, no dropout).
+DEEP = Config().replace(**load_preset("configs/tiny.toml")).replace(num_layers=8, hidden_dropout=0.0,
+                                                                    attention_dropout=0.0)
+# (data, pipeline, model) meshes and layouts; global batch 16 / micro batch 2 gives 8 / data microbatches.
+MESHES = [
+    ((1, 1, 1), {}),
+    ((2, 2, 2), {}),
+    ((1, 4, 2), {}),
+    ((1, 2, 4), {}),
+    ((1, 8, 1), {}),
+    ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}),
+    ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3}),
+]
+
+
+def cfg_for(mesh, layout, **extra):
+    dp, pp, tp = mesh
+    return DEEP.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                        **layout, **extra)
+
+
+def test_pipelined_losses_match_on_every_mesh_and_layout(tmp_path):
+    curves = {}
+    for i, (mesh, layout) in enumerate(MESHES):
+        r = train(cfg_for(mesh, layout, train_iters=10, log_interval=5, run_dir=str(tmp_path / f"r{i}")),
+                  progress=False)
+        curves[i] = np.array([r.losses[s] for s in range(1, 11)])
+    for i, curve in curves.items():
+        np.testing.assert_allclose(curve, curves[0], rtol=1e-5, err_msg=f"mesh {MESHES[i]}")
+    assert curves[0][-1] < curves[0][0]
+
+
+def grads_on(mesh, layout, tokens):
+    cfg = cfg_for(mesh, layout, vocab_size=257).validate(8)
+    dp, pp, tp = mesh
+    trainer = Trainer(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    state = trainer.init_state()
+    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.put_batch(tokens), state.step)
+    return float(loss), {jax.tree_util.keystr(p): np.asarray(g)
+                         for p, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads))}
+
+
+def test_gradients_of_every_parameter_match_the_unpipelined_run():
+    tokens = np.random.default_rng(0).integers(0, 257, (16, 33)).astype(np.int32)
+    ref_loss, ref = grads_on((1, 1, 1), {}, tokens)
+    for mesh, layout in [((2, 2, 2), {}), ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}),
+                         ((1, 8, 1), {})]:
+        loss, grads = grads_on(mesh, layout, tokens)
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        assert grads.keys() == ref.keys()
+        for name, g in grads.items():
+            scale = np.abs(ref[name]).max()
+            np.testing.assert_allclose(g, ref[name], rtol=1e-5, atol=1e-5 * scale, err_msg=f"{name} on {mesh}")
+
+
+def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path):
+    """Dropout on: a (2, 2, 2) checkpoint resumes on (1, 1, 8) and an (8, 1, 1) one on (1, 4, 2), exactly."""
+    base = dict(hidden_dropout=0.1, attention_dropout=0.1, train_iters=6, save_interval=3)
+    for src, dst in [((2, 2, 2), (1, 1, 8)), ((8, 1, 1), (1, 4, 2))]:
+        ckpt = str(tmp_path / f"ckpt{src}")
+        full = train(cfg_for(src, {}, save=ckpt, **base), progress=False)
+        resumed = train(cfg_for(dst, {}, load=ckpt, ckpt_step=3, run_dir=str(tmp_path / f"resumed{dst}"), **base),
+                        progress=False)
+        np.testing.assert_allclose([resumed.losses[s] for s in (4, 5, 6)], [full.losses[s] for s in (4, 5, 6)],
+                                   rtol=1e-5, err_msg=f"{src} -> {dst}")
+
+
+def stage_argument_bytes(pp):
+    cfg = DEEP.replace(vocab_size=257, pipeline_model_parallel_size=pp, tensor_model_parallel_size=1,
+                       data_parallel_size=1, num_layers=8, hidden_size=128).validate(8)
+    trainer = Trainer(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
+    state = trainer.abstract_state()
+    tokens = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=trainer.batch_sharding)
+    compiled = jax.jit(trainer._train_step).lower(state, tokens).compile()
+    layer_share = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(state.params)["layers"]))
+    total = sum(x.size for x in jax.tree.leaves(state.params))
+    return compiled.memory_analysis().argument_size_in_bytes, layer_share / total
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_parameter_memory_per_device_falls_with_pipeline_size(pp):
+    """Parameters + Adam moments per device: the layer stack's share falls as 1 / p, the embeddings stay."""
+    one, layer_fraction = stage_argument_bytes(1)
+    many, _ = stage_argument_bytes(pp)
+    expected = (1 - layer_fraction) + layer_fraction / pp
+    assert many / one == pytest.approx(expected, rel=0.05)
+
+
+def test_layouts_parse():
+    assert parse_layout("E|tt|tt|L") == (0, 2, 2, 0)
+    assert parse_layout("Et*3|(tt|)*29,t|L") == (3,) + (2,) * 29 + (1, 0)
+    assert stage_layer_counts(10, 4, first=1, last=3) == (1, 3, 3, 3)
+    assert stage_layer_counts(8, 2) == (4, 4)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (dict(num_layers=6, pipeline_model_parallel_size=4), "--num-layers 6 is not divisible"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|(tt|L"), "unbalanced"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tL"), "--num-layers is 8"),
+    (dict(pipeline_model_parallel_size=4, pipeline_model_parallel_layout="Etttt|ttttL"), "has 2 stages"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*3|(tt|)*29,m|L"), "multi-token"),
+    (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tttt|ttttL"), "embedding E"),
+    (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=9), "does not split"),
+])
+def test_bad_pipeline_requests_fail_in_one_line(flags, needle):
+    with pytest.raises(ValueError, match=needle) as err:
+        DEEP.replace(**flags).validate(8)
+    assert "\n" not in str(err.value)
+
+
+def test_audit_reports_the_pipeline_shifts_and_megatron_all_reduces():
+    from mtx.audit import audit_config, audit_layer, audit_pipeline
+
+    b, s, h = 2, 32, 64
+    cfg = audit_config(hidden_size=h, num_attention_heads=8, seq_length=s, micro_batch_size=b,
+                       tensor_model_parallel_size=2, data_parallel_size=1, pipeline_model_parallel_size=4,
+                       num_microbatches=8, num_devices=8)
+    report = audit_pipeline(cfg)
+    ticks = 8 + 4 - 1
+    for phase in ("forward", "backward"):
+        assert report["per_step"][phase] == {"collective-permute pipeline": ticks, "elements_each": [b * s * h]}
+    assert report["schedule"]["ideal_bubble"] == pytest.approx(3 / 11)
+    # the stage's layers still do exactly Megatron's all-reduces
+    layer = audit_layer(cfg)
+    assert layer["by_axis"] == {"forward": {"all-reduce model": 2}, "backward": {"all-reduce model": 2}}
+    # no logits are gathered anywhere in the step
+    assert all(op["elements"] < b * s * cfg.model.padded_vocab_size // 2
+               for phase in ("forward", "backward") for op in report["ops"][phase] if op["kind"] == "all-gather")
+
+
+def test_recomputation_bounds_pipelined_activation_memory():
+    """GPipe keeps activations of M + P - 1 ticks; with full recomputation only each layer's (b, S, D) input."""
+    def temp_bytes(recompute):
+        cfg = DEEP.replace(vocab_size=257, pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
+                           data_parallel_size=1, seq_length=128, recompute_granularity=recompute).validate(8)
+        trainer = Trainer(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+        tokens = jax.ShapeDtypeStruct((16, 129), np.int32, sharding=trainer.batch_sharding)
+        compiled = jax.jit(trainer._train_step).lower(trainer.abstract_state(), tokens).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes("full") < 0.5 * temp_bytes(None)
