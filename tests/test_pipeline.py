@@ -20,6 +20,7 @@ MESHES = [
     ((2, 2, 2), {}),
     ((1, 4, 2), {}),
     ((1, 2, 4), {}),
+    ((2, 4, 1), {}),
     ((1, 8, 1), {}),
     ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}),
     ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3}),
