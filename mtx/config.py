@@ -221,7 +221,6 @@ class Config:
 
 
 FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-FIELD_TYPES = {f.name: f.type for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -8,7 +8,7 @@ import pytest
 
 from mtx.config import Config
 from mtx.data import GPTDataset, build_dataset, builtin_corpus, check_token_ids
-from mtx.tokenizer import ByteTokenizer, GPT2Tokenizer, build_tokenizer
+from mtx.data.tokenizer import ByteTokenizer, GPT2Tokenizer, build_tokenizer
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtx.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 SPLITS = ("train", "valid", "test")
 # Modules whose docstrings stand in for the built-in corpus where pydoc_data is not installed.

@@ -1,0 +1,46 @@
+"""Loading a trained model for evaluation, generation and conversion, on any mesh that fits it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from mtx.checkpoint import Checkpointer
+from mtx.config import Config
+from mtx.parallel.mesh import make_mesh
+from mtx.step import Trainer
+
+
+def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+               data_parallel_size: int = -1, ckpt_step: int | None = None, **overrides: Any):
+    """(trainer, params) of the checkpoint in `load` (latest step unless ckpt_step), laid out on a fresh mesh of the
+    given sizes. The model is the checkpoint's own; dropout is off; `overrides` may set other fields (e.g.
+    micro_batch_size, bf16). One-line ValueError for a missing checkpoint or a mesh that does not fit."""
+    ckpt = Checkpointer(load)
+    try:
+        step = ckpt.latest_step() if ckpt_step is None else ckpt_step
+        if step is None or step not in ckpt.steps():
+            raise ValueError(f"--load {load} holds no checkpoint{'' if step is None else f' at step {step}'}; "
+                             "pass a directory written by --save (or by `python -m mtx.convert from-hf`).")
+        cfg = ckpt.saved_config(step).replace(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size, data_parallel_size=data_parallel_size,
+            pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
+            num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,
+            load=None, save=None, **overrides)
+        cfg = _fit_batch(cfg).validate(len(jax.devices()))
+        p = cfg.parallel
+        trainer = Trainer(cfg, make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size,
+                                         p.tensor_model_parallel_size))
+        state = ckpt.restore(trainer.abstract_state(), cfg, step=step)
+    finally:
+        ckpt.close()
+    return trainer, state.params
+
+
+def _fit_batch(cfg: Config) -> Config:
+    """A global batch the new mesh can split (training's batch sizes do not matter for inference)."""
+    p, t = cfg.parallel, cfg.training
+    dp = cfg.data_parallel_size(len(jax.devices()))
+    return cfg.replace(global_batch_size=t.micro_batch_size * dp * max(p.pipeline_model_parallel_size, 1))
