@@ -1,14 +1,22 @@
 """mtx: Megatron-LM's tensor, pipeline and data parallelism as one SPMD program over a JAX mesh.
 
 The public names: the config schema, the mesh, the GPT model, the compiled train step and the training loop.
-The parallel building blocks (f, g, parallel layers, vocab-parallel loss) live in `mtx.parallel`.
+The parallel building blocks (f, g, parallel layers, vocab-parallel loss) live in `mtx.parallel`. Names load on
+first use, so `import mtx.data` (e.g. in a preprocessing worker) does not pay for JAX.
 """
 
-from mtx.config import Config, DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig, load_preset
-from mtx.models.gpt import GPT
-from mtx.parallel.mesh import make_mesh
-from mtx.run import train
-from mtx.step import Trainer, TrainState
+import importlib
 
-__all__ = ["Config", "DataConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "TrainingConfig",
-           "load_preset", "GPT", "make_mesh", "train", "Trainer", "TrainState"]
+_WHERE = {
+    "Config": "mtx.config", "DataConfig": "mtx.config", "ModelConfig": "mtx.config", "OptimizerConfig": "mtx.config",
+    "ParallelConfig": "mtx.config", "TrainingConfig": "mtx.config", "load_preset": "mtx.config",
+    "GPT": "mtx.models.gpt", "make_mesh": "mtx.parallel.mesh", "train": "mtx.run", "Trainer": "mtx.step",
+    "TrainState": "mtx.step",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'mtx' has no attribute {name!r}")

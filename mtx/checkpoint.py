@@ -57,8 +57,9 @@ class Checkpointer:
 def check_compatible(saved, current, directory) -> None:
     """Refuses to load a checkpoint of a different architecture, naming the first differing field."""
     for field in dataclasses.fields(saved):
-        if field.name in ("hidden_dropout", "attention_dropout", "label_smoothing"):
-            continue  # regularization may change on resume
+        if field.name in ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length",
+                          "init_method_std"):
+            continue  # regularization, training length and init do not shape a parameter
         a, b = getattr(saved, field.name), getattr(current, field.name)
         if a != b:
             raise ValueError(f"--load {directory} was saved with {field.name}={a!r} but this run has {b!r}; "

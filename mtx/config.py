@@ -129,9 +129,10 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: tuple[str, ...] = ()  # plain text files; empty means the built-in corpus
+    data_path: tuple[str, ...] = ()  # text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in
     vocab_file: str | None = None  # GPT-2 encoder.json (tokenizer for --data-path)
     merge_file: str | None = None  # GPT-2 vocab.bpe merges
+    tokenizer_type: str | None = None  # GPT2BPETokenizer | BertWordPieceLowerCase | byte; None: by the files given
     split: str = "949,50,1"  # train,valid,test weights of the token stream, as in Megatron
 
 

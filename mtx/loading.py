@@ -23,12 +23,13 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
         if step is None or step not in ckpt.steps():
             raise ValueError(f"--load {load} holds no checkpoint{'' if step is None else f' at step {step}'}; "
                              "pass a directory written by --save (or by `python -m mtx.convert from-hf`).")
+        fields = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
+                      num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0)
+        fields.update(overrides)
         cfg = ckpt.saved_config(step).replace(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size, data_parallel_size=data_parallel_size,
-            pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
-            num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,
-            load=None, save=None, **overrides)
+            load=None, save=None, **fields)
         cfg = _fit_batch(cfg).validate(len(jax.devices()))
         p = cfg.parallel
         trainer = Trainer(cfg, make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size,

@@ -8,7 +8,7 @@ import pytest
 
 from mtx.config import Config
 from mtx.data import GPTDataset, build_dataset, builtin_corpus, check_token_ids
-from mtx.data.tokenizer import ByteTokenizer, GPT2Tokenizer, build_tokenizer
+from mtx.data.tokenizer import BertWordPieceTokenizer, ByteTokenizer, GPT2Tokenizer, build_tokenizer
 
 
 @functools.cache
@@ -82,6 +82,86 @@ def test_missing_tokenizer_files_name_the_flag(tmp_path):
         build_tokenizer(str(tmp_path / "enc.json"), str(tmp_path / "nope.bpe"))
     with pytest.raises(ValueError, match="--vocab-file was given without --merge-file"):
         build_tokenizer(str(tmp_path / "enc.json"), None)
+
+
+def _gpt2_reference_encoder(folder):
+    """OpenAI's GPT-2 encoder.py (bytes_to_unicode, get_pairs, the BPE merge loop), written out independently."""
+    regex = pytest.importorskip("regex", reason="the reference GPT-2 encoder needs the `regex` module (\\p{L})")
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)  # 188 printable bytes keep their code point; the rest get 256, 257, ...
+    byte_encoder = dict(zip(bs, map(chr, cs)))
+    encoder = json.loads((folder / "gpt2" / "encoder.json").read_text())
+    merges = [tuple(m.split()) for m in (folder / "gpt2" / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:-1]]
+    ranks = dict(zip(merges, range(len(merges))))
+    pat = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+    @functools.cache
+    def bpe(token):
+        word = tuple(token)
+        while len(word) > 1:
+            pairs = {(a, b) for a, b in zip(word, word[1:])}
+            first, second = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+            if (first, second) not in ranks:
+                break
+            new, i = [], 0
+            while i < len(word):
+                if word[i] == first and i < len(word) - 1 and word[i + 1] == second:
+                    new.append(first + second)
+                    i += 2
+                else:
+                    new.append(word[i])
+                    i += 1
+            word = tuple(new)
+        return word
+
+    def encode(text):
+        return [encoder[piece] for token in pat.findall(text)
+                for piece in bpe("".join(byte_encoder[b] for b in token.encode("utf-8")))]
+    return encode
+
+
+def test_gpt2_tokenizer_equals_the_reference_bpe(shared_data):
+    reference, tok = _gpt2_reference_encoder(shared_data), _gpt2(shared_data)
+    assert reference("Hello world") == [15496, 995]
+    for name in ("wikitext-2/valid.txt", "tinyshakespeare/input.txt"):
+        text = (shared_data / name).read_text(encoding="utf-8")
+        for start in (0, len(text) // 2):
+            chunk = text[start:start + 4000]
+            assert tok.encode(chunk) == reference(chunk), name
+    odd = "  Zwölf Boxkämpfer, 'll they've 3.14 \t\n\n  naïve — 東京 🙂 end  "
+    assert tok.encode(odd) == reference(odd)
+
+
+def test_bert_wordpiece_hand_checked_ids(shared_data):
+    tok = build_tokenizer(str(shared_data / "bert" / "vocab.txt"), None, "BertWordPieceLowerCase")
+    assert isinstance(tok, BertWordPieceTokenizer) and tok.vocab_size == 30522
+    assert (tok.pad, tok.cls, tok.sep, tok.mask, tok.unk, tok.eod) == (0, 101, 102, 103, 100, 102)
+    assert tok.encode("Hello, world!") == [7592, 1010, 2088, 999]  # hello , world ! - no [CLS]/[SEP]
+    assert tok.tokenize("unaffable") == ["una", "##ffa", "##ble"]  # the BERT paper's example
+    assert tok.tokenize("Héllo CAFÉ\tnaïve") == ["hello", "cafe", "naive"]  # lower-cased, accents stripped
+    assert tok.tokenize("$5.00 東京") == ["$", "5", ".", "00", "東", "京"]  # punctuation and CJK split
+    assert tok.tokenize("x" * 101) == ["[UNK]"] and tok.encode("\u2603") == [100]  # too long; not in vocab
+    assert tok.decode(tok.encode("Unaffable people, really.")) == "unaffable people , really ."
+
+
+def test_tokenizer_type_choice_and_errors(shared_data, tmp_path):
+    vocab = str(shared_data / "bert" / "vocab.txt")
+    assert build_tokenizer(vocab, str(shared_data / "gpt2" / "vocab.bpe"), "byte").name == "byte"
+    with pytest.raises(ValueError, match="--tokenizer-type 'Bert' is unknown; use one of GPT2BPETokenizer"):
+        build_tokenizer(vocab, None, "Bert")
+    with pytest.raises(ValueError, match="BertWordPieceLowerCase needs --vocab-file"):
+        build_tokenizer(None, None, "BertWordPieceLowerCase")
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs --merge-file too"):
+        build_tokenizer(vocab, None, "GPT2BPETokenizer")
+    with pytest.raises(ValueError, match="or --tokenizer-type BertWordPieceLowerCase for BERT"):
+        build_tokenizer(vocab, None)
+    (tmp_path / "v.txt").write_text("a\nb\n[UNK]\n")
+    with pytest.raises(ValueError, match=r"has no \[PAD\], \[CLS\], \[SEP\], \[MASK\] line"):
+        build_tokenizer(str(tmp_path / "v.txt"), None, "BertWordPieceLowerCase")
 
 
 # --- corpus and id checks -----------------------------------------------------------------------------------------

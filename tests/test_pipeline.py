@@ -153,3 +153,18 @@ def test_recomputation_bounds_pipelined_activation_memory():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("full") < 0.5 * temp_bytes(None)
+
+
+def test_microbatches_not_divisible_by_stages():
+    """M = 6 on P = 4 stages: the loss share is padded with empty microbatches that count nothing."""
+    tokens = np.random.default_rng(1).integers(0, 257, (12, 33)).astype(np.int32)
+
+    def loss_on(pp):
+        cfg = DEEP.replace(vocab_size=257, global_batch_size=12, data_parallel_size=1, tensor_model_parallel_size=1,
+                           pipeline_model_parallel_size=pp).validate(8)
+        trainer = Trainer(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
+        state = trainer.init_state()
+        assert trainer.num_microbatches == 6
+        return float(jax.jit(trainer.loss_and_grads)(state.params, trainer.put_batch(tokens), state.step)[0])
+
+    assert loss_on(4) == pytest.approx(loss_on(1), rel=1e-6)

@@ -1,7 +1,13 @@
-"""Data: tokenizers, the built-in corpus, token datasets and their batches (the same global batch on every mesh)."""
+"""Data: tokenizers, the built-in corpus, token datasets (text, .npy, Megatron .bin/.idx), blends, and their batches
+(the same global batch on every mesh)."""
 
-from mtx.data.dataset import GPTDataset, build_dataset, builtin_corpus, check_token_ids
-from mtx.data.tokenizer import ByteTokenizer, GPT2Tokenizer, Tokenizer, build_tokenizer
+from mtx.data.blend import BlendedDataset
+from mtx.data.build import build_dataset, parse_data_path
+from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
+from mtx.data.indexed import IndexedDataset, IndexedDatasetWriter
+from mtx.data.tokenizer import (TOKENIZER_TYPES, BertWordPieceTokenizer, ByteTokenizer, GPT2Tokenizer, Tokenizer,
+                                build_tokenizer)
 
-__all__ = ["GPTDataset", "build_dataset", "builtin_corpus", "check_token_ids", "ByteTokenizer", "GPT2Tokenizer",
-           "Tokenizer", "build_tokenizer"]
+__all__ = ["BlendedDataset", "build_dataset", "parse_data_path", "GPTDataset", "builtin_corpus", "check_token_ids",
+           "IndexedDataset", "IndexedDatasetWriter", "TOKENIZER_TYPES", "BertWordPieceTokenizer", "ByteTokenizer",
+           "GPT2Tokenizer", "Tokenizer", "build_tokenizer"]

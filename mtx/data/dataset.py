@@ -1,19 +1,18 @@
-"""The token stream, its train/valid/test split, and the batches of every step.
+"""One token stream, its train/valid/test split, and the batches of every step.
 
 Batch k is a pure function of (tokens, seq_length, seed, k, batch_size): it never depends on how many devices
 exist, so the global batch of a step is the same on every mesh (DESIGN.md section 2) and resuming at step k
-needs no saved data state (data position = step).
+needs no saved data state (data position = step). Several streams are mixed by `mtx.data.blend`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from pathlib import Path
 
 import numpy as np
 
-from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from mtx.data.tokenizer import Tokenizer
 
 SPLITS = ("train", "valid", "test")
 # Modules whose docstrings stand in for the built-in corpus where pydoc_data is not installed.
@@ -48,6 +47,8 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, source: str) -> None:
     """Refuses ids outside [0, vocab_size): data tokenized with another vocabulary would index past the embedding."""
     if ids.size == 0:
         return
+    if np.issubdtype(ids.dtype, np.integer) and 0 <= np.iinfo(ids.dtype).min and np.iinfo(ids.dtype).max < vocab_size:
+        return  # every value of the dtype is a valid id (uint16 data for a 65,536+ vocabulary): skip the scan
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
@@ -61,23 +62,29 @@ class GPTDataset:
     Sample j of a split is its tokens [j S, j S + S + 1): windows overlap by one token so that every token but a
     split's last is a target once (input = w[:-1], target = w[1:], as in Megatron). The training samples are read
     in an infinite sequence of epochs, each a fresh permutation; valid and test are read in order, wrapping around.
+
+    With `doc_offsets` ((documents + 1,) token offsets, as an indexed dataset has), --split cuts between documents,
+    as Megatron does, instead of between tokens. `tokens` may be a memory map: it is never copied whole. `stream`
+    tells apart the training orders of the datasets of one blend, which share the seed.
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_length: int, split: str = "949,50,1", seed: int,
-                 tokenizer: Tokenizer):
-        tokens = np.asarray(tokens)
+                 tokenizer: Tokenizer, doc_offsets: np.ndarray | None = None, stream: int = 0,
+                 source: str = "the token stream"):
+        tokens = tokens if isinstance(tokens, np.memmap) else np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"the token stream must be a 1-D integer array, got {tokens.dtype} of shape "
                              f"{tokens.shape}.")
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}.")
-        check_token_ids(tokens, tokenizer.vocab_size, "the token stream")
-        self.tokens = tokens.astype(np.int32, copy=False)
-        self.seq_length = seq_length
-        self.seed = seed
-        self.tokenizer = tokenizer
+        check_token_ids(tokens, tokenizer.vocab_size, source)
+        self.tokens = tokens if isinstance(tokens, np.memmap) else tokens.astype(np.int32, copy=False)
+        self.seq_length, self.seed, self.stream, self.tokenizer = seq_length, seed, stream, tokenizer
         weights = _parse_split(split)
-        bounds = _split_bounds(weights, len(self.tokens))
+        if doc_offsets is None:
+            bounds = _split_bounds(weights, len(self.tokens))
+        else:
+            bounds = [int(doc_offsets[b]) for b in _split_bounds(weights, len(doc_offsets) - 1)]
         self._parts = {name: self.tokens[bounds[i]:bounds[i + 1]] for i, name in enumerate(SPLITS)}
         self._weights = dict(zip(SPLITS, weights))
         self._perm, self._perm_epoch = np.empty(0, np.int64), -1  # the last epoch's training order
@@ -97,12 +104,15 @@ class GPTDataset:
 
     def batch(self, split: str, index: int, batch_size: int) -> np.ndarray:
         """(batch_size, seq_length + 1) int32: samples index*batch_size ... (index+1)*batch_size - 1 of the split."""
+        if index < 0 or batch_size < 1:
+            raise ValueError(f"batch index must be >= 0 and batch size >= 1, got {index} and {batch_size}.")
+        return self.samples(split, index * batch_size + np.arange(batch_size, dtype=np.int64))
+
+    def samples(self, split: str, position: np.ndarray) -> np.ndarray:
+        """(len(position), seq_length + 1) int32: the samples at these places of the split's infinite sequence."""
         part, n = self._part(split), self.num_samples(split)
         if n == 0:
             raise ValueError(self._too_small(split))
-        if index < 0 or batch_size < 1:
-            raise ValueError(f"batch index must be >= 0 and batch size >= 1, got {index} and {batch_size}.")
-        position = index * batch_size + np.arange(batch_size, dtype=np.int64)  # in the infinite epoch sequence
         epoch, within = np.divmod(position, n)
         if split == "train":
             # A batch spans at most a few epochs (two unless batch_size > n); each epoch's order is drawn once.
@@ -112,13 +122,14 @@ class GPTDataset:
         else:
             sample = within
         starts = sample * self.seq_length
-        return part[starts[:, None] + np.arange(self.seq_length + 1)]
+        return np.asarray(part[starts[:, None] + np.arange(self.seq_length + 1)], dtype=np.int32)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         # Seeded by (seed, epoch, split) alone, so any epoch's order can be recomputed on resume without replaying
         # earlier ones. Cached: consecutive batches almost always share an epoch.
         if self._perm_epoch != epoch:
-            rng = np.random.default_rng((self.seed, epoch, SPLITS.index("train")))
+            key = (self.seed, epoch, SPLITS.index("train")) + ((self.stream,) if self.stream else ())
+            rng = np.random.default_rng(key)
             self._perm, self._perm_epoch = rng.permutation(self.num_samples("train")), epoch
         return self._perm
 
@@ -134,54 +145,6 @@ class GPTDataset:
         return (f"the {split} split holds {self.num_tokens(split)} tokens, fewer than one sequence of "
                 f"--seq-length {self.seq_length} + 1; use a shorter --seq-length, more data (--data-path), or a "
                 "larger --split share for it.")
-
-
-def build_dataset(cfg) -> GPTDataset:
-    """The dataset of a `mtx.config.Config`: its --data-path files (or the built-in corpus) and tokenizer.
-
-    Text files are tokenized whole; `.npy` files hold already-tokenized 1-D integer arrays. Files are joined
-    with the tokenizer's end-of-document token between them, so no sample silently runs across a boundary
-    without the model seeing where one document ended.
-    """
-    data = cfg.data
-    if not data.data_path:
-        tokenizer: Tokenizer = ByteTokenizer()
-        tokens = _tokenize(tokenizer, builtin_corpus())
-    else:
-        tokenizer = build_tokenizer(data.vocab_file, data.merge_file)
-        parts = []
-        for i, path in enumerate(data.data_path):
-            if i:
-                parts.append(np.array([tokenizer.eod], np.int32))
-            parts.append(_load(Path(path), tokenizer))
-        tokens = np.concatenate(parts)
-    return GPTDataset(tokens, seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed,
-                      tokenizer=tokenizer)
-
-
-def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
-    if not path.is_file():
-        raise ValueError(f"--data-path {path}: no such file; pass plain-text or .npy token files, or omit "
-                         "--data-path to train on the built-in corpus.")
-    if path.suffix == ".npy":
-        ids = np.load(path, allow_pickle=False)
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"--data-path {path} holds a {ids.dtype} array of shape {ids.shape}; a .npy data "
-                             "file must be a 1-D integer array of token ids.")
-        check_token_ids(ids, tokenizer.vocab_size, f"--data-path {path}")
-        return ids.astype(np.int32)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass plain "
-                         "UTF-8 text or a .npy array of token ids.") from None
-    return _tokenize(tokenizer, text)
-
-
-def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:
-    if isinstance(tokenizer, ByteTokenizer):  # a view of the bytes; skips a Python int per byte
-        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    return np.asarray(tokenizer.encode(text), np.int32)
 
 
 def _parse_split(split: str) -> list[float]:

@@ -1,13 +1,16 @@
-"""Tokenizers: a byte-level one that needs no files, and GPT-2 BPE built with tiktoken from local vocab files.
+"""Tokenizers: a byte-level one that needs no files, GPT-2 BPE built with tiktoken from local vocab files, and
+BERT's uncased WordPiece from a local `vocab.txt`.
 
 Nothing here downloads: `tiktoken.get_encoding("gpt2")` fetches its files from the internet, so GPT-2's BPE is
 assembled from the user's own `encoder.json` (`--vocab-file`) and `vocab.bpe` (`--merge-file`) instead.
+The type names are Megatron's `--tokenizer-type` values.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -15,6 +18,7 @@ from typing import Iterable, Protocol
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _ENDOFTEXT = "<|endoftext|>"
 _FIX = "pass GPT-2's encoder.json and vocab.bpe"
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "byte")
 
 
 class Tokenizer(Protocol):
@@ -91,21 +95,128 @@ class GPT2Tokenizer:
         return self._enc.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], errors="replace")
 
 
-def build_tokenizer(vocab_file: str | None, merge_file: str | None) -> Tokenizer:
-    """The byte tokenizer when neither file is given, GPT-2 BPE when both are; raises ValueError otherwise."""
-    if vocab_file is None and merge_file is None:
+class BertWordPieceTokenizer:
+    """BERT's uncased WordPiece (Megatron's BertWordPieceLowerCase) from a local `vocab.txt`: ids are line numbers.
+
+    Text is cleaned, lower-cased, stripped of accents and split on whitespace and punctuation (BERT's
+    BasicTokenizer); each word is then cut greedily into the longest vocabulary pieces, continuations marked `##`,
+    and a word with no such cut becomes [UNK]. No [CLS]/[SEP] are added: the BERT data pipeline places them.
+    `eod` is [SEP], the token that separates segments in BERT's inputs.
+    """
+
+    name = "bert-wordpiece-lowercase"
+    max_word_chars = 100  # longer "words" are [UNK], as in BERT
+
+    def __init__(self, vocab_file: str | Path):
+        raw = _read(str(vocab_file), "--vocab-file", "BERT's vocab.txt")
+        try:
+            tokens = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"--vocab-file {vocab_file} is not UTF-8 text; pass BERT's vocab.txt.") from None
+        self.vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # the first line of a duplicate wins
+        self.inv_vocab = tokens
+        missing = [t for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.vocab]
+        if missing:
+            raise ValueError(f"--vocab-file {vocab_file} has no {', '.join(missing)} line, so it is not a BERT "
+                             "WordPiece vocab.txt; pass BERT's vocab.txt (one token a line).")
+        self.vocab_size = len(tokens)
+        self.pad, self.unk, self.cls, self.sep, self.mask = (
+            self.vocab[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"))
+        self.eod = self.sep
+
+    def tokenize(self, text: str) -> list[str]:
+        return [piece for word in _basic_tokenize(text) for piece in self._wordpiece(word)]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab[piece] for piece in self.tokenize(text)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        text = " ".join(self.inv_vocab[int(i)] for i in ids if 0 <= int(i) < self.vocab_size)
+        return text.replace(" ##", "").replace("##", "")
+
+    def _wordpiece(self, word: str) -> list[str]:
+        # Greedy longest-match-first: the longest prefix in the vocabulary, then the longest "##" continuation.
+        if len(word) > self.max_word_chars:
+            return ["[UNK]"]
+        pieces, start = [], 0
+        while start < len(word):
+            for end in range(len(word), start, -1):
+                piece = word[start:end] if start == 0 else "##" + word[start:end]
+                if piece in self.vocab:
+                    break
+            else:
+                return ["[UNK]"]
+            pieces.append(piece)
+            start = end
+        return pieces
+
+
+def _basic_tokenize(text: str) -> list[str]:
+    """BERT's BasicTokenizer(do_lower_case=True): clean, space out CJK, lower-case, strip accents, split punctuation."""
+    chars = []
+    for ch in text:
+        cp = ord(ch)
+        if cp == 0 or cp == 0xFFFD or (unicodedata.category(ch).startswith("C") and ch not in "\t\n\r"):
+            continue
+        if _is_cjk(cp):
+            chars += [" ", ch, " "]
+        else:
+            chars.append(" " if ch.isspace() else ch)
+    words = []
+    for word in "".join(chars).split():
+        word = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
+        current = ""
+        for ch in word:
+            if _is_punctuation(ch):
+                words += [current, ch] if current else [ch]
+                current = ""
+            else:
+                current += ch
+        if current:
+            words.append(current)
+    return words
+
+
+def _is_punctuation(ch: str) -> bool:
+    # BERT counts every non-alphanumeric ASCII character as punctuation ("$", "^", "`"), plus Unicode P* classes.
+    cp = ord(ch)
+    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or \
+        unicodedata.category(ch).startswith("P")
+
+
+def _is_cjk(cp: int) -> bool:
+    return any(lo <= cp <= hi for lo, hi in ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF),
+                                             (0x2A700, 0x2B73F), (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF),
+                                             (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)))
+
+
+def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_type: str | None = None) -> Tokenizer:
+    """The tokenizer named by `tokenizer_type` (Megatron's --tokenizer-type names, see TOKENIZER_TYPES).
+
+    Without a type: the byte tokenizer when neither file is given, GPT-2 BPE when both are; ValueError otherwise.
+    """
+    if tokenizer_type is not None and tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {tokenizer_type!r} is unknown; use one of {', '.join(TOKENIZER_TYPES)}.")
+    if tokenizer_type == "byte" or (tokenizer_type is None and vocab_file is None and merge_file is None):
         return ByteTokenizer()
+    if tokenizer_type == "BertWordPieceLowerCase":
+        if vocab_file is None:
+            raise ValueError("--tokenizer-type BertWordPieceLowerCase needs --vocab-file (BERT's vocab.txt).")
+        return BertWordPieceTokenizer(vocab_file)
     if vocab_file is None or merge_file is None:
         given, missing = ("--vocab-file", "--merge-file") if merge_file is None else ("--merge-file", "--vocab-file")
-        raise ValueError(f"{given} was given without {missing}; pass both (GPT-2's encoder.json and vocab.bpe) "
-                         "or neither (byte-level tokenizer).")
+        if tokenizer_type is None:
+            raise ValueError(f"{given} was given without {missing}; pass both (GPT-2's encoder.json and vocab.bpe), "
+                             "neither (byte-level tokenizer), or --tokenizer-type BertWordPieceLowerCase for BERT.")
+        raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {missing} too; pass GPT-2's encoder.json and "
+                         "vocab.bpe.")
     return GPT2Tokenizer(vocab_file, merge_file)
 
 
-def _read(path: str, flag: str) -> bytes:
+def _read(path: str, flag: str, what: str | None = None) -> bytes:
     if not Path(path).is_file():
-        what = "encoder.json" if flag == "--vocab-file" else "vocab.bpe"
-        raise ValueError(f"{flag} {path}: no such file; pass the path to GPT-2's {what} (or drop --vocab-file and "
+        what = what or ("GPT-2's encoder.json" if flag == "--vocab-file" else "GPT-2's vocab.bpe")
+        raise ValueError(f"{flag} {path}: no such file; pass the path to {what} (or drop --vocab-file and "
                          "--merge-file to use the byte-level tokenizer).")
     return Path(path).read_bytes()
 

@@ -13,15 +13,21 @@ from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import model_rank
 
 
-def vocab_parallel_cross_entropy(logits_BSV, targets_BS, *, label_smoothing: float = 0.0):
+def vocab_parallel_cross_entropy(logits_BSV, targets_BS, *, label_smoothing: float = 0.0,
+                                 vocab_size: int | None = None):
     """Per-token loss (B, S), replicated over "model", from this rank's logits slice (B, S, V / tp).
 
     loss = log sum_v exp(z_v - m) - (z_t - m), with m = max_v z_v taken over all ranks. The gradient is
     softmax - onehot on each rank's slice with no further communication: the transpose of each psum under
-    check_vma is a cast, not a second all-reduce.
+    check_vma is a cast, not a second all-reduce. With `vocab_size`, the padding columns (global ids >= vocab_size)
+    are no tokens and take no probability (a converted GPT-2 has zero rows there, i.e. logits of 0 that would
+    otherwise outweigh real tokens' negative logits).
     """
     z = logits_BSV.astype(jnp.float32)
     v_local = z.shape[-1]
+    if vocab_size is not None:
+        real_V = model_rank() * v_local + jnp.arange(v_local) < vocab_size
+        z = jnp.where(real_V, z, -jnp.inf)
     # The shift cancels in the loss, so it carries no gradient (pmax has none to give).
     m_BS = jax.lax.pmax(jax.lax.stop_gradient(z.max(-1)), MODEL)
     z = z - m_BS[..., None]
@@ -33,8 +39,9 @@ def vocab_parallel_cross_entropy(logits_BSV, targets_BS, *, label_smoothing: flo
     log_z_BS = jnp.log(sum_exp_BS)
     loss_BS = log_z_BS - target_BS
     if label_smoothing:
-        # Smoothed target: (1 - eps) on the label, eps spread uniformly over the V entries.
-        vocab = v_local * jax.lax.axis_size(MODEL)
-        mean_z_BS = jax.lax.psum(z.sum(-1), MODEL) / vocab
+        # Smoothed target: (1 - eps) on the label, eps spread uniformly over the V real entries.
+        vocab = vocab_size or v_local * jax.lax.axis_size(MODEL)
+        z_real = z if vocab_size is None else jnp.where(real_V, z, 0.0)
+        mean_z_BS = jax.lax.psum(z_real.sum(-1), MODEL) / vocab
         loss_BS = (1.0 - label_smoothing) * loss_BS + label_smoothing * (log_z_BS - mean_z_BS)
     return loss_BS

@@ -1,0 +1,283 @@
+"""Hugging Face GPT-2 <-> mtx checkpoints, so published weights can be fine-tuned, evaluated and shared back.
+
+    python -m mtx.convert from-hf --hf-dir DIR --save CKPT [--seed N]   # config.json + model.safetensors -> orbax
+    python -m mtx.convert to-hf --load CKPT --hf-dir OUT [--ckpt-step N]  # -> GPT2LMHeadModel directory
+
+The two models compute the same function; only layouts differ. HF's Conv1D stores weights (in, out), as mtx's
+`kernel` does, so linears copy straight across. Two things move: the fused QKV columns, which HF orders [q | k | v]
+(each block (N, H)) and mtx orders (N, 3, H) so that a contiguous split over "model" gives each rank whole heads; and
+the vocabulary, which mtx pads to a multiple of 1024 with zero rows (`ModelConfig.padded_vocab_size`). Per-layer
+tensors `h.{i}.*` are stacked on mtx's leading L axis. `from-hf` writes a full TrainState at step 0 with a fresh
+optimizer state, so `train.py --load`, eval.py and `mtx.loading.load_model` all read it. Local directories only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mtx.config import Config, ModelConfig
+
+PREFIX = "transformer."
+# HF name inside block h.{i} -> mtx name under `layers` (stacked over L).
+LAYER_MAP = {
+    "ln_1.weight": "ln1.scale", "ln_1.bias": "ln1.bias",
+    "attn.c_attn.weight": "attention.qkv.kernel", "attn.c_attn.bias": "attention.qkv.bias",
+    "attn.c_proj.weight": "attention.proj.kernel", "attn.c_proj.bias": "attention.proj.bias",
+    "ln_2.weight": "ln2.scale", "ln_2.bias": "ln2.bias",
+    "mlp.c_fc.weight": "mlp.fc1.kernel", "mlp.c_fc.bias": "mlp.fc1.bias",
+    "mlp.c_proj.weight": "mlp.fc2.kernel", "mlp.c_proj.bias": "mlp.fc2.bias",
+}
+GLOBAL_MAP = {"wte.weight": "embedding.embedding", "wpe.weight": "position_embeddings",
+              "ln_f.weight": "final_layernorm.scale", "ln_f.bias": "final_layernorm.bias"}
+# gelu_pytorch_tanh is the same tanh approximation as gelu_new (and as mtx's jax.nn.gelu(approximate=True)).
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+# ---- config ----
+def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
+    """GPT-2 config.json -> an mtx Config with the same architecture (TP 1; other sizes are chosen at load)."""
+    act = hf.get("activation_function", "gelu_new")
+    _check(hf.get("model_type", "gpt2") == "gpt2",
+           f"config.json has model_type {hf.get('model_type')!r}; only GPT-2 (model_type gpt2) converts.")
+    _check(act in TANH_GELUS, f"config.json has activation_function {act!r} but mtx uses the tanh GeLU; "
+           "convert only gelu_new models.")
+    _check(hf.get("scale_attn_weights", True) and not hf.get("scale_attn_by_inverse_layer_idx", False),
+           "config.json changes the attention scale (scale_attn_weights / scale_attn_by_inverse_layer_idx); "
+           "mtx supports only 1/sqrt(head dim).")
+    _check(not hf.get("add_cross_attention", False), "config.json adds cross-attention; mtx GPT has none.")
+    _check(hf.get("tie_word_embeddings", True), "config.json has tie_word_embeddings false; mtx ties lm_head "
+           "to wte, so only tied models convert.")
+    values = dict(
+        num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner"), seq_length=hf["n_positions"], max_position_embeddings=hf["n_positions"],
+        vocab_size=hf["vocab_size"], hidden_dropout=hf.get("resid_pdrop", 0.1),  # mtx uses it for embd_pdrop too
+        attention_dropout=hf.get("attn_pdrop", 0.1), layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        init_method_std=hf.get("initializer_range", 0.02), tensor_model_parallel_size=1)
+    if seed is not None:
+        values["seed"] = seed
+    return Config().replace(**values).validate()
+
+
+def config_to_hf(m: ModelConfig) -> dict:
+    """An mtx ModelConfig -> the config.json of the equivalent GPT2LMHeadModel."""
+    eos = min(50256, m.vocab_size - 1)
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
+        "vocab_size": m.vocab_size, "n_positions": m.max_positions, "n_ctx": m.max_positions,
+        "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
+        "n_inner": None if m.ffn_size == 4 * m.hidden_size else m.ffn_size,
+        "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
+        "layer_norm_epsilon": m.layernorm_epsilon, "initializer_range": m.init_method_std,
+        "summary_type": "cls_index", "summary_use_proj": True, "summary_activation": None,
+        "summary_proj_to_labels": True, "summary_first_dropout": 0.1,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": True,
+        "dtype": "float32",
+    }
+
+
+# ---- tensors ----
+def _qkv_from_hf(x, n_heads: int):
+    """(..., 3D) columns [q | k | v], each (N, H) -> mtx's (N, 3, H) order."""
+    lead = x.shape[:-1]
+    return x.reshape(*lead, 3, n_heads, -1).swapaxes(-3, -2).reshape(*lead, -1)
+
+
+def _qkv_to_hf(x, n_heads: int):
+    """(..., 3D) columns in mtx's (N, 3, H) order -> HF's [q | k | v]."""
+    lead = x.shape[:-1]
+    return x.reshape(*lead, n_heads, 3, -1).swapaxes(-3, -2).reshape(*lead, -1)
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
+    """HF state dict (with or without the `transformer.` prefix) -> flat mtx params {dotted name: float32 array}."""
+    t = {k.removeprefix(PREFIX): np.asarray(v, np.float32) for k, v in tensors.items()}
+    lm_head = t.pop("lm_head.weight", None)
+    for k in [k for k in t if k.endswith((".attn.bias", ".attn.masked_bias"))]:
+        del t[k]  # h.{i}.attn.bias / masked_bias: causal-mask buffers of older HF versions, not weights
+    if lm_head is not None and "wte.weight" in t:
+        _check(lm_head.shape == t["wte.weight"].shape and np.array_equal(lm_head, t["wte.weight"]),
+               "lm_head.weight differs from transformer.wte.weight; mtx ties the output layer, so only tied "
+               "GPT-2 models convert.")
+    out = {}
+    for hf_name, name in GLOBAL_MAP.items():
+        out[name] = _take(t, hf_name)
+    for hf_name, name in LAYER_MAP.items():
+        out["layers." + name] = np.stack([_take(t, f"h.{i}.{hf_name}") for i in range(m.num_layers)])
+    _check(not t, f"unexpected tensors in the checkpoint ({', '.join(sorted(t)[:3])}); is it a GPT-2 with "
+           f"n_layer {m.num_layers}?")
+    for k in ("layers.attention.qkv.kernel", "layers.attention.qkv.bias"):
+        out[k] = _qkv_from_hf(out[k], m.num_attention_heads)
+    wte = out["embedding.embedding"]
+    out["embedding.embedding"] = np.concatenate(  # padded rows are zero: no token maps there
+        [wte, np.zeros((m.padded_vocab_size - wte.shape[0], wte.shape[1]), np.float32)])
+    return out
+
+
+def params_to_hf(params: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
+    """Flat mtx params -> a GPT2LMHeadModel state dict (Conv1D layout, unpadded vocab, lm_head tied so omitted)."""
+    p = {k: np.asarray(v, np.float32) for k, v in params.items()}
+    for k in ("layers.attention.qkv.kernel", "layers.attention.qkv.bias"):
+        p[k] = _qkv_to_hf(p[k], m.num_attention_heads)
+    p["embedding.embedding"] = p["embedding.embedding"][:m.vocab_size]
+    out = {PREFIX + hf_name: p[name] for hf_name, name in GLOBAL_MAP.items()}
+    for hf_name, name in LAYER_MAP.items():
+        for i in range(m.num_layers):
+            out[f"{PREFIX}h.{i}.{hf_name}"] = p["layers." + name][i]
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _take(t: dict, name: str) -> np.ndarray:
+    _check(name in t, f"the checkpoint has no tensor {name!r}; pass a GPT-2 (GPT2LMHeadModel) directory.")
+    return t.pop(name)
+
+
+# ---- files ----
+def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config.json dict, tensors) of a local HF GPT-2 directory: model.safetensors (sharded or not), else
+    pytorch_model.bin when torch is installed."""
+    d = Path(hf_dir)
+    _check(d.is_dir(), f"--hf-dir {d}: no such directory; pass a local Hugging Face GPT-2 directory.")
+    _check((d / "config.json").is_file(), f"--hf-dir {d} has no config.json; pass a Hugging Face model directory.")
+    hf = json.loads((d / "config.json").read_text())
+    index = d / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else ["model.safetensors"] if (d / "model.safetensors").is_file() else [])
+    if files:
+        from safetensors.numpy import load_file
+
+        tensors = {k: v for f in files for k, v in load_file(d / f).items()}
+    elif (d / "pytorch_model.bin").is_file():
+        try:
+            import torch
+        except ImportError:
+            raise ValueError(f"--hf-dir {d} holds only pytorch_model.bin and torch is not installed; install torch "
+                             "or re-save the model with safetensors.") from None
+        state = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        tensors = {k: v.float().numpy() for k, v in state.items()}
+    else:
+        raise ValueError(f"--hf-dir {d} has neither model.safetensors nor pytorch_model.bin; pass a directory "
+                         "written by save_pretrained.")
+    return hf, tensors
+
+
+def _state_with_params(trainer, flat: dict[str, np.ndarray]):
+    """A step-0 TrainState holding `flat` params, a fresh optimizer state and loss scale, in the mesh's shardings."""
+    import jax
+    import jax.numpy as jnp
+
+    from mtx.optim import LossScale
+    from mtx.step import TrainState
+
+    target = trainer.abstract_state()
+
+    def place(path, leaf):
+        name = _param_name(path)
+        _check(flat[name].shape == leaf.shape, f"tensor {name} has shape {flat[name].shape} but the config "
+               f"expects {leaf.shape}; check config.json against the weights.")
+        return jax.device_put(flat[name].astype(leaf.dtype), leaf.sharding)
+
+    params = jax.tree_util.tree_map_with_path(place, target.params)
+    opt_state = jax.jit(trainer.optimizer.init, out_shardings=jax.tree.map(lambda s: s.sharding,
+                                                                          target.opt_state))(params)
+    loss_scale = jax.device_put(LossScale.create(trainer.cfg.training), target.loss_scale.scale.sharding)
+    return TrainState(jax.device_put(jnp.asarray(0, jnp.int32), target.step.sharding), params, opt_state, loss_scale)
+
+
+def _param_name(path) -> str:
+    """A params tree path (['layers']['ln1']['scale'].value) -> 'layers.ln1.scale'."""
+    return ".".join(str(k.key) for k in path if hasattr(k, "key"))
+
+
+def from_hf(hf_dir: str | Path, save: str | Path, *, seed: int | None = None) -> Config:
+    """Converts a local HF GPT-2 directory into an mtx checkpoint (step 0) in `save`; returns its Config."""
+    import jax
+
+    from mtx.checkpoint import Checkpointer
+    from mtx.parallel.mesh import make_mesh
+    from mtx.step import Trainer
+
+    _check_fresh(save, "--save", "checkpoint")
+    hf, tensors = read_hf(hf_dir)
+    cfg = config_from_hf(hf, seed=seed)
+    flat = params_from_hf(tensors, cfg.model)
+    trainer = Trainer(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    ckpt = Checkpointer(save)
+    try:
+        ckpt.save(_state_with_params(trainer, flat), cfg)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    return cfg
+
+
+def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None) -> None:
+    """Writes the mtx checkpoint in `load` as a GPT2LMHeadModel directory (config.json + model.safetensors)."""
+    import jax
+    from safetensors.numpy import save_file
+
+    from mtx.checkpoint import Checkpointer, is_checkpoint_dir
+    from mtx.loading import load_model
+
+    _check_fresh(hf_dir, "--hf-dir", "model directory")
+    _check(is_checkpoint_dir(load), f"--load {load} holds no checkpoint; pass a directory written by --save or "
+           "by from-hf.")
+    trainer, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=ckpt_step)
+    ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
+    try:
+        model_cfg = ckpt.saved_config(ckpt_step if ckpt_step is not None else ckpt.latest_step()).model
+    finally:
+        ckpt.close()
+    flat = {_param_name(path): np.asarray(jax.device_get(leaf))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    out = Path(hf_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(params_to_hf(flat, model_cfg), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config_to_hf(model_cfg), indent=2) + "\n")
+
+
+def _check_fresh(path: str | Path, flag: str, what: str) -> None:
+    p = Path(path)
+    _check(not (p.exists() and (not p.is_dir() or any(p.iterdir()))),
+           f"{flag} {p} already exists and is not empty; choose a new {what} directory.")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mtx.convert", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("from-hf", help="Hugging Face GPT-2 directory -> mtx checkpoint")
+    a.add_argument("--hf-dir", required=True, help="local directory with config.json and model.safetensors")
+    a.add_argument("--save", required=True, help="new mtx checkpoint directory")
+    a.add_argument("--seed", type=int, default=None, help="training seed stored in the checkpoint's config")
+    b = sub.add_parser("to-hf", help="mtx checkpoint -> Hugging Face GPT2LMHeadModel directory")
+    b.add_argument("--load", required=True, help="mtx checkpoint directory")
+    b.add_argument("--hf-dir", required=True, help="new output directory")
+    b.add_argument("--ckpt-step", type=int, default=None, help="step to convert (default: latest)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "from-hf":
+            cfg = from_hf(args.hf_dir, args.save, seed=args.seed)
+            m = cfg.model
+            print(f"wrote {args.save}: GPT-2 L={m.num_layers} D={m.hidden_size} N={m.num_attention_heads} "
+                  f"V={m.vocab_size} (padded {m.padded_vocab_size}), step 0")
+        else:
+            to_hf(args.load, args.hf_dir, ckpt_step=args.ckpt_step)
+            print(f"wrote {args.hf_dir}: config.json + model.safetensors")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`build_dataset(cfg)`: the --data-path entries (text, .npy, Megatron .bin/.idx prefixes, weighted blends) as one
+dataset with the `GPTDataset` batch API.
+
+--data-path forms, as Megatron's:
+  a.txt b.npy            one corpus: the files joined with end-of-document tokens, split by tokens
+  PREFIX                 an indexed dataset (PREFIX.bin + PREFIX.idx), split between documents
+  0.7 PREFIX_A 0.3 b.txt a blend: weight then path, weights normalized; each entry one dataset
+Unweighted lists that hold indexed prefixes blend every prefix (and the text/.npy files as one corpus) in
+proportion to their tokens, which reads them like one concatenated corpus.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from mtx.data.blend import BlendedDataset
+from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
+from mtx.data.indexed import IndexedDataset, is_indexed_prefix
+from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+
+
+def build_dataset(cfg) -> GPTDataset | BlendedDataset:
+    """The dataset of a `mtx.config.Config`: its --data-path entries (or the built-in corpus) and tokenizer."""
+    data = cfg.data
+    common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed)
+    if not data.data_path:
+        return GPTDataset(_tokenize(ByteTokenizer(), builtin_corpus()), tokenizer=ByteTokenizer(), **common)
+    tokenizer = build_tokenizer(data.vocab_file, data.merge_file, getattr(data, "tokenizer_type", None))
+    weights, paths = parse_data_path(data.data_path)
+    if weights is None:
+        prefixes = [p for p in paths if _prefix(p)]
+        files = [p for p in paths if not _prefix(p)]
+        if not prefixes:
+            return _files_dataset(files, tokenizer, stream=0, **common)
+        datasets = [_indexed_dataset(_prefix(p), tokenizer, stream=i + 1, **common) for i, p in enumerate(prefixes)]
+        if files:
+            datasets.append(_files_dataset(files, tokenizer, stream=len(datasets) + 1, **common))
+        weights = [len(ds.tokens) for ds in datasets]
+    else:
+        datasets = [_indexed_dataset(_prefix(p), tokenizer, stream=i + 1, **common) if _prefix(p)
+                    else _files_dataset([p], tokenizer, stream=i + 1, **common) for i, p in enumerate(paths)]
+    return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights)
+
+
+def parse_data_path(entries) -> tuple[list[float] | None, list[str]]:
+    """Megatron's --data-path: paths, or "weight path weight path ..." (weights not yet normalized)."""
+    entries = [str(e) for e in entries]
+    if not _is_number(entries[0]) or Path(entries[0]).exists():
+        return None, entries
+    if len(entries) % 2 or not all(_is_number(w) for w in entries[::2]):
+        raise ValueError(f"--data-path {' '.join(entries)} starts with a weight, so it must alternate weight and "
+                         "path, e.g. --data-path 0.7 a 0.3 b.")
+    return [float(w) for w in entries[::2]], entries[1::2]
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _prefix(path: str) -> str | None:
+    """The indexed-dataset prefix PATH names (PATH, or PATH without .bin/.idx), or None for a plain file."""
+    for prefix in (path, path[:-4] if path.endswith((".bin", ".idx")) else None):
+        if prefix and not Path(prefix).is_file() and is_indexed_prefix(prefix):
+            return prefix
+    return None
+
+
+def _indexed_dataset(prefix: str, tokenizer: Tokenizer, **kw) -> GPTDataset:
+    ds = IndexedDataset(prefix)  # the vocabulary check is GPTDataset's (one pass, skipped when the dtype fits)
+    return GPTDataset(ds.tokens, tokenizer=tokenizer, doc_offsets=ds.document_token_offsets(),
+                      source=f"--data-path {prefix}.bin", **kw)
+
+
+def _files_dataset(paths: list[str], tokenizer: Tokenizer, **kw) -> GPTDataset:
+    """Text and .npy files joined with the end-of-document token, so no sample runs across a file boundary
+    without the model seeing where one document ended."""
+    parts = []
+    for i, path in enumerate(paths):
+        if i:
+            parts.append(np.array([tokenizer.eod], np.int32))
+        parts.append(_load(Path(path), tokenizer))
+    return GPTDataset(np.concatenate(parts), tokenizer=tokenizer, **kw)
+
+
+def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
+    if not path.is_file():
+        raise ValueError(f"--data-path {path}: no such file or indexed dataset (PATH.bin + PATH.idx); pass text, "
+                         ".npy or indexed-dataset prefixes, or omit --data-path to train on the built-in corpus.")
+    if path.suffix == ".npy":
+        ids = np.load(path, allow_pickle=False)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"--data-path {path} holds a {ids.dtype} array of shape {ids.shape}; a .npy data "
+                             "file must be a 1-D integer array of token ids.")
+        check_token_ids(ids, tokenizer.vocab_size, f"--data-path {path}")
+        return ids.astype(np.int32)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass plain "
+                         "UTF-8 text, a .npy array of token ids, or an indexed-dataset prefix.") from None
+    return _tokenize(tokenizer, text)
+
+
+def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):  # a view of the bytes; skips a Python int per byte
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    return np.asarray(tokenizer.encode(text), np.int32)

@@ -1,0 +1,146 @@
+"""`python -m mtx.data.preprocess`: text -> Megatron indexed dataset (PREFIX_KEY_document.bin/.idx).
+
+Megatron's tools/preprocess_data.py in spirit: JSONL inputs (`.jsonl`/`.json`) are one document a line, each
+`--json-keys` field (default "text") written to its own dataset; any other file is one document of plain text;
+`--tfds NAME[:split]` reads a TensorFlow Datasets split. `--append-eod` ends every document with the tokenizer's
+end-of-document id, so samples that cross documents show the boundary. Empty documents are skipped.
+
+  python -m mtx.data.preprocess --input corpus.jsonl --output-prefix data/corpus \
+      --vocab-file gpt2/encoder.json --merge-file gpt2/vocab.bpe --append-eod --workers 8
+  # -> data/corpus_text_document.bin, data/corpus_text_document.idx; train with --data-path data/corpus_text_document
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from tqdm import tqdm
+
+from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+
+_tokenizer = None  # one per worker process, built by _init
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    """Runs the command line; returns the written prefixes (what --data-path takes)."""
+    args = _parser().parse_args(argv)
+    if bool(args.input) == bool(args.tfds):
+        raise SystemExit("error: pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
+    tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type)
+    try:
+        tokenizer = build_tokenizer(*tokenizer_args)
+        documents = _documents(args)
+        first = next(documents, None)  # opens the source now, so its errors come before any file is written
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    writers = [IndexedDatasetWriter(p, dtype_for_vocab(tokenizer.vocab_size)) for p in prefixes]
+    stream = _chain(first, documents) if first is not None else iter(())
+    items = ((doc, args.json_keys, args.append_eod) for doc in stream)
+    count, tokens = 0, 0
+    # spawn, not fork: importing mtx starts JAX's threads, and a forked copy of a threaded process can deadlock.
+    pool = multiprocessing.get_context("spawn").Pool(args.workers, _init, (tokenizer_args,)) \
+        if args.workers > 1 else _Serial(tokenizer_args)
+    try:
+        with pool:
+            for encoded in tqdm(pool.imap(_encode, items, chunksize=16), desc="tokenizing", unit="doc"):
+                for writer, ids in zip(writers, encoded):
+                    if ids:
+                        writer.add_document(ids)
+                        tokens += len(ids)
+                count += 1
+    except ValueError as e:  # a bad input line: leave no half-written dataset behind
+        for writer, prefix in zip(writers, prefixes):
+            writer.close()
+            for suffix in (".bin", ".idx"):
+                Path(prefix + suffix).unlink(missing_ok=True)
+        raise SystemExit(f"error: {e}") from None
+    for writer in writers:
+        writer.close()
+    print(f"wrote {count} documents, {tokens} tokens: {', '.join(p + '.bin/.idx' for p in prefixes)}")
+    return prefixes
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mtx.data.preprocess", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", help="JSONL files (one document a line) or plain-text files (one each)")
+    p.add_argument("--tfds", help="a TensorFlow Datasets split NAME[:split] instead of --input")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one dataset each")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
+    p.add_argument("--vocab-file", help="GPT-2 encoder.json, or BERT vocab.txt")
+    p.add_argument("--merge-file", help="GPT-2 vocab.bpe")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: from the files given")
+    p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--tfds-data-dir", help="TFDS data_dir (default: TFDS's own)")
+    return p
+
+
+def _documents(args) -> Iterator[dict[str, str]]:
+    if args.tfds:
+        from mtx.data.tfds import tfds_documents
+
+        yield from tfds_documents(args.tfds, args.json_keys, args.tfds_data_dir)
+        return
+    for name in args.input:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"--input {path}: no such file; pass JSONL or plain-text files.")
+        if path.suffix not in (".jsonl", ".json"):
+            yield {key: path.read_text(encoding="utf-8") for key in args.json_keys}
+            continue
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    yield {key: record[key] for key in args.json_keys}
+                except (ValueError, KeyError, TypeError):
+                    raise ValueError(f"--input {path} line {number} is not a JSON object with the --json-keys "
+                                     f"{' '.join(args.json_keys)}; fix the line or pass the right --json-keys.") \
+                        from None
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def _init(tokenizer_args) -> None:
+    global _tokenizer
+    _tokenizer = build_tokenizer(*tokenizer_args)
+
+
+def _encode(item) -> list[list[int]]:
+    doc, keys, append_eod = item
+    out = []
+    for key in keys:
+        ids = _tokenizer.encode(doc[key])
+        out.append(ids + [_tokenizer.eod] if ids and append_eod else ids)
+    return out
+
+
+class _Serial:
+    """The Pool interface in this process, for --workers 1 (no fork, easy to debug)."""
+
+    def __init__(self, tokenizer_args):
+        _init(tokenizer_args)
+
+    def imap(self, fn, items, chunksize=1):
+        return map(fn, items)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+if __name__ == "__main__":
+    main()
