@@ -213,7 +213,8 @@ class Trainer:
         def local(params, tokens):
             hidden = self.local_final_hidden(params, tokens[:, :-1])
             model = nnx.merge(self.graphdef, params)
-            per_token = vocab_parallel_cross_entropy(model.embedding.attend(hidden), tokens[:, 1:])
+            per_token = vocab_parallel_cross_entropy(model.embedding.attend(hidden), tokens[:, 1:],
+                                                     vocab_size=self.cfg.model.vocab_size)
             return jax.lax.pmean(per_token.mean(), DATA)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)), out_specs=P())(

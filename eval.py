@@ -1,0 +1,128 @@
+"""Evaluate a trained GPT with Megatron-LM's flags: `python eval.py {wikitext,lambada,generate} --help`.
+
+wikitext: perplexity with overlapping windows, normalized by WikiText's original token count (paper, appendix E).
+lambada: last-word accuracy, every subword the argmax. generate: sample continuations of --prompt.
+Each prints one JSON object on stdout (progress bars go to stderr); bad input fails with `error: ...` and exit
+code 2 before any device work. Without an accelerator it runs on 8 simulated CPU devices.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+# Only the CPU platform reads this flag: on a GPU host jax.devices() still lists the GPUs.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--load", help="checkpoint directory (written by train.py --save)")
+    common.add_argument("--ckpt-step", type=int, help="checkpoint step to load; default the latest")
+    common.add_argument("--vocab-file", help="GPT-2 encoder.json; default the checkpoint's tokenizer")
+    common.add_argument("--merge-file", help="GPT-2 vocab.bpe; default the checkpoint's tokenizer")
+    common.add_argument("--micro-batch-size", type=int, help="sequences per data-parallel rank and batch")
+    common.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    common.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    common.add_argument("--data-parallel-size", type=int, default=-1, help="-1: all remaining devices")
+    common.add_argument("--bf16", action="store_true", help="bf16 compute")
+    parser = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
+    tasks = parser.add_subparsers(dest="task", required=True)
+    wiki = tasks.add_parser("wikitext", parents=[common], help="WikiText perplexity", allow_abbrev=False)
+    wiki.add_argument("--data-path", required=True, help="word-level WikiText file, e.g. wiki.test.tokens")
+    wiki.add_argument("--seq-length", type=int, help="window length S; default the model's")
+    wiki.add_argument("--overlapping-eval", type=int, help="tokens each window advances and scores (default 32)")
+    wiki.add_argument("--no-detokenize", action="store_true", help="score the raw word-level text")
+    wiki.add_argument("--dry-run", action="store_true", help="only count tokens and windows (no model)")
+    lam = tasks.add_parser("lambada", parents=[common], help="LAMBADA last-word accuracy", allow_abbrev=False)
+    lam.add_argument("--data-path", required=True, help='.jsonl of {"text": ...} lines')
+    lam.add_argument("--seq-length", type=int, help="longest window; default the model's")
+    gen = tasks.add_parser("generate", parents=[common], help="sample continuations", allow_abbrev=False)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: no filter")
+    gen.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def prepare(args):
+    """Every check of the input, without device work -> (load, task): `load()` gives (trainer, params) (None for a
+    dry run) and refuses a mesh that does not fit before reading any array; `task(model)` returns the result."""
+    from mtx import evaluation as ev
+
+    if not args.load and not getattr(args, "dry_run", False):
+        raise ValueError(f"{args.task} needs --load; pass a checkpoint directory written by train.py --save.")
+    cfg = ev.checkpoint_config(args.load, args.ckpt_step) if args.load else None
+    tokenizer = ev.checkpoint_tokenizer(cfg, args.vocab_file, args.merge_file)
+    max_positions = cfg.model.max_positions if cfg else None
+    seq = getattr(args, "seq_length", None) or (cfg.model.seq_length if cfg else 1024)
+    if seq < 1 or (max_positions and seq > max_positions):
+        raise ValueError(f"--seq-length {seq} must lie in [1, {max_positions or seq}] (the model's position table); "
+                         "pass a shorter one.")
+
+    def load():
+        from mtx.loading import load_model
+
+        overrides = {k: v for k, v in (("micro_batch_size", args.micro_batch_size), ("bf16", args.bf16)) if v}
+        return load_model(args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                          pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                          data_parallel_size=args.data_parallel_size, ckpt_step=args.ckpt_step, **overrides)
+
+    if args.task == "wikitext":
+        overlap = args.overlapping_eval if args.overlapping_eval is not None else min(32, seq)
+        if not 1 <= overlap <= seq:
+            raise ValueError(f"--overlapping-eval {overlap} must lie in [1, --seq-length {seq}]; pass a smaller one.")
+        tokens, original = ev.read_wikitext(args.data_path, tokenizer, detokenize=not args.no_detokenize)
+        if args.dry_run:
+            counts = {"original_tokens": original, "tokens": len(tokens), "scored_tokens": max(len(tokens) - 1, 0),
+                      "windows": ev.num_windows(len(tokens), seq, overlap), "seq_length": seq,
+                      "overlapping_eval": overlap}
+            return (lambda: None), (lambda _: counts)
+
+        def wikitext(model):
+            scorer = ev.Scorer(*model)
+            return ev.wikitext_perplexity(scorer, scorer.batch_size, tokens, seq_length=seq, overlap=overlap,
+                                          original_tokens=original)
+        return load, wikitext
+    if args.task == "lambada":
+        texts = ev.read_lambada(args.data_path)
+
+        def lambada(model):
+            scorer = ev.Scorer(*model)
+            return ev.lambada_accuracy(scorer, scorer.batch_size, tokenizer, texts, seq_length=seq)
+        return load, lambada
+    prompts = [tokenizer.encode(p) for p in args.prompt]
+    if not all(prompts):
+        raise ValueError("--prompt is empty; pass some text to continue.")
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise ValueError("need --max-new-tokens >= 0, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1.")
+
+    def sample(model):
+        from mtx.generate import generate
+
+        trainer, params = model
+        outs = generate(trainer, params, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed, eod=tokenizer.eod)
+        new = [out[len(p):] for p, out in zip(prompts, outs)]  # each output is its prompt + the new tokens
+        return {"samples": [{"prompt": text, "completion": tokenizer.decode(ids), "new_tokens": len(ids)}
+                            for text, ids in zip(args.prompt, new)]}
+    return load, sample
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:  # bad input fails here, in one line that names the fix, before any device work
+        load, task = prepare(args)
+        model = load()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(task(model)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
