@@ -159,9 +159,11 @@ def evaluate(trainer: Trainer, params, dataset, iters: int, batch_size: int) -> 
 
 
 def sample_text(trainer: Trainer, params, dataset, num_tokens: int, seed: int) -> str:
+    """SAMPLE_PROMPT continued by `num_tokens` ids (KV-cached, temperature 0.8, top-k 40), decoded to text."""
     from mtx.generate import generate
 
-    ids = generate(trainer, params, dataset.tokenizer.encode(SAMPLE_PROMPT), num_tokens, seed=seed)
+    prompt = dataset.tokenizer.encode(SAMPLE_PROMPT)
+    ids = generate(trainer, params, [prompt], num_tokens, temperature=0.8, top_k=40, seed=seed)[0]
     return dataset.tokenizer.decode(ids)
 
 

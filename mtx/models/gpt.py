@@ -2,6 +2,8 @@
 
 All methods run in the local view inside shard_map (see mtx/step.py). The logits stay split over "model"
 (B, S, V / tp); the loss reduces B*S scalars through `vocab_parallel_cross_entropy`, never B*S*V logits.
+Inference (mtx/generate.py) runs the same layers through `transform_cached`, with a per-layer KV cache scanned
+alongside the layer parameters.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
-from mtx.models.transformer import TransformerLayer
+from mtx.models.transformer import KVCache, TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import PIPELINE
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
@@ -35,6 +37,7 @@ class GPT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute_full = recompute == "full"
         self.dtype = dtype
+        self.vocab_size = cfg.vocab_size  # real ids; the padded ones take no probability in the loss
 
     def __call__(self, tokens_BS, *, mask_BS=None, keys_B=None):
         """(B, S) ids -> (B, S, D) final hidden states, replicated over "model".
@@ -44,10 +47,17 @@ class GPT(nnx.Module):
         x_BSD = self.transform(self.embed(tokens_BS, keys_B=keys_B), mask_BS=mask_BS, keys_B=keys_B)
         return self.final_layernorm(x_BSD)
 
-    def embed(self, tokens_BS, *, keys_B=None):
-        """(B, S) ids -> (B, S, D): token + position embeddings, then hidden dropout."""
+    def embed(self, tokens_BS, *, keys_B=None, positions_BS=None):
+        """(B, S) ids -> (B, S, D): token + position embeddings, then hidden dropout.
+
+        positions_BS: each token's position (inference continues a sequence mid-way); None means 0 .. S - 1.
+        """
         s = tokens_BS.shape[1]
-        x_BSD = self.embedding(tokens_BS) + self.position_embeddings[:s].astype(self.dtype)
+        if positions_BS is None:
+            pos_SD = self.position_embeddings[:s]
+        else:
+            pos_SD = jnp.take(self.position_embeddings[...], positions_BS, axis=0)
+        x_BSD = self.embedding(tokens_BS) + pos_SD.astype(self.dtype)
         return dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
 
     def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
@@ -73,10 +83,33 @@ class GPT(nnx.Module):
         x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))
         return x_BSD
 
+    def transform_cached(self, x_BTD, cache: KVCache, start_B, *, active_L=None, write=None):
+        """Inference through the held layers with their KV caches: (B, T, D) new tokens at positions start_B + t,
+        cache (held L, B, S_max, n_local, H) each -> ((B, T, D), updated cache).
+
+        The cache is stacked per layer and scanned alongside the layer parameters (one compiled layer, as in
+        `transform`). active_L as in `transform`; write: optional bool, False leaves the cache as it was (a pipeline
+        stage off its tick).
+        """
+        graphdef, stacked = nnx.split(self.layers)
+        num_held = jax.tree.leaves(stacked)[0].shape[0]
+        masked = active_L is not None
+
+        def body(x_BTD, inputs):
+            layer_state, layer_cache, active = inputs
+            y_BTD, layer_cache = nnx.merge(graphdef, layer_state).decode(x_BTD, layer_cache, start_B, write=write)
+            return (jnp.where(active, y_BTD, x_BTD) if masked else y_BTD), layer_cache
+
+        active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
+        x_BTD = vary_like(x_BTD, stacked)
+        x_BTD, cache = jax.lax.scan(body, x_BTD, (stacked, cache, active_L))
+        return x_BTD, cache
+
     def head_loss(self, x_BSD, targets_BS, *, label_smoothing: float = 0.0):
         """Final LN, tied output layer and vocab-parallel cross-entropy: (B, S, D) -> per-token loss (B, S)."""
         logits_BSV = self.embedding.attend(self.final_layernorm(x_BSD))
-        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing)
+        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing,
+                                            vocab_size=self.vocab_size)
 
     def logits(self, tokens_BS, *, mask_BS=None, keys_B=None):
         """(B, S) ids -> (B, S, V / tp): this rank's slice of the logits of the tied output layer."""
@@ -85,4 +118,5 @@ class GPT(nnx.Module):
     def loss(self, tokens_BS, targets_BS, *, mask_BS=None, keys_B=None, label_smoothing: float = 0.0):
         """Per-token cross-entropy (B, S), float32, replicated over "model"."""
         logits_BSV = self.logits(tokens_BS, mask_BS=mask_BS, keys_B=keys_B)
-        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing)
+        return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing,
+                                            vocab_size=self.vocab_size)

@@ -1,18 +1,23 @@
 """The tensor-parallel transformer layer: self-attention and MLP, each one column- then one row-parallel linear.
 
 Dimension alphabet (used in every name and einsum of mtx): B batch, S sequence (Q/K for query/key positions),
-D model width, F MLP width, N heads, H head dim, V vocab, L layers, M microbatches, P pipeline stages.
+D model width, F MLP width, N heads, H head dim, V vocab, L layers, M microbatches, P pipeline stages; in inference,
+T new tokens of one step against a KV cache of S_max slots.
 Inside shard_map shapes are local: a rank holds n_local = N / tp heads and F / tp MLP columns.
 
 Communication of one layer, read top to bottom: the attention's QKV projection starts with `f` and its output
 projection ends with `g`; the MLP's first linear starts with `f` and its second ends with `g`. That is one all-reduce
 forward (g) and one backward (f) per block, two of each per layer (paper Fig. 3).
+
+Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's heads: the new keys and
+values are written into the cache locally, so decoding adds no collective beyond the same two g's per layer.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +46,44 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ke
     return jnp.einsum("bnqk,bknh->bqnh", probs_BNQK.astype(v_BSNH.dtype), v_BSNH)
 
 
+class KVCache(NamedTuple):
+    """Keys and values of the tokens seen so far, (B, S_max, n_local, H) each for one layer (a leading layer axis
+    when stacked). Heads are split over "model" exactly like the QKV columns that produce them."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def cached_attention_core(q_BTNH, k_BSNH, v_BSNH, start_B):
+    """Attention of T new queries at absolute positions start_B + t over a (B, S_max) key cache, in float32.
+
+    Query t of row b may see cache slots 0 .. start_B[b] + t (its own position included); later slots hold stale
+    keys or padding and are masked. With T = S_max and start_B = 0 this is `attention_core`'s causal mask.
+    """
+    t, s, h = q_BTNH.shape[1], k_BSNH.shape[1], q_BTNH.shape[-1]
+    scores_BNTS = jnp.einsum("bqnh,bknh->bnqk", q_BTNH, k_BSNH, preferred_element_type=jnp.float32)
+    scores_BNTS = scores_BNTS / math.sqrt(h)
+    allowed_BTS = jnp.arange(s)[None, None, :] <= (start_B[:, None] + jnp.arange(t)[None, :])[:, :, None]
+    scores_BNTS = jnp.where(allowed_BTS[:, None], scores_BNTS, jnp.finfo(jnp.float32).min)
+    probs_BNTS = jax.nn.softmax(scores_BNTS, axis=-1)
+    return jnp.einsum("bnqk,bknh->bqnh", probs_BNTS.astype(v_BSNH.dtype), v_BSNH)
+
+
+def write_rows(cache_BSNH, new_BTNH, start_B, write=None):
+    """Writes row b's T new entries at slots start_B[b] .. start_B[b] + T - 1 of the cache.
+
+    write: optional bool (a pipeline stage that is not on its tick): False keeps the old entries (selecting among
+    T slots per row, not the whole cache).
+    """
+    t = new_BTNH.shape[1]
+    new_BTNH = new_BTNH.astype(cache_BSNH.dtype)
+    if write is not None:
+        old_BTNH = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, t, axis=0))(cache_BSNH, start_B)
+        new_BTNH = jnp.where(write, new_BTNH, old_BTNH)
+    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice_in_dim(c, u, s, axis=0))(cache_BSNH, new_BTNH,
+                                                                                            start_B)
+
+
 class ParallelSelfAttention(nnx.Module):
     """Fused QKV (column-parallel, so each rank owns whole heads), attention core, row-parallel output."""
 
@@ -62,6 +105,19 @@ class ParallelSelfAttention(nnx.Module):
             core = jax.checkpoint(core)
         ctx_BSNH = core(q, k, v, mask_BS=mask_BS, keys_B=keys_B)
         return self.proj(ctx_BSNH.reshape(b, s, -1))
+
+    def decode(self, x_BTD, cache: KVCache, start_B, *, write=None):
+        """Inference with a KV cache: (B, T, D) new tokens at positions start_B + t -> ((B, T, D), updated cache).
+
+        The new keys/values of this rank's heads go into this rank's cache slice (no communication); the only
+        collective is the output projection's g, as in training. No dropout.
+        """
+        b, t, _ = x_BTD.shape
+        qkv = self.qkv(x_BTD).reshape(b, t, -1, 3, self.head_dim)  # (B, T, n_local, 3, H)
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        cache = KVCache(write_rows(cache.k, k, start_B, write), write_rows(cache.v, v, start_B, write))
+        ctx_BTNH = cached_attention_core(q, cache.k, cache.v, start_B)
+        return self.proj(ctx_BTNH.reshape(b, t, -1)), cache
 
 
 class ParallelMLP(nnx.Module):
@@ -97,3 +153,9 @@ class TransformerLayer(nnx.Module):
         x_BSD = x_BSD + dropout(h, self.dropout_rate, k_res1)
         h = self.mlp(self.ln2(x_BSD))
         return x_BSD + dropout(h, self.dropout_rate, k_res2)
+
+    def decode(self, x_BTD, cache: KVCache, start_B, *, write=None):
+        """The same block for inference with this layer's KV cache (see ParallelSelfAttention.decode); no dropout."""
+        h, cache = self.attention.decode(self.ln1(x_BTD), cache, start_B, write=write)
+        x_BTD = x_BTD + h
+        return x_BTD + self.mlp(self.ln2(x_BTD)), cache

@@ -21,8 +21,8 @@ def resolve_sizes(data: int, pipeline: int, model: int, num_devices: int) -> tup
     if data == -1:
         if num_devices % (pipeline * model):
             raise ValueError(
-                f"{num_devices} devices are not divisible by tensor x pipeline = {model} x {pipeline}; "
-                f"choose sizes whose product divides {num_devices}."
+                f"{num_devices} devices are not divisible by --tensor-model-parallel-size {model} x "
+                f"--pipeline-model-parallel-size {pipeline}; choose sizes whose product divides {num_devices}."
             )
         data = num_devices // (pipeline * model)
     if data < 1:
