@@ -206,8 +206,9 @@ def test_matches_transformers(tmp_path):
 
     expected = torch_logits(model)
     from_hf(tmp_path / "hf", tmp_path / "ckpt")
-    trainer, params = load_model(str(tmp_path / "ckpt"), tensor_model_parallel_size=2)
-    np.testing.assert_array_less(np.abs(mtx_logits(trainer, params, ids)[..., :1000] - expected), 1e-4)
+    for tp in (1, 2, 4):
+        trainer, params = load_model(str(tmp_path / "ckpt"), tensor_model_parallel_size=tp)
+        np.testing.assert_array_less(np.abs(mtx_logits(trainer, params, ids)[..., :1000] - expected), 1e-4)
     to_hf(tmp_path / "ckpt", tmp_path / "back")
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").float().eval()
     np.testing.assert_array_less(np.abs(torch_logits(reloaded) - expected), 1e-5)
