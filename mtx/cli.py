@@ -68,4 +68,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
     preset = values.pop("config", None)
     fields = load_preset(preset) if preset else {}
     fields.update({k: tuple(v) if k == "data_path" else v for k, v in values.items()})
+    # "none" turns an optional setting of a preset off, e.g. --recompute-granularity none
+    fields = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in fields.items()}
     return Config().replace(**fields)

@@ -111,6 +111,7 @@ class TrainingConfig:
     loss_scale_window: int = 1000  # good steps before the loss scale doubles
     min_loss_scale: float = 1.0  # the loss scale never halves below this
     recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core only)
+    use_flash_attn: bool = False  # fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere
     log_interval: int = 10  # steps between metrics lines
     eval_interval: int = 100  # steps between validation runs; 0 disables
     eval_iters: int = 10  # validation batches per evaluation
@@ -190,6 +191,8 @@ class Config:
                f"--recompute-granularity must be full or selective, got {t.recompute_granularity!r}.")
         _check(o.lr_decay_style in ("constant", "linear", "cosine"),
                f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
+        _check(not (t.use_flash_attn and m.attention_dropout > 0),
+               "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
         _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
                "--hidden-dropout and --attention-dropout must lie in [0, 1).")
         _check(t.micro_batch_size >= 1 and t.global_batch_size >= 1 and t.train_iters >= 0,

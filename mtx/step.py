@@ -46,7 +46,9 @@ def build_model(cfg: Config, *, seed: int | None = None):
     """A zero-argument constructor of the GPT this config describes (called abstractly or under jit)."""
     seed = cfg.training.seed if seed is None else seed
     dtype = DTYPES[cfg.training.compute_dtype]
-    return lambda: GPT(cfg.model, dtype=dtype, recompute=cfg.training.recompute_granularity, rngs=nnx.Rngs(seed))
+    t = cfg.training
+    return lambda: GPT(cfg.model, dtype=dtype, recompute=t.recompute_granularity, flash=t.use_flash_attn,
+                       rngs=nnx.Rngs(seed))
 
 
 def num_microbatches(cfg: Config, mesh) -> int:

@@ -22,7 +22,8 @@ from mtx.parallel.random import dropout, fold
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
+                 rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
@@ -30,7 +31,8 @@ class GPT(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
         def make_layers(rngs):  # stacked: every layer parameter gets a leading L axis, split into pipeline stages
-            return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective")
+            return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective",
+                                    flash=flash)
 
         self.layers = make_layers(rngs)
         self.final_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)

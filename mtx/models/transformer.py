@@ -46,6 +46,15 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ke
     return jnp.einsum("bnqk,bknh->bqnh", probs_BNQK.astype(v_BSNH.dtype), v_BSNH)
 
 
+def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None):
+    """Causal attention through `jax.nn.dot_product_attention`: cuDNN's flash attention on GPU for bf16/fp16 (no
+    S x S scores in memory), XLA's implementation elsewhere (the portable fallback). No dropout."""
+    gpu = jax.default_backend() == "gpu" and q_BSNH.dtype in (jnp.bfloat16, jnp.float16) and mask_BS is None
+    mask = None if mask_BS is None else (mask_BS[:, None, None, :] > 0)
+    return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, mask=mask, is_causal=True,
+                                        implementation="cudnn" if gpu else None)
+
+
 class KVCache(NamedTuple):
     """Keys and values of the tokens seen so far, (B, S_max, n_local, H) each for one layer (a leading layer axis
     when stacked). Heads are split over "model" exactly like the QKV columns that produce them."""
@@ -87,7 +96,8 @@ def write_rows(cache_BSNH, new_BTNH, start_B, write=None):
 class ParallelSelfAttention(nnx.Module):
     """Fused QKV (column-parallel, so each rank owns whole heads), attention core, row-parallel output."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
+                 flash: bool = False):
         d, std = cfg.hidden_size, cfg.init_method_std
         # Columns are ordered (N, 3, H): a contiguous split over ranks gives each rank the q, k and v of its heads.
         self.qkv = ColumnParallelLinear(d, 3 * d, std=std, dtype=dtype, rngs=rngs)
@@ -95,11 +105,14 @@ class ParallelSelfAttention(nnx.Module):
         self.head_dim = cfg.head_dim
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
+        self.flash = flash  # fused attention (--use-flash-attn); never with attention dropout (Config.validate)
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         b, s, _ = x_BSD.shape
         qkv = self.qkv(x_BSD).reshape(b, s, -1, 3, self.head_dim)  # (B, S, n_local, 3, H)
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        if self.flash and (keys_B is None or self.dropout_rate == 0.0):
+            return self.proj(fused_attention(q, k, v, mask_BS=mask_BS).reshape(b, s, -1))
         core = functools.partial(attention_core, dropout_rate=self.dropout_rate)
         if self.selective_recompute:  # keep only the projections' activations; recompute the S x S part
             core = jax.checkpoint(core)
@@ -138,9 +151,11 @@ class ParallelMLP(nnx.Module):
 class TransformerLayer(nnx.Module):
     """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))); the residual stream is replicated."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
+                 flash: bool = False):
         self.ln1 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
-        self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute)
+        self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
+                                               flash=flash)
         self.ln2 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs)
         self.dropout_rate = cfg.hidden_dropout

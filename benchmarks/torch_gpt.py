@@ -1,0 +1,91 @@
+"""Baseline: a nanoGPT-style PyTorch GPT of an mtx preset's shape (torch.compile, SDPA flash attention, bf16
+autocast, fused AdamW), timed like benchmarks/bench.py. Not part of mtx; run on the GPU machine (torch 2.11).
+
+    python benchmarks/torch_gpt.py --layers 40 --hidden 1536 --heads 16 --seq 1024 --vocab 51200 --micro-batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, n):
+        super().__init__()
+        self.n = n
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n, d // self.n).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, d, n, seq, vocab):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, n) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.ln_f(x) @ self.wte.weight.T  # tied
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for name, default in [("layers", 40), ("hidden", 1536), ("heads", 16), ("seq", 1024), ("vocab", 51200),
+                          ("micro-batch", 8), ("steps", 10), ("warmup", 3)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    model = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab).cuda()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    step = torch.compile(model)
+    idx = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device="cuda")
+
+    def train_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(a.warmup):
+        train_step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        train_step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    tokens_per_s = a.micro_batch * a.seq / step_s
+    flops = tokens_per_s * (6 * n_params + 12 * a.layers * a.hidden * a.seq)
+    print(json.dumps({"baseline": "torch.compile nanoGPT", "device": torch.cuda.get_device_name(), "params": n_params,
+                      "micro_batch": a.micro_batch, "step_s": step_s, "tokens_per_s": tokens_per_s,
+                      "tflops_per_device": flops / 1e12, "mfu": flops / 989e12,
+                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
