@@ -44,7 +44,7 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.T  # tied
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def main():
