@@ -208,3 +208,10 @@ def test_padding_mask_hides_padded_keys():
     y1, y2 = np.asarray(fn(params, x, mask)), np.asarray(fn(params, x2, mask))
     np.testing.assert_allclose(y1[:, : S // 2], y2[:, : S // 2], rtol=RTOL, atol=RTOL)
     assert not np.allclose(y1[:, S // 2:], y2[:, S // 2:])
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 4)])
+def test_fused_attention_path_equals_the_reference(dp, tp):
+    """--use-flash-attn: jax.nn.dot_product_attention (cuDNN on GPU; XLA here) gives the same layer."""
+    make = lambda: ParallelSelfAttention(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0), flash=True)
+    check(make, ref_attention, dp, tp, x_BSD(), P("data"), P("data"))
