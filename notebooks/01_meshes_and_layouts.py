@@ -99,7 +99,8 @@ trainer = Trainer(cfg, mesh)
 state = trainer.init_state()
 params = nnx.to_pure_dict(state.params)
 is_spec = lambda x: isinstance(x, P)  # noqa: E731
-names = [jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+names = [jax.tree_util.keystr(path, simple=True, separator=".")
+         for path, _ in jax.tree_util.tree_leaves_with_path(params)]
 declared = dict(zip(names, jax.tree.leaves(trainer.param_specs, is_leaf=is_spec)))  # as the modules declare them
 
 
@@ -128,6 +129,9 @@ total = sum(a.size for a in jax.tree.leaves(params))
 per_device = sum(int(np.prod(s)) for *_, s in rows)
 print(f"\n{total:,} parameters; {per_device:,} on each device ({per_device / total:.1%})")
 assert total == cfg.model.num_params()  # the config owns the arithmetic
+embedding = params["embedding"]["embedding"].size
+print(f"the {cfg.model.padded_vocab_size:,}-row embedding is {embedding / total:.0%} of this tiny model; split over "
+      f"'model' only, it is why a device holds about 1 / tp of the parameters, not 1 / (tp x pp)")
 
 # %% [markdown]
 # The declared layouts of the Megatron layers, checked one by one:
@@ -168,9 +172,9 @@ print("identical global weights on a 1-device mesh and on", dict(mesh.shape))
 #
 # Layer 0 of the MLP: `fc1` (D x F) is split by columns, so rank r computes X A_r, its own F / tp slice of the
 # hidden activations, with no communication; GeLU is element-wise and runs on that slice. `fc2` (F x D) is split by
-# rows, consuming exactly that slice and producing a partial sum that `g` all-reduces. `jax.debug.visualize_array_sharding`
-# on 2-D slices (layer 0, resharded to the 2-D layout), then a picture of which devices hold each block of the
-# stored 3-D arrays.
+# rows, consuming exactly that slice and producing a partial sum that `g` all-reduces. First
+# `jax.debug.visualize_array_sharding` on 2-D slices (layer 0, resharded to the 2-D layout), then a picture of
+# which devices hold each block of the stored 3-D arrays.
 
 # %%
 fc1 = params["layers"]["mlp"]["fc1"]["kernel"]  # (L, D, F)
