@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     common.add_argument("--data-parallel-size", type=int, default=-1, help="-1: all remaining devices")
     common.add_argument("--bf16", action="store_true", help="bf16 compute")
+    common.add_argument("--coordinator-address", help="multi-host: host:port of process 0, or auto (SLURM/MPI/TPU)")
+    common.add_argument("--num-processes", type=int, help="multi-host: processes in the run, one per host")
+    common.add_argument("--process-id", type=int, help="multi-host: this process's rank")
     parser = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
     tasks = parser.add_subparsers(dest="task", required=True)
     wiki = tasks.add_parser("wikitext", parents=[common], help="WikiText perplexity", allow_abbrev=False)
@@ -115,6 +118,9 @@ def prepare(args):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:  # bad input fails here, in one line that names the fix, before any device work
+        from mtx.distributed import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)  # before any device is asked for
         load, task = prepare(args)
         model = load()
     except ValueError as e:

@@ -14,10 +14,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 def main(argv=None) -> int:
     from mtx.cli import parse_config
-    from mtx.run import prepare, train
+    from mtx.distributed import initialize
 
     try:  # bad input fails here, in one line that names the fix, before any device work
-        plan = prepare(parse_config(argv))
+        cfg = parse_config(argv)
+        p = cfg.parallel
+        # Multi-host: join the other processes before anything asks JAX for a device.
+        initialize(p.coordinator_address, p.num_processes, p.process_id, heartbeat_timeout=p.distributed_timeout)
+        from mtx.run import prepare, train
+
+        plan = prepare(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -83,6 +83,10 @@ class ParallelConfig:
     num_layers_in_first_pipeline_stage: int | None = None  # uneven stages: layers of the first stage
     num_layers_in_last_pipeline_stage: int | None = None  # uneven stages: layers of the last stage
     pipeline_model_parallel_layout: str | None = None  # Megatron layout string, e.g. "Et|tt|tt|tL"
+    coordinator_address: str | None = None  # multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process
+    num_processes: int | None = None  # multi-host: processes in the run, one per host
+    process_id: int | None = None  # multi-host: this process's rank, 0 .. num_processes - 1
+    distributed_timeout: int = 100  # multi-host: seconds a silent process is waited for before all exit with an error
 
 
 @dataclass(frozen=True)

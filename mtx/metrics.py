@@ -25,12 +25,16 @@ def peak_flops_per_device(device=None) -> float | None:
 class MetricsLogger:
     """Appends metrics to `<run_dir>/metrics.jsonl` and, given a directory, to TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, tensorboard_dir: str | None = None):
+    def __init__(self, run_dir: str | Path, tensorboard_dir: str | None = None, *, enabled: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tb = _TensorBoard(tensorboard_dir) if tensorboard_dir else None
+        self.enabled = enabled  # False on every process but the first of a multi-host run: one writer per file
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = _TensorBoard(tensorboard_dir) if tensorboard_dir and enabled else None
 
     def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         if self._tb is not None:

@@ -2,7 +2,8 @@
 
 Every check of the user's input (flags, data files, run and checkpoint directories) happens before the first array
 is placed on a device, and nothing existing is ever overwritten: a new run refuses a --save or run directory that
-already belongs to another run.
+already belongs to another run. In a multi-host run (mtx.distributed) every process makes the same checks on the
+shared filesystem and meets the others before anything is written; only process 0 writes run files and prints.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import numpy as np
 from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
 from mtx.data import build_dataset
+from mtx.distributed import barrier, is_main_process
 from mtx.metrics import MetricsLogger, throughput
-from mtx.parallel.mesh import make_mesh
+from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
 from mtx.step import Trainer
 
 
@@ -49,6 +51,7 @@ def prepare(cfg: Config) -> Plan:
     """Everything that can fail on bad input, with no device work: config, data, directories, checkpoint."""
     num_devices = len(jax.devices())
     cfg.validate(num_devices)
+    check_tensor_parallel_fits(cfg.parallel.tensor_model_parallel_size, jax.local_device_count(), jax.process_count())
     dataset = build_dataset(cfg)
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     t = cfg.training
@@ -83,8 +86,11 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     t, p = cfg.training, cfg.parallel
     mesh = mesh or make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
     trainer = Trainer(cfg, mesh)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    main = is_main_process()
+    barrier("mtx: every process checked its input")  # so no process sees files another one just wrote
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     saver = Checkpointer(t.save) if t.save else None
     if t.load:
@@ -95,13 +101,14 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     else:
         state = trainer.init_state()
     start = int(jax.device_get(state.step))
-    _print_banner(cfg, mesh, trainer, start)
+    if main:
+        _print_banner(cfg, mesh, trainer, start)
 
-    logger = MetricsLogger(run_dir, t.tensorboard_dir)
+    logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main)
     result = RunResult(state, trainer, run_dir)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     flops_per_token = cfg.model.flops_per_token()
-    bar = _progress_bar(start, t.train_iters, progress)
+    bar = _progress_bar(start, t.train_iters, progress and main)
     pending, interval_start, interval_steps = [], time.perf_counter(), 0
     for step in range(start, t.train_iters):
         batch = trainer.put_batch(dataset.batch("train", step, t.global_batch_size))
@@ -132,7 +139,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         if t.eval_interval and ((step + 1) % t.eval_interval == 0 or last) and dataset.num_samples("valid"):
             val = evaluate(trainer, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
             logger.log({"step": step + 1, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
-            bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
+            if main:
+                bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
         if saver and t.save_interval and (step + 1) % t.save_interval == 0:
             saver.save(state, cfg)
         if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
@@ -147,7 +155,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     result.state = state
     if t.generate_tokens:
         result.sample = sample_text(trainer, state.params, dataset, t.generate_tokens, t.seed)
-        print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
+        if main:
+            print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
     return result
 
 

@@ -227,5 +227,10 @@ class Trainer:
         return self._stage_params(params)
 
     def put_batch(self, tokens_np):
-        """Host (G, S + 1) tokens -> a global array split over "data" (the same global batch on every mesh)."""
-        return jax.device_put(tokens_np, self.batch_sharding)
+        """Host (G, S + 1) tokens -> a global array split over "data" (the same global batch on every mesh).
+
+        With several processes each one passes the same global batch and places only the rows its own devices hold.
+        """
+        if jax.process_count() == 1:
+            return jax.device_put(tokens_np, self.batch_sharding)
+        return jax.make_array_from_callback(tokens_np.shape, self.batch_sharding, lambda index: tokens_np[index])

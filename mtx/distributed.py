@@ -1,0 +1,47 @@
+"""Beyond one host: JAX's multi-controller runtime, one process per host over the same global mesh (DESIGN.md 7).
+
+Every process runs the same program on its own devices; `jax.devices()` then lists the devices of all processes
+and the collectives inside the shard_map cross hosts. `initialize` must run before anything asks JAX for a device
+(mtx.run.prepare calls jax.devices()), so train.py and eval.py call it right after parsing their flags.
+Only process 0 writes logs, metrics, config.json and prints; every process takes part in checkpoints (orbax).
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def initialize(coordinator_address: str | None, num_processes: int | None = None, process_id: int | None = None,
+               *, heartbeat_timeout: int = 100) -> None:
+    """Joins the processes of one run; a no-op without a coordinator address (one process, the default).
+
+    "auto" lets JAX read the launcher's environment (SLURM, Open MPI, TPU pods). A process that stops answering
+    for `heartbeat_timeout` seconds makes every other process exit with an error instead of waiting forever.
+    """
+    if coordinator_address is None:
+        return
+    # CPU collectives across processes go through gloo (XLA's default CPU runtime has none); GPUs and TPUs ignore it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(initialization_timeout=max(heartbeat_timeout, 60), heartbeat_timeout_seconds=heartbeat_timeout,
+                    shutdown_timeout_seconds=max(heartbeat_timeout, 10))
+    if coordinator_address == "auto":
+        jax.distributed.initialize(**timeouts)
+    else:
+        if num_processes is None or process_id is None:
+            raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
+                             "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
+        jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
+
+
+def is_main_process() -> bool:
+    """True on the one process that logs, prints and writes run files (process 0)."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Waits for every process to reach `name` (a no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+

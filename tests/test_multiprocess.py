@@ -1,0 +1,129 @@
+"""Multi-host training, simulated: 2 processes of 4 CPU devices each (jax.distributed over localhost, gloo
+collectives) train exactly like one process of 8 devices, share checkpoints with it both ways, and fail fast when a
+peer dies. Each run is a real `python train.py` subprocess, as a cluster launcher would start it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# lr decay fixed at 20 steps, so a 10-step run resumed to 12 follows the schedule of a 12-step run.
+FLAGS = ["--config", "configs/tiny.toml", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--lr-decay-iters", "20", "--save-interval", "10"]
+TIMEOUT = 120  # seconds any one run may take before the test fails (CI never hangs)
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=str(ROOT))
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _start(flags, devices, **kw):
+    return subprocess.Popen([sys.executable, "train.py", *FLAGS, *flags], cwd=ROOT, env=_env(devices),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _launch(flags, processes=2):
+    """`processes` processes of 4 devices each, ranks 0..n-1, joined through a localhost coordinator."""
+    dist = ["--coordinator-address", f"localhost:{_free_port()}", "--num-processes", str(processes),
+            "--distributed-timeout", "5"]
+    return [_start([*flags, *dist, "--process-id", str(i)], 4) for i in range(processes)]
+
+
+def _wait(procs, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a run did not finish within {timeout} s")
+        outs.append(out)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+def _losses(run_dir) -> dict[int, float]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # complete lines only
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def _close(a: dict, b: dict, steps, what):
+    x, y = np.array([a[s] for s in steps]), np.array([b[s] for s in steps])
+    np.testing.assert_allclose(x, y, rtol=1e-5, err_msg=what)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process of 8 devices: 12 steps, checkpoints at 10 and 12."""
+    d = tmp_path_factory.mktemp("mp") / "one"
+    _wait([_start(["--train-iters", "12", "--save", str(d), "--tensor-model-parallel-size", "4"], 8)])
+    return d
+
+
+def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(reference, tmp_path):
+    two = tmp_path / "two"
+    outs = _wait(_launch(["--train-iters", "10", "--save", str(two), "--tensor-model-parallel-size", "4"]))
+    assert "mesh data=2 pipeline=1 model=4 on 8 cpu device(s)" in outs[0]
+    assert "mtx:" not in outs[1]  # only process 0 prints
+    ref = _losses(reference)
+    _close(_losses(two), ref, range(1, 11), "2 processes, mesh (2, 1, 4)")
+    assert sorted(int(p.name) for p in two.iterdir() if p.name.isdigit()) == [10]
+    # The 2-process checkpoint resumes in one process of 8 devices on another mesh, exactly.
+    _wait([_start(["--train-iters", "12", "--load", str(two), "--save", str(two),
+                   "--tensor-model-parallel-size", "2"], 8)])
+    _close(_losses(two), ref, range(1, 13), "resumed in 1 process from a 2-process checkpoint")
+
+
+def test_one_process_checkpoint_resumes_on_two_with_pipeline_and_a_dead_peer_stops_the_run(reference, tmp_path):
+    run = tmp_path / "resumed"
+    procs = _launch(["--train-iters", "200", "--load", str(reference), "--ckpt-step", "10", "--save", str(run),
+                     "--save-interval", "1000", "--pipeline-model-parallel-size", "2",
+                     "--tensor-model-parallel-size", "2"])
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail("the 2-process run resumed from step 10 did not log steps 11 and 12:\n"
+                        + procs[0].communicate()[0][-3000:])
+        time.sleep(0.2)
+    _close(_losses(run), _losses(reference), [11, 12], "2 processes, mesh (2, 2, 2), resumed from 1 process")
+    procs[1].kill()  # a host dies mid-run
+    t0 = time.monotonic()
+    try:
+        out, _ = procs[0].communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail("process 0 kept running 60 s after its peer died")
+    assert procs[0].returncode != 0
+    # Seen on jax 0.11.2: the coordination service aborts with "Task 1 heartbeat timeout" (--distributed-timeout 5).
+    assert any(m in out for m in ("heartbeat timeout", "Connection reset", "UNAVAILABLE", "Gloo error")), out[-3000:]
+    print(f"process 0 exited {procs[0].returncode} {time.monotonic() - t0:.1f} s after its peer died:\n{out[-1500:]}")
+
+
+def test_tensor_parallelism_must_stay_inside_a_process():
+    from mtx.parallel.mesh import check_tensor_parallel_fits
+
+    check_tensor_parallel_fits(8, 4, 1)  # one process: the usual device-count checks apply instead
+    check_tensor_parallel_fits(2, 4, 2)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 8 does not fit the 4 devices of one process"):
+        check_tensor_parallel_fits(8, 4, 2)
