@@ -92,6 +92,15 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(refer
     _close(_losses(two), ref, range(1, 13), "resumed in 1 process from a 2-process checkpoint")
 
 
+def test_two_processes_on_a_2x2x2_mesh_train_like_one(reference, tmp_path):
+    """Data and pipeline both cross the two processes; tensor parallelism stays inside each."""
+    run = tmp_path / "piped"
+    outs = _wait(_launch(["--train-iters", "10", "--run-dir", str(run), "--tensor-model-parallel-size", "2",
+                          "--pipeline-model-parallel-size", "2"]))
+    assert "mesh data=2 pipeline=2 model=2 on 8 cpu device(s)" in outs[0]
+    _close(_losses(run), _losses(reference), range(1, 11), "2 processes, mesh (2, 2, 2)")
+
+
 def test_one_process_checkpoint_resumes_on_two_with_pipeline_and_a_dead_peer_stops_the_run(reference, tmp_path):
     run = tmp_path / "resumed"
     procs = _launch(["--train-iters", "200", "--load", str(reference), "--ckpt-step", "10", "--save", str(run),
