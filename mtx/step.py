@@ -154,13 +154,14 @@ class Trainer:
         loss, grads = jax.shard_map(
             self._local_loss_and_grads, mesh=self.mesh,
             in_specs=(self.param_specs, P(DATA), P(), P()), out_specs=(P(), self.param_specs),
-        )(self._stage_params(params), tokens, key, jnp.asarray(scale, jnp.float32))
+        )(self.stage_params(params), tokens, key, jnp.asarray(scale, jnp.float32))
         return loss, self._canonical_grads(grads)
 
     def _train_step(self, state: TrainState, tokens):
         t = self.cfg.training
         loss, grads = self.loss_and_grads(state.params, tokens, state.step, state.loss_scale.scale)
-        grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
+        if t.fp16:  # undo the loss scale (bf16/fp32 train at scale 1: no extra pass over the gradients)
+            grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -178,7 +179,7 @@ class Trainer:
         }
         return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
-    def _stage_params(self, params):
+    def stage_params(self, params):
         """Uneven pipeline stages: the layer stack regathered into equal per-stage slots, split over "pipeline"."""
         if self.pipeline is None or not self.pipeline.padded:
             return params
@@ -220,11 +221,7 @@ class Trainer:
             return jax.lax.pmean(per_token.mean(), DATA)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)), out_specs=P())(
-            self._stage_params(params), tokens)
-
-    def stage_params(self, params):
-        """The parameters as the shard_map expects them (see _stage_params); for callers outside the step."""
-        return self._stage_params(params)
+            self.stage_params(params), tokens)
 
     def put_batch(self, tokens_np):
         """Host (G, S + 1) tokens -> a global array split over "data" (the same global batch on every mesh).

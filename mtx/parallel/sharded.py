@@ -17,7 +17,7 @@ def split_abstract(make: Callable[[], nnx.Module]):
 
 def partition_specs(state):
     """The PartitionSpec of every parameter, as declared where the parameter was created (a tree like `state`)."""
-    return jax.tree.map(lambda v: v, nnx.get_partition_spec(state))
+    return nnx.get_partition_spec(state)
 
 
 def named_shardings(state, mesh: jax.sharding.Mesh):
