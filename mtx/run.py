@@ -20,6 +20,7 @@ import numpy as np
 from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
 from mtx.data import build_dataset
+from mtx.data.prefetch import prefetch
 from mtx.distributed import barrier, is_main_process
 from mtx.metrics import MetricsLogger, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
@@ -110,8 +111,9 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     flops_per_token = cfg.model.flops_per_token()
     bar = _progress_bar(start, t.train_iters, progress and main)
     pending, interval_start, interval_steps = [], time.perf_counter(), 0
-    for step in range(start, t.train_iters):
-        batch = trainer.put_batch(dataset.batch("train", step, t.global_batch_size))
+    batches = prefetch(lambda step: trainer.put_batch(dataset.batch("train", step, t.global_batch_size)),
+                       range(start, t.train_iters), depth=cfg.data.prefetch_depth)
+    for step, batch in zip(range(start, t.train_iters), batches):
         state, metrics = trainer.train_step(state, batch)
         pending.append((step + 1, metrics))
         if step == start:  # the first step compiles: time the interval from its end
@@ -145,6 +147,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             saver.save(state, cfg)
         if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
             interval_start = time.perf_counter()
+    batches.close()  # (an error in the loop closes it when the generator is collected)
     bar.close()
     if saver:
         if saver.latest_step() != int(jax.device_get(state.step)):
