@@ -1,7 +1,7 @@
 """Time training steps of a preset on a mesh: warm-up, then timed steps on synthetic tokens.
 
     python benchmarks/bench.py --config configs/gpt_1.2b.toml --micro-batch-size 8 --global-batch-size 8 \
-        [--steps 10 --warmup 3 --json out.jsonl] [any train.py flag]
+        [--steps 10 --warmup 3 --json out.jsonl --profile TRACE_DIR] [any train.py flag]
 
 Prints one JSON line: median step time, tokens/s, model TFLOP/s per device and MFU (6N + 12 L D S FLOPs per token,
 against 989 TFLOP/s dense bf16 for H100/H200), peak device memory, and the mesh. Data loading is excluded: the tokens
@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def measure(cfg, *, steps: int = 10, warmup: int = 3) -> dict:
+def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None) -> dict:
     import jax
     import numpy as np
 
@@ -46,6 +46,17 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3) -> dict:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    summary = None
+    if profile:  # after the timed steps, so tracing never slows what is reported
+        from benchmarks.profile_summary import capture, format_summary
+
+        def run_step():
+            nonlocal state, metrics
+            state, metrics = trainer.train_step(state, tokens)
+            jax.block_until_ready(metrics)
+
+        summary = capture(run_step, profile)
+        print(format_summary(summary, step_s * 1000), file=sys.stderr, flush=True)
     tokens_per_s = t.global_batch_size * m.seq_length / step_s
     flops = tokens_per_s * m.flops_per_token() / mesh.size
     peak = peak_flops_per_device()
@@ -58,7 +69,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3) -> dict:
         "recompute": t.recompute_granularity, "step_s": step_s, "step_s_min": min(times),
         "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
         "peak_mem_gib": max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) / 2**30,
-        "loss": float(metrics["loss"]),
+        "loss": float(metrics["loss"]), "profile": summary,
         "pipeline": None if trainer.pipeline is None else {
             "stages": trainer.pipeline.stages, "ideal_bubble": trainer.pipeline.bubble},
     }
@@ -73,8 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="append the result line to this file")
+    ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them")
     own, rest = ap.parse_known_args(argv)
-    result = measure(parse_config(rest), steps=own.steps, warmup=own.warmup)
+    result = measure(parse_config(rest), steps=own.steps, warmup=own.warmup, profile=own.profile)
     line = json.dumps(result)
     print(line, flush=True)
     if own.json:

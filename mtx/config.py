@@ -114,7 +114,7 @@ class TrainingConfig:
     initial_loss_scale: float = 2.0**16  # starting dynamic loss scale (fp16)
     loss_scale_window: int = 1000  # good steps before the loss scale doubles
     min_loss_scale: float = 1.0  # the loss scale never halves below this
-    recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core only)
+    recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core) | matmuls (all but matmul outputs)
     use_flash_attn: bool = False  # fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere
     log_interval: int = 10  # steps between metrics lines
     eval_interval: int = 100  # steps between validation runs; 0 disables
@@ -139,6 +139,7 @@ class DataConfig:
     merge_file: str | None = None  # GPT-2 vocab.bpe merges
     tokenizer_type: str | None = None  # GPT2BPETokenizer | BertWordPieceLowerCase | byte; None: by the files given
     split: str = "949,50,1"  # train,valid,test weights of the token stream, as in Megatron
+    prefetch_depth: int = 2  # training batches prepared ahead on a background thread; 0 prepares each at its step
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
@@ -191,14 +192,15 @@ class Config:
                "raise it to at least the sequence length.")
         self.stage_layer_counts()  # refuses layers that do not split over the stages as asked
         _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
-        _check(t.recompute_granularity in (None, "full", "selective"),
-               f"--recompute-granularity must be full or selective, got {t.recompute_granularity!r}.")
+        _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),
+               f"--recompute-granularity must be full, selective or matmuls, got {t.recompute_granularity!r}.")
         _check(o.lr_decay_style in ("constant", "linear", "cosine"),
                f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
         _check(not (t.use_flash_attn and m.attention_dropout > 0),
                "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
         _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
                "--hidden-dropout and --attention-dropout must lie in [0, 1).")
+        _check(self.data.prefetch_depth >= 0, "--prefetch-depth must be >= 0 (0 turns prefetching off).")
         _check(t.micro_batch_size >= 1 and t.global_batch_size >= 1 and t.train_iters >= 0,
                "--micro-batch-size and --global-batch-size must be >= 1 and --train-iters >= 0.")
         if num_devices is not None:

@@ -76,7 +76,7 @@ def test_tiny_model_learns_the_builtin_corpus(tmp_path):
 
 def test_recomputation_does_not_change_the_math(tmp_path):
     base = losses(run(tmp_path, "none", train_iters=3, **EXACT), [1, 2, 3])
-    for granularity in ("full", "selective"):
+    for granularity in ("full", "selective", "matmuls"):
         again = losses(run(tmp_path, granularity, train_iters=3, recompute_granularity=granularity, **EXACT),
                        [1, 2, 3])
         np.testing.assert_allclose(again, base, rtol=1e-6)

@@ -21,6 +21,18 @@ from mtx.parallel.ops import vary_like
 from mtx.parallel.random import dropout, fold
 
 
+def save_matmul_outputs(prim, *args, **params) -> bool:
+    """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls and of cuDNN's fused
+    attention (its output and softmax statistics, which its backward needs), recompute the element-wise rest.
+
+    The element-wise ops are cheap to recompute (memory-bound, fused into the matmuls' neighbours) but each saved
+    activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs. Without cuDNN
+    the attention core's einsums have batch dimensions and are recomputed (as `selective` does).
+    """
+    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+            or prim.name.startswith("dot_product_attention_fwd"))
+
+
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
                  rngs: nnx.Rngs):
@@ -37,7 +49,7 @@ class GPT(nnx.Module):
         self.layers = make_layers(rngs)
         self.final_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.hidden_dropout = cfg.hidden_dropout
-        self.recompute_full = recompute == "full"
+        self.recompute = recompute
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size  # real ids; the padded ones take no probability in the loss
 
@@ -78,8 +90,10 @@ class GPT(nnx.Module):
             y_BSD = nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys)
             return (jnp.where(active, y_BSD, x_BSD) if masked else y_BSD), None
 
-        if self.recompute_full:  # keep each layer's input only; recompute its activations in the backward
+        if self.recompute == "full":  # keep each layer's input only; recompute its activations in the backward
             body = jax.checkpoint(body)
+        elif self.recompute == "matmuls":  # keep the matmuls' outputs; recompute LN, GeLU, bias adds, dropout
+            body = jax.checkpoint(body, policy=save_matmul_outputs)
         active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
         x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
         x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))

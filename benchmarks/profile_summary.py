@@ -1,0 +1,113 @@
+"""Where a step's device time goes: a JAX profiler trace summed by kernel class and by kernel.
+
+    python benchmarks/profile_summary.py TRACE_DIR [--steps 2] [--top 25]
+
+TRACE_DIR is a directory written by `jax.profiler.trace(..., create_perfetto_trace=True)` (bench.py --profile DIR
+writes one). Device events are the ones on a process named like "/device:GPU:0"; each kernel is put in a class by its
+name: matmul (cuBLAS/cuBLASLt/CUTLASS GEMMs), attention (cuDNN flash attention), collective (NCCL), copy (memcpy and
+memset), or fusion (XLA's own element-wise and reduction kernels: LayerNorm, GeLU, softmax, loss, optimizer). Times
+are per step (the trace's total divided by --steps). "busy" is the union of kernel intervals on all streams, so
+busy / step time shows how much of a step the device is idle (host overhead, waiting on transfers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+CLASSES = (  # first match wins
+    ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective|permute|send|recv", re.I)),
+    ("attention", re.compile(r"cudnn|flash|fmha|fprop|dgrad|sdpa|attention", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(tn|nt|nn|tt)|matmul|dot", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kernel_class(name: str) -> str:
+    for cls, pattern in CLASSES:
+        if pattern.search(name):
+            return cls
+    return "fusion"
+
+
+def find_trace(trace_dir: str | Path) -> Path:
+    found = sorted(Path(trace_dir).rglob("*perfetto_trace.json.gz")) or sorted(Path(trace_dir).rglob("*.trace.json.gz"))
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}; profile with "
+                                "jax.profiler.trace(dir, create_perfetto_trace=True)")
+    return found[-1]
+
+
+def device_events(trace_path: Path) -> list[dict]:
+    """Complete ('X') events on device processes (GPU or TPU); on CPU, the XLA thunk threads stand in."""
+    data = json.load(gzip.open(trace_path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device and e.get("dur", 0) > 0]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def summarize(trace_dir: str | Path, *, steps: int = 1, top: int = 25) -> dict:
+    """Per-step device milliseconds by class and for the `top` kernels, plus the busy (union) time."""
+    events = device_events(find_trace(trace_dir))
+    by_class, by_kernel = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    for e in events:
+        by_class[kernel_class(e["name"])] += e["dur"]
+        by_kernel[e["name"]][0] += e["dur"]
+        by_kernel[e["name"]][1] += 1
+    busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events])
+    ms = lambda us: us / 1000 / steps
+    kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "steps": steps, "events": len(events), "busy_ms": ms(busy), "kernel_ms": ms(sum(by_class.values())),
+        "by_class_ms": {k: ms(v) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:120], "class": kernel_class(n), "ms": ms(t), "calls": c // steps}
+                        for n, (t, c) in kernels],
+    }
+
+
+def capture(run_step, trace_dir: str | Path, *, steps: int = 2, top: int = 25) -> dict:
+    """Profiles `steps` calls of run_step() (each must block until its step is done) and summarizes them."""
+    import jax
+
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(steps):
+            run_step()
+    return summarize(trace_dir, steps=steps, top=top)
+
+
+def format_summary(s: dict, step_ms: float | None = None) -> str:
+    lines = [f"device busy {s['busy_ms']:.1f} ms/step" + (f" of {step_ms:.1f} ms ({s['busy_ms'] / step_ms:.0%})"
+                                                          if step_ms else "")]
+    total = s["kernel_ms"] or 1.0
+    lines += [f"  {cls:<10} {t:9.1f} ms  {t / total:6.1%}" for cls, t in s["by_class_ms"].items()]
+    lines.append("top kernels:")
+    lines += [f"  {k['ms']:8.2f} ms  x{k['calls']:<5} {k['class']:<10} {k['name']}" for k in s["top_kernels"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace_dir")
+    ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (times are divided by it)")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    print(format_summary(summarize(args.trace_dir, steps=args.steps, top=args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

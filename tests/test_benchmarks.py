@@ -1,0 +1,99 @@
+"""The benchmark scripts run on CPU (so CI keeps them working), and the plain-JAX baseline is the same model as mtx."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtx.config import Config, load_preset
+from mtx.parallel.mesh import make_mesh
+from mtx.step import Trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import bench, plain_gpt, profile_summary  # noqa: E402
+
+TINY = Config().replace(**load_preset("configs/tiny.toml"), hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _plain_params(params):
+    """mtx's parameter tree -> plain_gpt's dict (same arrays, renamed)."""
+    p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+    layers = p["layers"]
+    return {
+        "wte": p["embedding"]["embedding"], "wpe": p["position_embeddings"],
+        "layers": {
+            "ln1_scale": layers["ln1"]["scale"], "ln1_bias": layers["ln1"]["bias"],
+            "qkv_kernel": layers["attention"]["qkv"]["kernel"], "qkv_bias": layers["attention"]["qkv"]["bias"],
+            "out_kernel": layers["attention"]["proj"]["kernel"], "out_bias": layers["attention"]["proj"]["bias"],
+            "ln2_scale": layers["ln2"]["scale"], "ln2_bias": layers["ln2"]["bias"],
+            "fc1_kernel": layers["mlp"]["fc1"]["kernel"], "fc1_bias": layers["mlp"]["fc1"]["bias"],
+            "fc2_kernel": layers["mlp"]["fc2"]["kernel"], "fc2_bias": layers["mlp"]["fc2"]["bias"],
+        },
+        "lnf_scale": p["final_layernorm"]["scale"], "lnf_bias": p["final_layernorm"]["bias"],
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_plain_baseline_is_the_same_model(tp):
+    """The baseline's loss and gradients equal mtx's (fp32) for the same weights: it measures the same math."""
+    cfg = TINY.replace(vocab_size=300, global_batch_size=4, micro_batch_size=4, data_parallel_size=1,
+                       tensor_model_parallel_size=tp).validate(tp)
+    trainer = Trainer(cfg, make_mesh(1, 1, tp, devices=jax.devices()[:tp]))
+    state = trainer.init_state()
+    tokens = np.random.default_rng(0).integers(0, 300, (4, cfg.model.seq_length + 1)).astype(np.int32)
+    loss, grads = trainer.loss_and_grads(state.params, trainer.put_batch(tokens), state.step)
+
+    plain_loss = lambda p: plain_gpt.loss_fn(p, jnp.asarray(tokens), heads=cfg.model.num_attention_heads,
+                                             dtype=jnp.float32, flash=False, recompute=None, vocab_size=300)
+    ref_loss, ref_grads = jax.value_and_grad(plain_loss)(_plain_params(state.params))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    mine = _plain_params(grads)
+    for path, ref in jax.tree_util.tree_leaves_with_path(ref_grads):
+        got = mine
+        for k in path:
+            got = got[k.key]
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * float(np.abs(ref).max()),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_bench_and_plain_baseline_run_on_cpu(tmp_path):
+    cfg = TINY.replace(global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
+                       recompute_granularity="matmuls")
+    mtx = bench.measure(cfg, steps=2, warmup=1)
+    plain = plain_gpt.measure(cfg.replace(micro_batch_size=8), steps=2, warmup=1)
+    for r in (mtx, plain):
+        assert r["tokens_per_s"] > 0 and np.isfinite(r["loss"]) and r["step_s_min"] <= r["step_s"]
+        assert r["params"] == cfg.model.num_params() and r["recompute"] == "matmuls"
+    assert mtx["mesh"] == {"data": 4, "pipeline": 1, "model": 2} and mtx["microbatches"] == 1
+    # both start from N(0, 0.02) weights on random tokens: the loss is ~ln(V) after a few small steps
+    assert abs(mtx["loss"] - plain["loss"]) < 0.5
+
+
+def _write_trace(path: Path, events):
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    path.mkdir(parents=True)
+    with gzip.open(path / "perfetto_trace.json.gz", "wt") as fh:
+        json.dump({"traceEvents": meta + events}, fh)
+
+
+def test_profile_summary_classes_and_busy_time(tmp_path):
+    x = lambda name, ts, dur, pid=1, tid=1: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+    _write_trace(tmp_path / "t" / "plugins", [
+        x("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 600), x("nvjet_hsh_128x256", 600, 200),
+        x("cudnn_generated_fort_native_sdpa_sm90", 800, 300), x("loop_add_fusion", 1100, 100),
+        x("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 900, 400, tid=2),  # overlaps on another stream
+        x("PjitFunction(step)", 0, 5000, pid=2),  # host event: not device time
+    ])
+    s = profile_summary.summarize(tmp_path / "t", steps=2)
+    assert s["by_class_ms"] == pytest.approx({"matmul": 0.4, "collective": 0.2, "attention": 0.15, "fusion": 0.05})
+    assert s["busy_ms"] == pytest.approx(1.3 / 2)  # union of [0, 1200] and [900, 1300] us, per step
+    assert s["top_kernels"][0]["class"] == "matmul" and s["events"] == 5
+    with pytest.raises(FileNotFoundError, match="create_perfetto_trace"):
+        profile_summary.summarize(tmp_path / "empty")
