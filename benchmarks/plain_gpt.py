@@ -63,7 +63,7 @@ def save_matmuls(prim, *args, **params) -> bool:
             or prim.name.startswith("dot_product_attention_fwd"))
 
 
-def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size):
+def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size, scan=True):
     """Mean next-token cross-entropy of a (B, S + 1) batch."""
     inputs, targets = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     b, s = inputs.shape
@@ -85,7 +85,11 @@ def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size):
         block = jax.checkpoint(block)
     elif recompute == "matmuls":
         block = jax.checkpoint(block, policy=save_matmuls)
-    x, _ = jax.lax.scan(block, x, params["layers"])
+    if scan:
+        x, _ = jax.lax.scan(block, x, params["layers"])
+    else:
+        for i in range(params["layers"]["qkv_kernel"].shape[0]):
+            x, _ = block(x, jax.tree.map(lambda a: a[i], params["layers"]))
     x = cast(layer_norm(x, params["lnf_scale"], params["lnf_bias"]))
     logits = (x @ cast(params["wte"]).T).astype(jnp.float32)
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)  # padded ids: no probability
@@ -97,7 +101,7 @@ def make_step(cfg):
     dtype = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[t.compute_dtype]
     flash = t.use_flash_attn and jax.default_backend() == "gpu" and dtype != jnp.float32
     loss = lambda p, tok: loss_fn(p, tok, heads=m.num_attention_heads, dtype=dtype, flash=flash,
-                                  recompute=t.recompute_granularity, vocab_size=m.vocab_size)
+                                  recompute=t.recompute_granularity, vocab_size=m.vocab_size, scan=t.scan_layers)
     decay = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: not jax.tree_util.keystr(path).endswith(("bias']", "scale']")), params)
     optimizer = optax.chain(optax.clip_by_global_norm(o.clip_grad),
@@ -112,9 +116,12 @@ def make_step(cfg):
             l, g = jax.value_and_grad(loss)(params, tok)
             return jax.tree.map(jnp.add, acc, (l, g)), None
 
-        zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-        (l, grads), _ = jax.lax.scan(one, zeros, micro)
-        grads = jax.tree.map(lambda g: g / accumulation, grads)
+        if accumulation == 1:
+            l, grads = jax.value_and_grad(loss)(params, micro[0])
+        else:
+            zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (l, grads), _ = jax.lax.scan(one, zeros, micro)
+            grads = jax.tree.map(lambda g: g / accumulation, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, l / accumulation
 

@@ -63,23 +63,24 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 def summarize(trace_dir: str | Path, *, steps: int = 1, top: int = 25) -> dict:
     """Per-step device milliseconds by class and for the `top` kernels, plus the busy (union) time."""
     events = device_events(find_trace(trace_dir))
-    by_class, by_kernel = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    by_class, by_kernel, op = defaultdict(float), defaultdict(lambda: [0.0, 0]), {}
     for e in events:
         by_class[kernel_class(e["name"])] += e["dur"]
         by_kernel[e["name"]][0] += e["dur"]
         by_kernel[e["name"]][1] += 1
+        op.setdefault(e["name"], (e.get("args") or {}).get("hlo_op", ""))
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events])
     ms = lambda us: us / 1000 / steps
     kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "steps": steps, "events": len(events), "busy_ms": ms(busy), "kernel_ms": ms(sum(by_class.values())),
         "by_class_ms": {k: ms(v) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": n[:120], "class": kernel_class(n), "ms": ms(t), "calls": c // steps}
-                        for n, (t, c) in kernels],
+        "top_kernels": [{"name": n[:120], "class": kernel_class(n), "ms": ms(t), "calls": c // steps,
+                         "hlo_op": op[n]} for n, (t, c) in kernels],
     }
 
 
-def capture(run_step, trace_dir: str | Path, *, steps: int = 2, top: int = 25) -> dict:
+def capture(run_step, trace_dir: str | Path, *, steps: int = 2, top: int = 40) -> dict:
     """Profiles `steps` calls of run_step() (each must block until its step is done) and summarizes them."""
     import jax
 
@@ -95,7 +96,8 @@ def format_summary(s: dict, step_ms: float | None = None) -> str:
     total = s["kernel_ms"] or 1.0
     lines += [f"  {cls:<10} {t:9.1f} ms  {t / total:6.1%}" for cls, t in s["by_class_ms"].items()]
     lines.append("top kernels:")
-    lines += [f"  {k['ms']:8.2f} ms  x{k['calls']:<5} {k['class']:<10} {k['name']}" for k in s["top_kernels"]]
+    lines += [f"  {k['ms']:8.2f} ms  x{k['calls']:<5} {k['class']:<10} {k['name'][:70]}  {k.get('hlo_op', '')}"
+              for k in s["top_kernels"]]
     return "\n".join(lines)
 
 

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
             kind = _scalar_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{helps.get(f.name, '')} (default: {default})")
-            if kind is bool:
+            if kind is bool and default:  # on by default: Megatron's --no-<name> turns it off
+                group.add_argument("--no-" + flag[2:], action="store_false", **kw)
+            elif kind is bool:
                 group.add_argument(flag, action="store_true", **kw)
             elif f.name == "data_path":
                 group.add_argument(flag, nargs="+", metavar="PATH", **kw)

@@ -115,6 +115,7 @@ class TrainingConfig:
     loss_scale_window: int = 1000  # good steps before the loss scale doubles
     min_loss_scale: float = 1.0  # the loss scale never halves below this
     recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core) | matmuls (all but matmul outputs)
+    scan_layers: bool = True  # run the layer stack as one lax.scan (compiles one layer); False unrolls it
     use_flash_attn: bool = False  # fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere
     log_interval: int = 10  # steps between metrics lines
     eval_interval: int = 100  # steps between validation runs; 0 disables

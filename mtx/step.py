@@ -48,7 +48,7 @@ def build_model(cfg: Config, *, seed: int | None = None):
     dtype = DTYPES[cfg.training.compute_dtype]
     t = cfg.training
     return lambda: GPT(cfg.model, dtype=dtype, recompute=t.recompute_granularity, flash=t.use_flash_attn,
-                       rngs=nnx.Rngs(seed))
+                       scan_layers=t.scan_layers, rngs=nnx.Rngs(seed))
 
 
 def num_microbatches(cfg: Config, mesh) -> int:
@@ -124,18 +124,21 @@ class Trainer:
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
         else:  # gradient accumulation: one microbatch's activations alive at a time
-            def micro(carry, inputs):
-                loss_acc, grad_acc = carry
-                tokens_BS, keys_B = inputs
+            def micro_grads(tokens_BS, keys_B):
                 loss_fn = lambda p: nnx.merge(self.graphdef, p).loss(
                     tokens_BS[:, :-1], tokens_BS[:, 1:], keys_B=keys_B,
                     label_smoothing=label_smoothing).sum() / n_tokens * scale
-                loss, grads = jax.value_and_grad(loss_fn)(params)
-                return (loss_acc + loss, jax.tree.map(jnp.add, grad_acc, grads)), None
+                return jax.value_and_grad(loss_fn)(params)
 
-            zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
-                     jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(micro, zeros, (tokens_MBS, keys_MB))
+            if m == 1:  # no accumulator: zeroing and adding it are two more passes over every gradient
+                loss, grads = micro_grads(tokens_MBS[0], None if keys_MB is None else keys_MB[0])
+            else:
+                def micro(carry, inputs):
+                    return jax.tree.map(jnp.add, carry, micro_grads(*inputs)), None
+
+                zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
+                         jax.tree.map(jnp.zeros_like, params))
+                (loss, grads), _ = jax.lax.scan(micro, zeros, (tokens_MBS, keys_MB))
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
         # holds (embeddings, final LN) also sum their per-stage parts over "pipeline".
         grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, (DATA, PIPELINE) if rep else DATA), grads,

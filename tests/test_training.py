@@ -82,6 +82,13 @@ def test_recomputation_does_not_change_the_math(tmp_path):
         np.testing.assert_allclose(again, base, rtol=1e-6)
 
 
+def test_unrolled_layers_are_the_scanned_layers(tmp_path):
+    base = losses(run(tmp_path, "scan", train_iters=3, **EXACT), [1, 2, 3])
+    again = losses(run(tmp_path, "unrolled", train_iters=3, scan_layers=False, recompute_granularity="matmuls",
+                       **EXACT), [1, 2, 3])
+    np.testing.assert_allclose(again, base, rtol=1e-6)
+
+
 def test_bf16_and_fp16_train(tmp_path):
     for flag in ("bf16", "fp16"):
         r = run(tmp_path, flag, train_iters=20, lr=3e-3, **{flag: True})

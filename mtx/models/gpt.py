@@ -33,9 +33,20 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
             or prim.name.startswith("dot_product_attention_fwd"))
 
 
+@jax.custom_vjp
+def _unstack(a_L):
+    """(L, ...) -> L arrays (...), whose gradients are stacked back in one pass.
+
+    (Plain indexing would transpose to L zero-padded (L, ...) gradients summed together.)"""
+    return tuple(a_L[i] for i in range(a_L.shape[0]))
+
+
+_unstack.defvjp(lambda a_L: (_unstack(a_L), None), lambda _, grads: (jnp.stack(grads),))
+
+
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 rngs: nnx.Rngs):
+                 scan_layers: bool = True, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
@@ -50,6 +61,7 @@ class GPT(nnx.Module):
         self.final_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute
+        self.scan_layers = scan_layers
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size  # real ids; the padded ones take no probability in the loss
 
@@ -96,7 +108,13 @@ class GPT(nnx.Module):
             body = jax.checkpoint(body, policy=save_matmul_outputs)
         active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
         x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
-        x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))
+        if self.scan_layers:
+            x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))
+        else:  # unrolled: each layer's saved activations are buffers of their own, not slices of a stacked one
+            per_layer = jax.tree.map(_unstack, stacked)
+            for i in range(num_held):
+                x_BSD, _ = body(x_BSD, (jax.tree.map(lambda parts: parts[i], per_layer,
+                                                     is_leaf=lambda x: isinstance(x, tuple)), i, active_L[i]))
         return x_BSD
 
     def transform_cached(self, x_BTD, cache: KVCache, start_B, *, active_L=None, write=None):

@@ -109,8 +109,7 @@ class ParallelSelfAttention(nnx.Module):
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         b, s, _ = x_BSD.shape
-        qkv = self.qkv(x_BSD).reshape(b, s, -1, 3, self.head_dim)  # (B, S, n_local, 3, H)
-        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        q, k, v = self.qkv.split_call(x_BSD, 3, self.head_dim)  # (B, S, n_local, H) each
         if self.flash and (keys_B is None or self.dropout_rate == 0.0):
             return self.proj(fused_attention(q, k, v, mask_BS=mask_BS).reshape(b, s, -1))
         core = functools.partial(attention_core, dropout_rate=self.dropout_rate)
@@ -126,8 +125,7 @@ class ParallelSelfAttention(nnx.Module):
         collective is the output projection's g, as in training. No dropout.
         """
         b, t, _ = x_BTD.shape
-        qkv = self.qkv(x_BTD).reshape(b, t, -1, 3, self.head_dim)  # (B, T, n_local, 3, H)
-        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        q, k, v = self.qkv.split_call(x_BTD, 3, self.head_dim)  # (B, T, n_local, H) each
         cache = KVCache(write_rows(cache.k, k, start_B, write), write_rows(cache.v, v, start_B, write))
         ctx_BTNH = cached_attention_core(q, cache.k, cache.v, start_B)
         return self.proj(ctx_BTNH.reshape(b, t, -1)), cache

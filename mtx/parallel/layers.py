@@ -49,6 +49,24 @@ class ColumnParallelLinear(nnx.Module):
             y = y + self.bias[...].astype(self.dtype)
         return gather_from_model_parallel(y) if self.gather_output else y
 
+    def split_call(self, x_BSD, parts: int, part_dim: int):
+        """The same Y = X A + b as `parts` matmuls, one per interleaved group of output columns.
+
+        This rank's columns are read as (n, parts, part_dim); output j is (..., n, part_dim) = f(X) A[:, :, j] + b[:, j].
+        For the fused QKV projection (columns ordered (N, 3, H)) the matmuls write q, k and v into buffers of their
+        own: no strided split of a (..., 3D / tp) activation forward, no re-interleaving of dq, dk, dv backward. One `f`
+        serves all parts, so the backward still has one all-reduce.
+        """
+        x = f(x_BSD.astype(self.dtype))
+        kernel = self.kernel[...].astype(self.dtype)
+        kernel = kernel.reshape(kernel.shape[0], -1, parts, part_dim)
+        bias = None if self.bias is None else self.bias[...].astype(self.dtype).reshape(-1, parts, part_dim)
+        outs = []
+        for j in range(parts):
+            y = jnp.einsum("...d,dnh->...nh", x, kernel[:, :, j])
+            outs.append(y if bias is None else y + bias[:, j])
+        return tuple(outs)
+
 
 class RowParallelLinear(nnx.Module):
     """Y = X A + b with A split by rows: A = [A_1; ...; A_tp] and X = [X_1 ... X_tp]; Y = g(sum_r X_r A_r) + b.
