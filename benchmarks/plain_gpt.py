@@ -8,8 +8,9 @@ reductions); at TP = PP = DP = 1 it should cost nothing, and this script is what
 (issue 6's target: mtx within 5%). It reads the preset through mtx's config only to get the same numbers; the model,
 loss and step below are written from scratch in jax.numpy: pre-LN GPT with learned positions, fused QKV, tanh GeLU,
 tied output layer, LayerNorm, softmax and loss in fp32, bf16 compute with fp32 master weights, a `lax.scan` over
-layers with the same recomputation policy, cuDNN flash attention where mtx uses it, optax AdamW (no decay on biases
-and LayerNorm) with global-norm clipping, donated state. The output JSON line has bench.py's fields.
+layers (or, with --no-scan-layers, a Python loop over per-layer parameters) with the same recomputation policy,
+cuDNN flash attention where mtx uses it, optax AdamW (no decay on biases and LayerNorm) with global-norm clipping,
+donated state. The output JSON line has bench.py's fields.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def save_matmuls(prim, *args, **params) -> bool:
             or prim.name.startswith("dot_product_attention_fwd"))
 
 
-def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size, scan=True):
-    """Mean next-token cross-entropy of a (B, S + 1) batch."""
+def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size):
+    """Mean next-token cross-entropy of a (B, S + 1) batch. params["layers"] is one dict of (L, ...) arrays (run as a
+    scan) or a list of L per-layer dicts (unrolled)."""
     inputs, targets = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     b, s = inputs.shape
     cast = lambda w: w.astype(dtype)
@@ -85,11 +87,11 @@ def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size, s
         block = jax.checkpoint(block)
     elif recompute == "matmuls":
         block = jax.checkpoint(block, policy=save_matmuls)
-    if scan:
-        x, _ = jax.lax.scan(block, x, params["layers"])
+    if isinstance(params["layers"], list):
+        for layer in params["layers"]:
+            x, _ = block(x, layer)
     else:
-        for i in range(params["layers"]["qkv_kernel"].shape[0]):
-            x, _ = block(x, jax.tree.map(lambda a: a[i], params["layers"]))
+        x, _ = jax.lax.scan(block, x, params["layers"])
     x = cast(layer_norm(x, params["lnf_scale"], params["lnf_bias"]))
     logits = (x @ cast(params["wte"]).T).astype(jnp.float32)
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)  # padded ids: no probability
@@ -101,7 +103,7 @@ def make_step(cfg):
     dtype = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[t.compute_dtype]
     flash = t.use_flash_attn and jax.default_backend() == "gpu" and dtype != jnp.float32
     loss = lambda p, tok: loss_fn(p, tok, heads=m.num_attention_heads, dtype=dtype, flash=flash,
-                                  recompute=t.recompute_granularity, vocab_size=m.vocab_size, scan=t.scan_layers)
+                                  recompute=t.recompute_granularity, vocab_size=m.vocab_size)
     decay = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: not jax.tree_util.keystr(path).endswith(("bias']", "scale']")), params)
     optimizer = optax.chain(optax.clip_by_global_norm(o.clip_grad),
@@ -125,8 +127,12 @@ def make_step(cfg):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, l / accumulation
 
-    init = lambda key: init_params(key, vocab=m.padded_vocab_size, positions=m.max_positions, layers=m.num_layers,
-                                   d=m.hidden_size, f=m.ffn_size, std=m.init_method_std)
+    def init(key):
+        params = init_params(key, vocab=m.padded_vocab_size, positions=m.max_positions, layers=m.num_layers,
+                             d=m.hidden_size, f=m.ffn_size, std=m.init_method_std)
+        if not t.scan_layers:  # one dict per layer, so nothing is sliced out of a stack inside the step
+            params["layers"] = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(m.num_layers)]
+        return params
     return init, optimizer, jax.jit(step, donate_argnums=(0, 1))
 
 

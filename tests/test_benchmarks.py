@@ -66,7 +66,7 @@ def test_bench_and_plain_baseline_run_on_cpu(tmp_path):
     cfg = TINY.replace(global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
                        recompute_granularity="matmuls")
     mtx = bench.measure(cfg, steps=2, warmup=1)
-    plain = plain_gpt.measure(cfg.replace(micro_batch_size=8), steps=2, warmup=1)
+    plain = plain_gpt.measure(cfg.replace(micro_batch_size=8, scan_layers=False), steps=2, warmup=1)
     for r in (mtx, plain):
         assert r["tokens_per_s"] > 0 and np.isfinite(r["loss"]) and r["step_s_min"] <= r["step_s"]
         assert r["params"] == cfg.model.num_params() and r["recompute"] == "matmuls"
@@ -97,3 +97,18 @@ def test_profile_summary_classes_and_busy_time(tmp_path):
     assert s["top_kernels"][0]["class"] == "matmul" and s["events"] == 5
     with pytest.raises(FileNotFoundError, match="create_perfetto_trace"):
         profile_summary.summarize(tmp_path / "empty")
+
+
+def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
+    from benchmarks import suite
+
+    rows = [suite.mtx("tiny, 1 GPU", 1, "tiny", 1, 1, 1, 2, 4, fast=False),
+            suite.mtx("tiny, TP 2 (strong)", 2, "tiny", 1, 1, 2, 2, 4, fast=False),
+            suite.mtx("tiny, bad", 1, "tiny", 1, 1, 3, 2, 4, fast=False)]  # 8 heads on TP 3: refused
+    records = [suite.run_row(r, steps=2, warmup=1, timeout=300) for r in rows]
+    ok, strong, bad = (r["result"] for r in records)
+    assert ok["mesh"] == {"data": 1, "pipeline": 1, "model": 1} and strong["mesh"]["model"] == 2
+    assert "--tensor-model-parallel-size" in bad["error"]
+    text = suite.table(records)
+    assert f"strong {strong['tokens_per_s'] / ok['tokens_per_s']:.2f}x" in text
+    assert text.count("\n") == 2 + len(rows) - 1 and "| tiny, bad | 1 |" in text

@@ -1,0 +1,151 @@
+"""The paper's scaling study at the size of the machine: every row one benchmark process, then one table.
+
+    python benchmarks/suite.py --rows 1gpu 2gpu [--out results.jsonl] [--steps 5 --warmup 2]
+    python benchmarks/suite.py --rows 4gpu --baseline results.jsonl     # efficiency against 1-GPU rows run earlier
+
+Rows are named groups (ROWS below): mtx rows run `benchmarks/bench.py`, the baselines `benchmarks/plain_gpt.py`
+(plain JAX, no shard_map) and `benchmarks/torch_gpt.py` (torch.compile nanoGPT). Each row runs in its own process
+on the first `gpus` devices (CUDA_VISIBLE_DEVICES), so rows never share a GPU and a failing row (out of memory)
+costs only itself. The table reports, besides bench.py's fields, each mtx row's scaling against the 1-GPU mtx row of
+the same model: weak-scaling efficiency = per-GPU tokens/s of the larger model and mesh / per-GPU tokens/s of 1.2B on
+1 GPU, in model FLOPs (the paper's Figure 5 uses FLOP/s: the models differ), and strong-scaling speedup = tokens/s on
+n GPUs / tokens/s on 1 GPU for the same model and global batch (paper Table 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
+# recompute everything but the matmuls, layers unrolled.
+FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
+        "matmuls", "--no-scan-layers"]
+
+
+def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, xla_flags=None):
+    args = ["--config", f"configs/{preset}.toml", "--data-parallel-size", str(dp), "--pipeline-model-parallel-size",
+            str(pp), "--tensor-model-parallel-size", str(tp), "--micro-batch-size", str(mb), "--global-batch-size",
+            str(gb), *(FAST if fast else []), *extra]
+    return {"name": name, "gpus": gpus, "script": "benchmarks/bench.py", "args": args, "model": preset,
+            "xla_flags": xla_flags}
+
+
+def plain(name, preset, mb, *extra):
+    args = ["--config", f"configs/{preset}.toml", "--micro-batch-size", str(mb), "--global-batch-size", str(mb),
+            *FAST, *extra]
+    return {"name": name, "gpus": 1, "script": "benchmarks/plain_gpt.py", "args": args, "model": preset}
+
+
+def torch_row(name, mb, layers=40, hidden=1536, heads=16, model="gpt_1.2b"):
+    args = ["--layers", str(layers), "--hidden", str(hidden), "--heads", str(heads), "--micro-batch", str(mb)]
+    return {"name": name, "gpus": 1, "script": "benchmarks/torch_gpt.py", "args": args, "model": model}
+
+
+ROWS = {
+    "1gpu": [
+        mtx("1.2B, 1 GPU", 1, "gpt_1.2b", 1, 1, 1, 16, 16),
+        mtx("1.2B, 1 GPU, mb 24", 1, "gpt_1.2b", 1, 1, 1, 24, 24),
+        plain("1.2B, plain JAX", "gpt_1.2b", 16),
+        torch_row("1.2B, PyTorch", 16),
+        mtx("355M, 1 GPU", 1, "gpt2_355m", 1, 1, 1, 16, 16),
+        torch_row("355M, PyTorch", 16, layers=24, hidden=1024, heads=16, model="gpt2_355m"),
+    ],
+    "2gpu": [
+        mtx("2.5B, TP 2 (weak)", 2, "gpt_2.5b", 1, 1, 2, 16, 16),
+        mtx("1.2B, TP 2 (strong)", 2, "gpt_1.2b", 1, 1, 2, 16, 16),
+        mtx("1.2B, TP 2 (strong), latency-hiding scheduler", 2, "gpt_1.2b", 1, 1, 2, 16, 16,
+            xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
+        mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),
+        mtx("1.2B, PP 2, 8 microbatches", 2, "gpt_1.2b", 1, 2, 1, 8, 64, "--recompute-granularity", "full"),
+    ],
+    "4gpu": [
+        mtx("4.2B, TP 4 (weak)", 4, "gpt_4.2b", 1, 1, 4, 16, 16),
+        mtx("1.2B, TP 4 (strong)", 4, "gpt_1.2b", 1, 1, 4, 16, 16),
+        mtx("1.2B, TP 2 x DP 2", 4, "gpt_1.2b", 2, 1, 2, 16, 32),
+        mtx("2.5B, TP 2 x PP 2, 8 microbatches", 4, "gpt_2.5b", 1, 2, 2, 8, 64, "--recompute-granularity", "full"),
+    ],
+}
+
+
+def run_row(row, steps, warmup, timeout) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(map(str, range(row["gpus"]))))
+    if row.get("xla_flags"):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + row["xla_flags"]).strip()
+    own = ["--steps", str(steps), "--warmup", str(warmup)]
+    cmd = [sys.executable, row["script"], *own, *row["args"]]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+        result = json.loads(lines[-1]) if p.returncode == 0 and lines else {
+            "error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    except subprocess.TimeoutExpired:
+        result = {"error": f"timed out after {timeout} s"}
+    result.pop("profile", None)
+    flags = f"XLA_FLAGS={row['xla_flags']} " if row.get("xla_flags") else ""
+    return {**row, "command": flags + " ".join(["python", row["script"], *own, *row["args"]]), "result": result}
+
+
+def table(records) -> str:
+    one_gpu = {r["model"]: r["result"] for r in records
+               if r["script"] == "benchmarks/bench.py" and r["gpus"] == 1 and "error" not in r["result"]
+               and r["name"].endswith("1 GPU")}
+    base = one_gpu.get("gpt_1.2b")
+    head = ("| row | GPUs | params | global batch | step (s) | tokens/s | TFLOP/s per GPU | MFU | peak mem (GiB) | "
+            "scaling |\n|---|---|---|---|---|---|---|---|---|---|")
+    out = [head]
+    for r in records:
+        x = r["result"]
+        if "error" in x:
+            out.append(f"| {r['name']} | {r['gpus']} | | | | {x['error'][:80]} | | | | |")
+            continue
+        scaling = ""
+        if r["script"] == "benchmarks/bench.py" and r["gpus"] > 1:
+            same = one_gpu.get(r["model"])
+            if "weak" in r["name"] and base:
+                scaling = f"weak {x['tflops_per_device'] / base['tflops_per_device']:.0%}"
+            elif same and x["global_batch"] == same["global_batch"]:
+                scaling = f"strong {x['tokens_per_s'] / same['tokens_per_s']:.2f}x"
+            elif same:
+                scaling = f"{x['tokens_per_s'] / same['tokens_per_s']:.2f}x tokens/s"
+        gb = x.get("global_batch", x.get("micro_batch"))
+        mfu = f"{x['mfu']:.1%}" if x.get("mfu") else "n/a"
+        out.append(f"| {r['name']} | {r['gpus']} | {x['params'] / 1e9:.2f}B | {gb} | {x['step_s']:.4f} | "
+                   f"{x['tokens_per_s']:,.0f} | {x['tflops_per_device']:.1f} | {mfu} | "
+                   f"{x.get('peak_mem_gib', 0):.1f} | {scaling} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", nargs="+", default=["1gpu"], choices=sorted(ROWS))
+    ap.add_argument("--only", nargs="*", default=None, help="run only rows whose name contains one of these")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per row")
+    ap.add_argument("--out", default=None, help="append each row's record (JSON) to this file")
+    ap.add_argument("--baseline", default=None, help="records of earlier rows (e.g. the 1-GPU ones) to scale against")
+    args = ap.parse_args(argv)
+    earlier = [json.loads(l) for l in open(args.baseline)] if args.baseline else []
+    records = []
+    for group in args.rows:
+        for row in ROWS[group]:
+            if args.only and not any(s in row["name"] for s in args.only):
+                continue
+            rec = run_row(row, args.steps, args.warmup, args.timeout)
+            print(json.dumps({"name": rec["name"], **rec["result"]}), flush=True)
+            records.append(rec)
+            if args.out:
+                with open(args.out, "a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+    print(table(earlier + records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
