@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from mtx.models.gpt import save_matmul_outputs
 from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
@@ -210,6 +211,8 @@ def audit_layer(cfg: Config) -> dict:
 
     if recompute == "full":  # keep the layer input only; the backward recomputes the rest (as GPT does per layer)
         layer = jax.checkpoint(layer)
+    elif recompute == "matmuls":
+        layer = jax.checkpoint(layer, policy=save_matmul_outputs)
 
     def forward(p, x_BSD, dy_BSD):
         return layer(p, x_BSD)

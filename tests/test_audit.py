@@ -159,3 +159,10 @@ def test_cli_simulates_its_own_devices_in_a_fresh_process():
                            "--data-parallel-size", "2", "--json"], capture_output=True, text=True, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["by_axis"]["backward"] == {"all-reduce model": 2}
+
+
+def test_matmul_recompute_adds_no_communication():
+    # The policy saves the g all-reduces' outputs as well as the matmuls': recomputing LayerNorm and GeLU in the
+    # backward must not repeat a b*s*h all-reduce.
+    r = audit.audit_layer(_cfg(4, 2, recompute_granularity="matmuls"))
+    assert r["forward"] == r["backward"] == _only_all_reduces(2)

@@ -22,15 +22,18 @@ from mtx.parallel.random import dropout, fold
 
 
 def save_matmul_outputs(prim, *args, **params) -> bool:
-    """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls and of cuDNN's fused
-    attention (its output and softmax statistics, which its backward needs), recompute the element-wise rest.
+    """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls, of cuDNN's fused
+    attention (its output and softmax statistics, which its backward needs) and of the `g` all-reduces; recompute the
+    element-wise rest (LayerNorm, GeLU, bias adds, residual adds, dropout).
 
-    The element-wise ops are cheap to recompute (memory-bound, fused into the matmuls' neighbours) but each saved
-    activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs. Without cuDNN
-    the attention core's einsums have batch dimensions and are recomputed (as `selective` does).
+    The element-wise ops are cheap to recompute (memory-bound, fused into their neighbours), while each saved
+    activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an
+    all-reduce recomputed would be communication repeated (a row-parallel output is saved after its psum, so the
+    backward adds none: tests/test_audit.py). Without cuDNN the attention core's einsums have batch dimensions and are
+    recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith("dot_product_attention_fwd"))
+            or prim.name.startswith(("dot_product_attention_fwd", "psum")))
 
 
 @jax.custom_vjp
