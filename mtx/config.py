@@ -70,8 +70,8 @@ class ModelConfig:
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def num_params(self) -> int:
-        """Parameters with the output layer tied to the input embedding (GPT-2 124M: 124,439,808 unpadded; BERT
-        336M of the paper's Table 4: 336,428,…, counting the padded vocabulary)."""
+        """Parameters with the output layer tied to the input embedding (GPT-2 124M: 124,439,808 unpadded; the
+        paper's BERT 336M: 336,429,058 with its vocabulary padded to 30,720)."""
         return _num_params(self, self.padded_vocab_size)
 
     def num_params_unpadded(self) -> int:
