@@ -29,7 +29,7 @@ PLACEMENTS = ("post", "pre")
 
 def compare(*, num_layers: int = 24, hidden_size: int = 64, num_attention_heads: int = 4, seq_length: int = 64,
             global_batch_size: int = 16, train_iters: int = 200, lr: float = 1e-3, lr_warmup_iters: int = 0,
-            data_path: str | None = None, vocab_file: str | None = None, seed: int = 1234,
+            init_method_std: float = 0.02, data_path: str | None = None, vocab_file: str | None = None, seed: int = 1234,
             run_dir: str | Path | None = None) -> dict[str, list[float]]:
     """Training losses of every step for each LayerNorm placement: {"post": [...], "pre": [...]}, each
     `train_iters` long (inf where the loss overflowed). One device, fp32, no dropout: the runs differ only in the
@@ -47,6 +47,7 @@ def compare(*, num_layers: int = 24, hidden_size: int = 64, num_attention_heads:
         model_type="bert", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         seq_length=seq_length, micro_batch_size=global_batch_size, global_batch_size=global_batch_size,
         train_iters=train_iters, lr=lr, min_lr=lr / 10, lr_warmup_iters=lr_warmup_iters, seed=seed,
+        init_method_std=init_method_std,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1, data_parallel_size=1,
         log_interval=max(1, train_iters // 10), eval_interval=0, split="1,0,0", data_path=(data_path,),
         vocab_file=vocab_file)
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-iters", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--lr-warmup-iters", type=int, default=0)
+    p.add_argument("--init-method-std", type=float, default=0.02,
+                   help="weight init std; ~0.02 x sqrt(1024 / hidden) gives a narrow model BERT-Large's branch scale")
     p.add_argument("--data-path", help="text file (default: WikiText-2 valid from the shared data folder)")
     p.add_argument("--vocab-file", help="BERT's vocab.txt (default: the shared data folder's)")
     p.add_argument("--seed", type=int, default=1234)
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
               "losses": curves}
     (out / "bert_layernorm.json").write_text(json.dumps(record, indent=1) + "\n")
     title = (f"BERT {args.num_layers} layers x {args.hidden_size}, lr {args.lr:g}, warmup {args.lr_warmup_iters}, "
-             f"batch {args.global_batch_size} x {args.seq_length}")
+             f"init std {args.init_method_std:g}, batch {args.global_batch_size} x {args.seq_length}")
     plot(curves, out / "bert_layernorm.png", title)
     print(json.dumps(record["summary"], indent=1))
     print(f"wrote {out / 'bert_layernorm.json'} and {out / 'bert_layernorm.png'}")
