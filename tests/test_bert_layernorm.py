@@ -15,7 +15,7 @@ _spec.loader.exec_module(study)
 def test_study_gives_two_finite_curves_that_differ_only_by_placement(bert_toy, tmp_path):
     vocab, corpus = bert_toy
     steps = 6
-    curves = study.compare(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, global_batch_size=8,
+    curves = study.compare(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, global_batch_size=8,
                            train_iters=steps, lr=3e-3, data_path=str(corpus), vocab_file=str(vocab),
                            run_dir=tmp_path / "runs")
     assert set(curves) == {"post", "pre"}
