@@ -34,7 +34,7 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5  # LayerNorm epsilon
     label_smoothing: float = 0.0  # label smoothing of the vocab-parallel cross-entropy
     model_type: str = "gpt"  # gpt (causal LM) | bert (masked LM + sentence-order prediction, bidirectional)
-    layernorm_placement: str = "pre"  # pre: x + f(LN(x)) and a final LN (paper, GPT); post: LN(x + f(x)) (original BERT)
+    layernorm_placement: str = "pre"  # pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)
     num_tokentypes: int = 2  # BERT's token-type (segment A/B) embeddings; 0: none; GPT has none
     bert_binary_head: bool = True  # BERT's sentence-order-prediction head on [CLS] (flag --bert-no-binary-head)
 
