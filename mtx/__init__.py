@@ -1,6 +1,6 @@
 """mtx: Megatron-LM's tensor, pipeline and data parallelism as one SPMD program over a JAX mesh.
 
-The public names: the config schema, the mesh, the GPT model, the compiled train step and the training loop.
+The public names: the config schema, the mesh, the GPT and BERT models, the compiled train step and the training loop.
 The parallel building blocks (f, g, parallel layers, vocab-parallel loss) live in `mtx.parallel`. Names load on
 first use, so `import mtx.data` (e.g. in a preprocessing worker) does not pay for JAX.
 """
@@ -10,7 +10,7 @@ import importlib
 _WHERE = {
     "Config": "mtx.config", "DataConfig": "mtx.config", "ModelConfig": "mtx.config", "OptimizerConfig": "mtx.config",
     "ParallelConfig": "mtx.config", "TrainingConfig": "mtx.config", "load_preset": "mtx.config",
-    "GPT": "mtx.models.gpt", "make_mesh": "mtx.parallel.mesh", "train": "mtx.run", "Trainer": "mtx.step",
+    "GPT": "mtx.models.gpt", "BERT": "mtx.models.bert", "make_mesh": "mtx.parallel.mesh", "train": "mtx.run", "Trainer": "mtx.step",
     "TrainState": "mtx.step",
 }
 __all__ = list(_WHERE)

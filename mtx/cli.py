@@ -16,6 +16,9 @@ import typing
 from mtx import config as config_lib
 from mtx.config import SECTIONS, Config, load_preset
 
+# Boolean fields that default to True take a flag that turns them off; Megatron's spelling where it has one.
+_OFF_FLAGS = {"bert_binary_head": "--bert-no-binary-head"}
+
 
 def _field_help() -> dict[str, str]:
     """Each field's trailing comment in mtx/config.py, keyed by field name."""
@@ -37,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
             kind = _scalar_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{helps.get(f.name, '')} (default: {default})")
-            if kind is bool and default:  # on by default: Megatron's --no-<name> turns it off
-                group.add_argument("--no-" + flag[2:], action="store_false", **kw)
+            if kind is bool and default:
+                off = _OFF_FLAGS.get(f.name, "--no-" + f.name.replace("_", "-"))
+                group.add_argument(off, action="store_false", **kw)
             elif kind is bool:
                 group.add_argument(flag, action="store_true", **kw)
             elif f.name == "data_path":

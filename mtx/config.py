@@ -33,6 +33,10 @@ class ModelConfig:
     init_method_std: float = 0.02  # std of N(0, std) init; residual projections use std / sqrt(2 L)
     layernorm_epsilon: float = 1e-5  # LayerNorm epsilon
     label_smoothing: float = 0.0  # label smoothing of the vocab-parallel cross-entropy
+    model_type: str = "gpt"  # gpt (causal LM) | bert (masked LM + sentence-order prediction, bidirectional)
+    layernorm_placement: str = "pre"  # pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)
+    num_tokentypes: int = 2  # BERT's token-type (segment A/B) embeddings; 0: none; GPT has none
+    bert_binary_head: bool = True  # BERT's sentence-order-prediction head on [CLS] (flag --bert-no-binary-head)
 
     @property
     def ffn_size(self) -> int:
@@ -41,6 +45,15 @@ class ModelConfig:
     @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
+
+    @property
+    def is_bert(self) -> bool:
+        return self.model_type == "bert"
+
+    @property
+    def tokentypes(self) -> int:
+        """Rows of the token-type table: num_tokentypes for BERT, none for GPT."""
+        return self.num_tokentypes if self.is_bert else 0
 
     @property
     def head_dim(self) -> int:
@@ -57,7 +70,8 @@ class ModelConfig:
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def num_params(self) -> int:
-        """Parameters with the output layer tied to the input embedding (GPT-2 124M: 124,439,808 unpadded)."""
+        """Parameters with the output layer tied to the input embedding (GPT-2 124M: 124,439,808 unpadded; the
+        paper's BERT 336M: 336,429,058 with its vocabulary padded to 30,720)."""
         return _num_params(self, self.padded_vocab_size)
 
     def num_params_unpadded(self) -> int:
@@ -72,7 +86,13 @@ class ModelConfig:
 def _num_params(m: ModelConfig, vocab: int) -> int:
     d, f = m.hidden_size, m.ffn_size
     layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d  # qkv, out, fc1, fc2, 2 LN
-    return vocab * d + m.max_positions * d + m.num_layers * layer + 2 * d  # + final LN
+    total = vocab * d + m.max_positions * d + m.num_layers * layer + 2 * d  # + final LN (BERT post-LN: embedding LN)
+    if m.is_bert:
+        total += m.tokentypes * d  # token-type embeddings
+        total += (d * d + d) + 2 * d + vocab  # MLM head: dense D -> D, LayerNorm, output bias (logits tied)
+        if m.bert_binary_head:
+            total += (d * d + d) + (d * 2 + 2)  # pooler dense D -> D, sentence-order classifier D -> 2
+    return total
 
 
 @dataclass(frozen=True)
@@ -141,6 +161,8 @@ class DataConfig:
     tokenizer_type: str | None = None  # GPT2BPETokenizer | BertWordPieceLowerCase | byte; None: by the files given
     split: str = "949,50,1"  # train,valid,test weights of the token stream, as in Megatron
     prefetch_depth: int = 2  # training batches prepared ahead on a background thread; 0 prepares each at its step
+    mask_prob: float = 0.15  # BERT: fraction of tokens masked (80% [MASK], 10% random, 10% kept), whole words
+    short_seq_prob: float = 0.1  # BERT: probability that a sample targets a random shorter length
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
@@ -204,6 +226,7 @@ class Config:
         _check(self.data.prefetch_depth >= 0, "--prefetch-depth must be >= 0 (0 turns prefetching off).")
         _check(t.micro_batch_size >= 1 and t.global_batch_size >= 1 and t.train_iters >= 0,
                "--micro-batch-size and --global-batch-size must be >= 1 and --train-iters >= 0.")
+        self._validate_model_type()
         if num_devices is not None:
             from mtx.parallel.mesh import resolve_sizes
 
@@ -213,6 +236,26 @@ class Config:
                    f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of "
                    f"{t.micro_batch_size * dp}.")
         return self
+
+    def _validate_model_type(self) -> None:
+        m, d = self.model, self.data
+        _check(m.model_type in ("gpt", "bert"), f"--model-type must be gpt or bert, got {m.model_type!r}.")
+        _check(m.layernorm_placement in ("pre", "post"),
+               f"--layernorm-placement must be pre or post, got {m.layernorm_placement!r}.")
+        if not m.is_bert:
+            _check(m.layernorm_placement == "pre",
+                   "--layernorm-placement post is only implemented for --model-type bert; drop it for GPT.")
+            return
+        _check(d.tokenizer_type in (None, "BertWordPieceLowerCase") and d.merge_file is None,
+               "--model-type bert needs BERT's WordPiece vocabulary: pass --vocab-file vocab.txt (BERT's) without "
+               "--merge-file, and --tokenizer-type BertWordPieceLowerCase or none.")
+        _check(not m.bert_binary_head or m.num_tokentypes >= 2,
+               f"--num-tokentypes {m.num_tokentypes} cannot tell sentence A from B; use 2, or --bert-no-binary-head.")
+        _check(m.num_tokentypes >= 0, f"--num-tokentypes must be >= 0, got {m.num_tokentypes}.")
+        _check(m.seq_length >= 8, f"--seq-length {m.seq_length} is too short for BERT's [CLS] A [SEP] B [SEP] "
+                                  "samples; use at least 8.")
+        _check(0.0 < d.mask_prob < 1.0, f"--mask-prob must lie in (0, 1), got {d.mask_prob}.")
+        _check(0.0 <= d.short_seq_prob <= 1.0, f"--short-seq-prob must lie in [0, 1], got {d.short_seq_prob}.")
 
     def stage_layer_counts(self) -> tuple[int, ...]:
         """Transformer layers of each pipeline stage (mtx/parallel/layout.py)."""

@@ -140,9 +140,14 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             pending, interval_steps = [], 0
         if t.eval_interval and ((step + 1) % t.eval_interval == 0 or last) and dataset.num_samples("valid"):
             val = evaluate(trainer, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
-            logger.log({"step": step + 1, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
-            if main:
-                bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
+            if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
+                logger.log({"step": step + 1, "val_loss": val})
+                if main:
+                    bar.write(f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}")
+            else:
+                logger.log({"step": step + 1, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+                if main:
+                    bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
         if saver and t.save_interval and (step + 1) % t.save_interval == 0:
             saver.save(state, cfg)
         if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
@@ -156,7 +161,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         saver.close()
     logger.close()
     result.state = state
-    if t.generate_tokens:
+    if t.generate_tokens and not cfg.model.is_bert:  # BERT is no left-to-right generator
         result.sample = sample_text(trainer, state.params, dataset, t.generate_tokens, t.seed)
         if main:
             print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
@@ -181,7 +186,8 @@ def sample_text(trainer: Trainer, params, dataset, num_tokens: int, seed: int) -
 
 def _print_banner(cfg: Config, mesh, trainer: Trainer, start: int) -> None:
     m, t = cfg.model, cfg.training
-    print(f"mtx: GPT {m.num_layers} layers x {m.hidden_size} wide, {m.num_attention_heads} heads, "
+    family = f"BERT ({m.layernorm_placement}-LN)" if m.is_bert else "GPT"
+    print(f"mtx: {family} {m.num_layers} layers x {m.hidden_size} wide, {m.num_attention_heads} heads, "
           f"{cfg.model.num_params() / 1e6:.2f}M parameters (vocab {m.vocab_size} padded to {m.padded_vocab_size})")
     print(f"mtx: mesh data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} model={mesh.shape['model']} on "
           f"{mesh.size} {jax.devices()[0].platform} device(s); {trainer.num_microbatches} microbatch(es) of "

@@ -3,6 +3,9 @@
 Inside the shard_map every collective is explicit: the model's f/g over "model", and exactly one gradient all-reduce
 over "data" per step, after all microbatches are accumulated. Each data rank differentiates its own copy of the
 parameters (cast to "varying" over "data" before the loss), so autodiff inserts no hidden reduction per microbatch.
+
+A batch is a pytree of arrays with the global batch as leading axis (GPT: one (G, S + 1) token array; BERT: a dict
+of fields); the model family's objective (mtx/objectives.py) says how a microbatch becomes its share of the loss.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config
+from mtx.models.bert import BERT
 from mtx.models.gpt import GPT
+from mtx.objectives import micro_loss, objective_for
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.optim import LossScale, learning_rate_schedule, make_optimizer
 from mtx.parallel.mesh import DATA, PIPELINE
@@ -43,12 +48,13 @@ class TrainState(NamedTuple):
 
 
 def build_model(cfg: Config, *, seed: int | None = None):
-    """A zero-argument constructor of the GPT this config describes (called abstractly or under jit)."""
+    """A zero-argument constructor of the GPT or BERT this config describes (called abstractly or under jit)."""
     seed = cfg.training.seed if seed is None else seed
     dtype = DTYPES[cfg.training.compute_dtype]
     t = cfg.training
-    return lambda: GPT(cfg.model, dtype=dtype, recompute=t.recompute_granularity, flash=t.use_flash_attn,
-                       scan_layers=t.scan_layers, rngs=nnx.Rngs(seed))
+    family = BERT if cfg.model.is_bert else GPT
+    return lambda: family(cfg.model, dtype=dtype, recompute=t.recompute_granularity, flash=t.use_flash_attn,
+                          scan_layers=t.scan_layers, rngs=nnx.Rngs(seed))
 
 
 def num_microbatches(cfg: Config, mesh) -> int:
@@ -62,6 +68,7 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.make_model = build_model(cfg)
+        self.objective = objective_for(cfg)
         self.optimizer = make_optimizer(cfg.optimizer, cfg.training.train_iters)
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.training.train_iters)
         self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self.make_model))
@@ -69,7 +76,7 @@ class Trainer:
         self.pipeline = Schedule(cfg.stage_layer_counts(), self.num_microbatches) if mesh.shape[PIPELINE] > 1 else None
         self.batch_sharding = NamedSharding(mesh, P(DATA))
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
-        self.eval_step = jax.jit(self._eval_loss)
+        self.eval_step = jax.jit(self._eval_objective_loss if cfg.model.is_bert else self._eval_loss)
 
     # ---- state ----
     def _fresh_state(self) -> TrainState:
@@ -97,48 +104,46 @@ class Trainer:
                             jax.eval_shape(self._fresh_state), self.state_shardings())
 
     # ---- inside shard_map ----
-    def _local_loss_and_grads(self, params, tokens, key, scale):
+    def _local_loss_and_grads(self, params, batch, key, scale):
         """This data rank's share of the batch -> (global mean loss, global mean grads), both reduced over "data"
         (and, for parameters every pipeline stage holds, over "pipeline")."""
         cfg, t = self.cfg, self.cfg.training
         m, b = self.num_microbatches, t.micro_batch_size
-        tokens_MBS = tokens.reshape(m, b, -1)
-        n_tokens = t.global_batch_size * (tokens.shape[-1] - 1)  # loss is the mean over every token of the step
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        batch_M = jax.tree.map(lambda a: a.reshape(m, b, *a.shape[1:]), batch)
+        counts = self.objective.normalizers(batch)  # the step's global counts the loss is averaged over
         dropout_on = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
         # Global batch position of this rank's first sequence: dropout keys follow the sequence, not the rank.
-        first = jax.lax.axis_index(DATA) * tokens.shape[0]
+        first = jax.lax.axis_index(DATA) * rows
         keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
         # Each rank differentiates its own copy: gradients stay local until the explicit psums below.
         stage_replicated = jax.tree.map(lambda spec: PIPELINE not in spec, self.param_specs,
                                         is_leaf=lambda x: isinstance(x, P))
         params = jax.tree.map(lambda p, rep: jax.lax.pcast(p, (DATA, PIPELINE) if rep else DATA, to="varying"),
                               params, stage_replicated)
-        label_smoothing = cfg.model.label_smoothing
 
         if self.pipeline is not None:  # GPipe: one forward and backward through all M microbatches
             def loss_fn(p):
                 model = nnx.merge(self.graphdef, p)
-                total = pipelined_loss(model, tokens_MBS, self.pipeline, keys_MB=keys_MB,
-                                       label_smoothing=label_smoothing)
-                return total / n_tokens * scale
+                return pipelined_loss(model, self.objective, batch_M, self.pipeline, counts, keys_MB=keys_MB) * scale
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
         else:  # gradient accumulation: one microbatch's activations alive at a time
-            def micro_grads(tokens_BS, keys_B):
-                loss_fn = lambda p: nnx.merge(self.graphdef, p).loss(
-                    tokens_BS[:, :-1], tokens_BS[:, 1:], keys_B=keys_B,
-                    label_smoothing=label_smoothing).sum() / n_tokens * scale
+            def micro_grads(batch_B, keys_B):
+                loss_fn = lambda p: micro_loss(self.objective, nnx.merge(self.graphdef, p), batch_B, counts,
+                                               keys_B=keys_B) * scale
                 return jax.value_and_grad(loss_fn)(params)
 
             if m == 1:  # no accumulator: zeroing and adding it are two more passes over every gradient
-                loss, grads = micro_grads(tokens_MBS[0], None if keys_MB is None else keys_MB[0])
+                loss, grads = micro_grads(jax.tree.map(lambda a: a[0], batch_M),
+                                          None if keys_MB is None else keys_MB[0])
             else:
                 def micro(carry, inputs):
                     return jax.tree.map(jnp.add, carry, micro_grads(*inputs)), None
 
                 zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
                          jax.tree.map(jnp.zeros_like, params))
-                (loss, grads), _ = jax.lax.scan(micro, zeros, (tokens_MBS, keys_MB))
+                (loss, grads), _ = jax.lax.scan(micro, zeros, (batch_M, keys_MB))
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
         # holds (embeddings, final LN) also sum their per-stage parts over "pipeline".
         grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, (DATA, PIPELINE) if rep else DATA), grads,
@@ -150,19 +155,19 @@ class Trainer:
     def num_microbatches(self) -> int:
         return num_microbatches(self.cfg, self.mesh)
 
-    def loss_and_grads(self, params, tokens, step, scale=1.0):
-        """Global mean loss and gradients (of loss x scale) of one step's (G, S + 1) batch; params and gradients
-        in their stored (canonical) layout."""
+    def loss_and_grads(self, params, batch, step, scale=1.0):
+        """Global mean loss and gradients (of loss x scale) of one step's batch (GPT: (G, S + 1) tokens; BERT: a dict
+        of (G, ...) fields); params and gradients in their stored (canonical) layout."""
         key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
         loss, grads = jax.shard_map(
             self._local_loss_and_grads, mesh=self.mesh,
             in_specs=(self.param_specs, P(DATA), P(), P()), out_specs=(P(), self.param_specs),
-        )(self.stage_params(params), tokens, key, jnp.asarray(scale, jnp.float32))
+        )(self.stage_params(params), batch, key, jnp.asarray(scale, jnp.float32))
         return loss, self._canonical_grads(grads)
 
-    def _train_step(self, state: TrainState, tokens):
+    def _train_step(self, state: TrainState, batch):
         t = self.cfg.training
-        loss, grads = self.loss_and_grads(state.params, tokens, state.step, state.loss_scale.scale)
+        loss, grads = self.loss_and_grads(state.params, batch, state.step, state.loss_scale.scale)
         if t.fp16:  # undo the loss scale (bf16/fp32 train at scale 1: no extra pass over the gradients)
             grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
         grad_norm = optax.tree.norm(grads)
@@ -226,11 +231,28 @@ class Trainer:
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)), out_specs=P())(
             self.stage_params(params), tokens)
 
-    def put_batch(self, tokens_np):
-        """Host (G, S + 1) tokens -> a global array split over "data" (the same global batch on every mesh).
+    def _eval_objective_loss(self, params, batch):
+        """The training loss (BERT: MLM + SOP) of a batch of micro x DP sequences, no dropout, no gradient."""
+        def local(params, batch):
+            model = nnx.merge(self.graphdef, params)
+            counts = self.objective.normalizers(batch)
+            if self.pipeline is None:
+                loss = micro_loss(self.objective, model, batch, counts)
+            else:
+                batch_M = jax.tree.map(lambda a: a[None], batch)
+                loss = pipelined_loss(model, self.objective, batch_M, Schedule(self.pipeline.counts, 1), counts)
+            return jax.lax.psum(loss, (DATA, PIPELINE))
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)), out_specs=P())(
+            self.stage_params(params), batch)
+
+    def put_batch(self, batch_np):
+        """A host batch (an array or a dict of arrays, leading axis G) -> global arrays split over "data" (the same
+        global batch on every mesh).
 
         With several processes each one passes the same global batch and places only the rows its own devices hold.
         """
         if jax.process_count() == 1:
-            return jax.device_put(tokens_np, self.batch_sharding)
-        return jax.make_array_from_callback(tokens_np.shape, self.batch_sharding, lambda index: tokens_np[index])
+            return jax.tree.map(lambda a: jax.device_put(a, self.batch_sharding), batch_np)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, self.batch_sharding, lambda i: a[i]),
+                            batch_np)

@@ -22,3 +22,24 @@ def shared_data():
     if path is None:
         pytest.skip("reference data not found: set MTX_DATA_DIR to the folder holding gpt2/, wikitext-2/, ...")
     return path
+
+
+@pytest.fixture(scope="session")
+def bert_toy(tmp_path_factory):
+    """A small WordPiece vocab.txt built from the first 40 kB of the built-in corpus, and that text: BERT training
+    tests without the 30,522-entry vocabulary (a 1,024-row embedding keeps them fast). Returns (vocab, corpus)."""
+    import collections
+    import re
+
+    from mtx.data.dataset import builtin_corpus
+
+    text = builtin_corpus()[:40_000]
+    words = collections.Counter(re.findall(r"[a-z]+", text.lower()))
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789") | set("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"))
+    pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *("##" + c for c in chars),
+              "##s", "##ed", "##ing", "##er", "##ly", "##tion"]
+    pieces += [w for w, _ in words.most_common(600) if len(w) > 1]
+    folder = tmp_path_factory.mktemp("bert_toy")
+    (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(pieces)) + "\n")
+    (folder / "corpus.txt").write_text(text)
+    return folder / "vocab.txt", folder / "corpus.txt"

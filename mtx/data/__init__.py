@@ -1,6 +1,7 @@
 """Data: tokenizers, the built-in corpus, token datasets (text, .npy, Megatron .bin/.idx), blends, and their batches
 (the same global batch on every mesh)."""
 
+from mtx.data.bert_dataset import BertDataset
 from mtx.data.blend import BlendedDataset
 from mtx.data.build import build_dataset, parse_data_path
 from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
@@ -8,6 +9,6 @@ from mtx.data.indexed import IndexedDataset, IndexedDatasetWriter
 from mtx.data.tokenizer import (TOKENIZER_TYPES, BertWordPieceTokenizer, ByteTokenizer, GPT2Tokenizer, Tokenizer,
                                 build_tokenizer)
 
-__all__ = ["BlendedDataset", "build_dataset", "parse_data_path", "GPTDataset", "builtin_corpus", "check_token_ids",
+__all__ = ["BertDataset", "BlendedDataset", "build_dataset", "parse_data_path", "GPTDataset", "builtin_corpus", "check_token_ids",
            "IndexedDataset", "IndexedDatasetWriter", "TOKENIZER_TYPES", "BertWordPieceTokenizer", "ByteTokenizer",
            "GPT2Tokenizer", "Tokenizer", "build_tokenizer"]

@@ -23,6 +23,10 @@ from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 def build_dataset(cfg) -> GPTDataset | BlendedDataset:
     """The dataset of a `mtx.config.Config`: its --data-path entries (or the built-in corpus) and tokenizer."""
+    if cfg.model.is_bert:  # sentence-pair samples (mtx/data/bert_dataset.py)
+        from mtx.data.bert_dataset import build_bert_dataset
+
+        return build_bert_dataset(cfg)
     data = cfg.data
     common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed)
     if not data.data_path:

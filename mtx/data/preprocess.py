@@ -4,10 +4,14 @@ Megatron's tools/preprocess_data.py in spirit: JSONL inputs (`.jsonl`/`.json`) a
 `--json-keys` field (default "text") written to its own dataset; any other file is one document of plain text;
 `--tfds NAME[:split]` reads a TensorFlow Datasets split. `--append-eod` ends every document with the tokenizer's
 end-of-document id, so samples that cross documents show the boundary. Empty documents are skipped.
+`--split-sentences` (for BERT) writes each sentence as one sequence of its document, as Megatron does; a plain-text
+file is then cut into documents at blank lines (mtx/data/sentences.py; no NLTK download).
 
   python -m mtx.data.preprocess --input corpus.jsonl --output-prefix data/corpus \
       --vocab-file gpt2/encoder.json --merge-file gpt2/vocab.bpe --append-eod --workers 8
   # -> data/corpus_text_document.bin, data/corpus_text_document.idx; train with --data-path data/corpus_text_document
+  python -m mtx.data.preprocess --input wiki.txt --output-prefix data/wiki --vocab-file bert/vocab.txt \
+      --tokenizer-type BertWordPieceLowerCase --split-sentences   # -> data/wiki_text_sentence.bin/.idx (BERT)
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Iterator, Sequence
 from tqdm import tqdm
 
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 _tokenizer = None  # one per worker process, built by _init
@@ -38,10 +43,11 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         first = next(documents, None)  # opens the source now, so its errors come before any file is written
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    level = "sentence" if args.split_sentences else "document"  # Megatron's suffix
+    prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     writers = [IndexedDatasetWriter(p, dtype_for_vocab(tokenizer.vocab_size)) for p in prefixes]
     stream = _chain(first, documents) if first is not None else iter(())
-    items = ((doc, args.json_keys, args.append_eod) for doc in stream)
+    items = ((doc, args.json_keys, args.append_eod, args.split_sentences) for doc in stream)
     count, tokens = 0, 0
     # spawn, not fork: importing mtx starts JAX's threads, and a forked copy of a threaded process can deadlock.
     pool = multiprocessing.get_context("spawn").Pool(args.workers, _init, (tokenizer_args,)) \
@@ -49,10 +55,12 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     try:
         with pool:
             for encoded in tqdm(pool.imap(_encode, items, chunksize=16), desc="tokenizing", unit="doc"):
-                for writer, ids in zip(writers, encoded):
-                    if ids:
-                        writer.add_document(ids)
-                        tokens += len(ids)
+                for writer, sentences in zip(writers, encoded):
+                    if sentences:  # a document of one or more sequences
+                        for ids in sentences:
+                            writer.add_item(ids)
+                            tokens += len(ids)
+                        writer.end_document()
                 count += 1
     except ValueError as e:  # a bad input line: leave no half-written dataset behind
         for writer, prefix in zip(writers, prefixes):
@@ -76,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-file", help="GPT-2 vocab.bpe")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: from the files given")
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (BERT); plain-text files split into documents at blank lines")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     p.add_argument("--tfds-data-dir", help="TFDS data_dir (default: TFDS's own)")
     return p
@@ -92,7 +102,9 @@ def _documents(args) -> Iterator[dict[str, str]]:
         if not path.is_file():
             raise ValueError(f"--input {path}: no such file; pass JSONL or plain-text files.")
         if path.suffix not in (".jsonl", ".json"):
-            yield {key: path.read_text(encoding="utf-8") for key in args.json_keys}
+            text = path.read_text(encoding="utf-8")
+            for doc in split_documents(text) if args.split_sentences else [text]:
+                yield {key: doc for key in args.json_keys}
             continue
         with path.open(encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
@@ -117,12 +129,17 @@ def _init(tokenizer_args) -> None:
     _tokenizer = build_tokenizer(*tokenizer_args)
 
 
-def _encode(item) -> list[list[int]]:
-    doc, keys, append_eod = item
+def _encode(item) -> list[list[list[int]]]:
+    """One document -> for each key, its sequences: the whole text, or (--split-sentences) each sentence; empty
+    sequences are dropped, and --append-eod ends the last one with the end-of-document id."""
+    doc, keys, append_eod, sentences = item
     out = []
     for key in keys:
-        ids = _tokenizer.encode(doc[key])
-        out.append(ids + [_tokenizer.eod] if ids and append_eod else ids)
+        texts = split_sentences(doc[key]) if sentences else [doc[key]]
+        seqs = [ids for ids in map(_tokenizer.encode, texts) if ids]
+        if seqs and append_eod:
+            seqs[-1] = seqs[-1] + [_tokenizer.eod]
+        out.append(seqs)
     return out
 
 

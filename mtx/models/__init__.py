@@ -1,6 +1,7 @@
-"""Models built from the tensor-parallel layers: the transformer layer and GPT."""
+"""Models built from the tensor-parallel layers: the transformer layer, GPT and BERT."""
 
+from mtx.models.bert import BERT
 from mtx.models.gpt import GPT
 from mtx.models.transformer import ParallelMLP, ParallelSelfAttention, TransformerLayer
 
-__all__ = ["GPT", "TransformerLayer", "ParallelSelfAttention", "ParallelMLP"]
+__all__ = ["BERT", "GPT", "TransformerLayer", "ParallelSelfAttention", "ParallelMLP"]

@@ -28,8 +28,9 @@ from mtx.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLine
 from mtx.parallel.random import dropout, fold, model_parallel_keys
 
 
-def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, keys_B=None):
-    """Causal softmax(Q K^T / sqrt(H)) V over this rank's heads; scores and softmax in float32.
+def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, keys_B=None, causal=True):
+    """Causal (or, with causal=False, bidirectional) softmax(Q K^T / sqrt(H)) V over this rank's heads; scores and
+    softmax in float32.
 
     mask_BS marks real tokens (1) and padding (0); padded keys get no attention. Attention dropout acts on this
     rank's own heads, so each head draws from its own (model-parallel) key.
@@ -37,21 +38,24 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ke
     s, h = q_BSNH.shape[1], q_BSNH.shape[-1]
     scores_BNQK = jnp.einsum("bqnh,bknh->bnqk", q_BSNH, k_BSNH, preferred_element_type=jnp.float32)
     scores_BNQK = scores_BNQK / math.sqrt(h)
-    allowed_QK = jnp.tril(jnp.ones((s, s), jnp.bool_))
-    allowed = allowed_QK[None, None] if mask_BS is None else allowed_QK & (mask_BS[:, None, None, :] > 0)
-    scores_BNQK = jnp.where(allowed, scores_BNQK, jnp.finfo(jnp.float32).min)
+    allowed = jnp.tril(jnp.ones((s, s), jnp.bool_))[None, None] if causal else None
+    if mask_BS is not None:
+        keys_allowed = mask_BS[:, None, None, :] > 0
+        allowed = keys_allowed if allowed is None else allowed & keys_allowed
+    if allowed is not None:
+        scores_BNQK = jnp.where(allowed, scores_BNQK, jnp.finfo(jnp.float32).min)
     probs_BNQK = jax.nn.softmax(scores_BNQK, axis=-1)
     if keys_B is not None:
         probs_BNQK = dropout(probs_BNQK, dropout_rate, model_parallel_keys(keys_B, probs_BNQK.shape[1]))
     return jnp.einsum("bnqk,bknh->bqnh", probs_BNQK.astype(v_BSNH.dtype), v_BSNH)
 
 
-def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None):
-    """Causal attention through `jax.nn.dot_product_attention`: cuDNN's flash attention on GPU for bf16/fp16 (no
-    S x S scores in memory), XLA's implementation elsewhere (the portable fallback). No dropout."""
+def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, causal=True):
+    """Causal (or bidirectional) attention through `jax.nn.dot_product_attention`: cuDNN's flash attention on GPU
+    for bf16/fp16 (no S x S scores in memory), XLA's implementation elsewhere (the portable fallback). No dropout."""
     gpu = jax.default_backend() == "gpu" and q_BSNH.dtype in (jnp.bfloat16, jnp.float16) and mask_BS is None
     mask = None if mask_BS is None else (mask_BS[:, None, None, :] > 0)
-    return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, mask=mask, is_causal=True,
+    return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, mask=mask, is_causal=causal,
                                         implementation="cudnn" if gpu else None)
 
 
@@ -97,7 +101,7 @@ class ParallelSelfAttention(nnx.Module):
     """Fused QKV (column-parallel, so each rank owns whole heads), attention core, row-parallel output."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
-                 flash: bool = False):
+                 flash: bool = False, causal: bool = True):
         d, std = cfg.hidden_size, cfg.init_method_std
         # Columns are ordered (N, 3, H): a contiguous split over ranks gives each rank the q, k and v of its heads.
         self.qkv = ColumnParallelLinear(d, 3 * d, std=std, dtype=dtype, rngs=rngs)
@@ -106,13 +110,14 @@ class ParallelSelfAttention(nnx.Module):
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
         self.flash = flash  # fused attention (--use-flash-attn); never with attention dropout (Config.validate)
+        self.causal = causal  # False: every token attends to every (unpadded) token, as in BERT
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         b, s, _ = x_BSD.shape
         q, k, v = self.qkv.split_call(x_BSD, 3, self.head_dim)  # (B, S, n_local, H) each
         if self.flash and (keys_B is None or self.dropout_rate == 0.0):
-            return self.proj(fused_attention(q, k, v, mask_BS=mask_BS).reshape(b, s, -1))
-        core = functools.partial(attention_core, dropout_rate=self.dropout_rate)
+            return self.proj(fused_attention(q, k, v, mask_BS=mask_BS, causal=self.causal).reshape(b, s, -1))
+        core = functools.partial(attention_core, dropout_rate=self.dropout_rate, causal=self.causal)
         if self.selective_recompute:  # keep only the projections' activations; recompute the S x S part
             core = jax.checkpoint(core)
         ctx_BSNH = core(q, k, v, mask_BS=mask_BS, keys_B=keys_B)
@@ -147,20 +152,30 @@ class ParallelMLP(nnx.Module):
 
 
 class TransformerLayer(nnx.Module):
-    """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))); the residual stream is replicated."""
+    """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))); the residual stream is replicated.
+
+    post_layernorm=True gives the original BERT/Transformer block instead, LN(x + drop(attn(x))) then
+    LN(x + drop(mlp(x))), with the same parameters (paper section 4.2 compares the two); causal=False makes the
+    attention bidirectional.
+    """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
-                 flash: bool = False):
+                 flash: bool = False, causal: bool = True, post_layernorm: bool = False):
         self.ln1 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
-                                               flash=flash)
+                                               flash=flash, causal=causal)
         self.ln2 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs)
         self.dropout_rate = cfg.hidden_dropout
+        self.post_layernorm = post_layernorm
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         """keys_B: one dropout key per sequence (None: no dropout)."""
         k_attn, k_res1, k_res2 = (None,) * 3 if keys_B is None else (fold(keys_B, i) for i in range(3))
+        if self.post_layernorm:
+            x_BSD = self.ln1(x_BSD + dropout(self.attention(x_BSD, mask_BS=mask_BS, keys_B=k_attn),
+                                             self.dropout_rate, k_res1))
+            return self.ln2(x_BSD + dropout(self.mlp(x_BSD), self.dropout_rate, k_res2))
         h = self.attention(self.ln1(x_BSD), mask_BS=mask_BS, keys_B=k_attn)
         # Residual-branch dropout acts on replicated values: the same mask on every model rank.
         x_BSD = x_BSD + dropout(h, self.dropout_rate, k_res1)

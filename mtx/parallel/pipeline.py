@@ -85,9 +85,10 @@ def from_slots(slot_grads, schedule: Schedule):
     return jax.tree.map(lambda g: g[slot_of_layer], slot_grads)
 
 
-def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None):
+def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None, mask_MBS=None):
     """Runs this stage's layers over the M microbatches, GPipe style; returns (M, B, S, D) final-layer outputs,
-    meaningful on the last stage only. `model` is the local (this stage's) GPT; x0 the embeddings."""
+    meaningful on the last stage only. `model` is the local (this stage's) model; x0 the embeddings; mask_MBS the
+    padding masks (BERT), which every stage reads for the microbatch it is running."""
     stage = jax.lax.axis_index(PIPELINE)
     p, m = schedule.stages, schedule.microbatches
     counts = jnp.asarray(schedule.counts)
@@ -99,7 +100,8 @@ def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None):
         mb = jnp.clip(t - stage, 0, m - 1)  # this stage's microbatch (clamped in the bubble)
         x_BSD = jnp.where(stage == 0, x0_MBSD[jnp.clip(t, 0, m - 1)], x_recv_BSD)
         keys_B = None if keys_MB is None else keys_MB[mb]
-        y_BSD = model.transform(x_BSD, keys_B=keys_B, first_layer=first_layer, active_L=active_L)
+        mask_BS = None if mask_MBS is None else mask_MBS[mb]
+        y_BSD = model.transform(x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=first_layer, active_L=active_L)
         return jax.lax.ppermute(y_BSD, PIPELINE, shift), y_BSD
 
     init = vary(jnp.zeros_like(x0_MBSD[0]), [PIPELINE])  # what stage 0 "receives" before tick 0
@@ -107,15 +109,20 @@ def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None):
     return ys_TBSD[p - 1:]  # the last stage finishes microbatch t - (P - 1) at tick t
 
 
-def pipelined_loss(model, tokens_MBS, schedule: Schedule, *, keys_MB=None, label_smoothing: float = 0.0):
-    """Sum of per-token losses of this data rank's M microbatches ((M, B, S + 1) tokens), computed by this stage
-    for its M / P share (summed over "pipeline" it is the rank's total)."""
+def pipelined_loss(model, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None):
+    """This stage's share of the step's loss over this data rank's M microbatches (a pytree of (M, B, ...) arrays,
+    see mtx/objectives.py), computed for its M / P share of the outputs (summed over "pipeline" it is the rank's
+    total). The embeddings are made for all M up front; the padding mask travels with each microbatch."""
     p, m = schedule.stages, schedule.microbatches
-    inputs, targets = tokens_MBS[..., :-1], tokens_MBS[..., 1:]
-    b, s = inputs.shape[1:]
+    b = jax.tree.leaves(batch_M)[0].shape[1]
+    flat = jax.tree.map(lambda a: a.reshape(m * b, *a.shape[2:]), batch_M)
     keys_flat = None if keys_MB is None else keys_MB.reshape(m * b)
-    x0_MBSD = model.embed(inputs.reshape(m * b, s), keys_B=keys_flat).reshape(m, b, s, -1)
-    hidden_MBSD = pipelined_hidden(model, x0_MBSD, schedule, keys_MB=keys_MB)
+    x0_BSD = objective.embed(model, flat, keys_flat)
+    s = x0_BSD.shape[1]
+    x0_MBSD = x0_BSD.reshape(m, b, s, -1)
+    mask = objective.attention_mask(flat)
+    mask_MBS = None if mask is None else mask.reshape(m, b, s)
+    hidden_MBSD = pipelined_hidden(model, x0_MBSD, schedule, keys_MB=keys_MB, mask_MBS=mask_MBS)
     # Spread the last stage's outputs over all stages: M padded up to a multiple of P, M' / P microbatches each.
     share = math.ceil(m / p)
     last = jax.lax.axis_index(PIPELINE) == p - 1
@@ -123,11 +130,11 @@ def pipelined_loss(model, tokens_MBS, schedule: Schedule, *, keys_MB=None, label
     pad = [(0, share * p - m)] + [(0, 0)] * 3
     mine_MBSD = jax.lax.psum_scatter(jnp.pad(hidden_MBSD, pad), PIPELINE, scatter_dimension=0, tiled=True)
     stage = jax.lax.axis_index(PIPELINE)
-    my_targets = jax.lax.dynamic_slice_in_dim(jnp.pad(targets, pad[:3]), stage * share, share)
-    real = (stage * share + jnp.arange(share)) < m  # padding microbatches count nothing
-    per_token = model.head_loss(mine_MBSD.reshape(share * b, s, -1), my_targets.reshape(share * b, s),
-                                label_smoothing=label_smoothing).reshape(share, b, s)
-    return jnp.sum(jnp.where(real[:, None, None], per_token, 0.0))
+    mine_batch = jax.tree.map(
+        lambda a: jax.lax.dynamic_slice_in_dim(jnp.pad(a, [(0, share * p - m)] + [(0, 0)] * (a.ndim - 1)),
+                                               stage * share, share).reshape(share * b, *a.shape[2:]), batch_M)
+    real_B = jnp.repeat((stage * share + jnp.arange(share)) < m, b)  # padding microbatches count nothing
+    return objective.head_loss(model, mine_MBSD.reshape(share * b, s, -1), mine_batch, counts, weight_B=real_B)
 
 
 def pipelined_final_hidden(model, tokens_BS, schedule: Schedule):

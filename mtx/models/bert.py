@@ -1,0 +1,125 @@
+"""BERT (paper section 4.2): the GPT machinery with bidirectional attention, token types, and two heads.
+
+Embeddings: vocab-parallel token embedding (as GPT) + learned positions + token types (segment A = 0, B = 1).
+Layers: the same scanned tensor-parallel TransformerLayer, bidirectional, with padded keys masked out. Two placements
+of LayerNorm (`--layernorm-placement`):
+  pre  (the paper's): x + f(LN(x)) in every block, a final LayerNorm after the stack, no embedding LayerNorm;
+  post (original BERT): LN(x + f(x)) in every block, a LayerNorm on the embeddings, no final LayerNorm.
+Heads, both in the local view inside shard_map:
+  MLM: dense D -> D, GeLU, LayerNorm, then logits tied to the vocab-parallel embedding plus an output bias split over
+       "model" like the logits (B, S, V / tp); the loss is the vocab-parallel cross-entropy, never gathering logits.
+  SOP (sentence-order prediction, following ALBERT): the [CLS] state through a pooler dense + tanh and a 2-way
+       classifier; `--bert-no-binary-head` leaves it out.
+The dense layers of the heads are small (D x D) and replicated, as in Megatron's BertLMHead and Pooler.
+Dimension letters as in mtx/models/transformer.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtx.config import ModelConfig
+from mtx.models.gpt import GPT
+from mtx.models.transformer import TransformerLayer
+from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
+from mtx.parallel.mesh import MODEL, PIPELINE
+from mtx.parallel.random import dropout, fold
+
+
+class Dense(nnx.Module):
+    """A replicated linear layer y = x W + b (every model rank holds all of W and computes the same y)."""
+
+    def __init__(self, in_features: int, out_features: int, *, std: float, dtype, rngs: nnx.Rngs):
+        self.kernel = param(rngs, (in_features, out_features), (REPLICATED, REPLICATED), std=std)
+        self.bias = param(None, (out_features,), (REPLICATED,))
+        self.dtype = dtype
+
+    def __call__(self, x):
+        return x.astype(self.dtype) @ self.kernel[...].astype(self.dtype) + self.bias[...].astype(self.dtype)
+
+
+class BERT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
+                 scan_layers: bool = True, rngs: nnx.Rngs):
+        d, std = cfg.hidden_size, cfg.init_method_std
+        self.post_layernorm = cfg.layernorm_placement == "post"
+        self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
+        self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
+        self.tokentype_embeddings = (param(rngs, (cfg.tokentypes, d), (REPLICATED, REPLICATED), std=std)
+                                     if cfg.tokentypes else None)
+        self.embedding_layernorm = (LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
+                                    if self.post_layernorm else None)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
+        def make_layers(rngs):  # stacked like GPT's: a leading L axis, split into pipeline stages
+            return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective",
+                                    flash=flash, causal=False, post_layernorm=self.post_layernorm)
+
+        self.layers = make_layers(rngs)
+        self.final_layernorm = (None if self.post_layernorm
+                                else LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype))
+        # MLM head (Megatron's BertLMHead): dense + GeLU + LayerNorm, then the tied logits plus a vocab-split bias.
+        self.lm_dense = Dense(d, d, std=std, dtype=dtype, rngs=rngs)
+        self.lm_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
+        self.lm_bias = param(None, (cfg.padded_vocab_size,), (MODEL,))  # split over "model" like the logits
+        if cfg.bert_binary_head:
+            self.pooler = Dense(d, d, std=std, dtype=dtype, rngs=rngs)
+            self.sop_head = Dense(d, 2, std=std, dtype=dtype, rngs=rngs)
+        else:
+            self.pooler = self.sop_head = None
+        self.hidden_dropout = cfg.hidden_dropout
+        self.recompute = recompute  # GPT.transform's per-layer checkpoint policy
+        self.scan_layers = scan_layers
+        self.dtype = dtype
+        self.vocab_size = cfg.vocab_size
+
+    def embed(self, tokens_BS, types_BS=None, *, keys_B=None):
+        """(B, S) ids and token types -> (B, S, D): token + position + type embeddings, [LayerNorm,] dropout."""
+        s = tokens_BS.shape[1]
+        x_BSD = self.embedding(tokens_BS) + self.position_embeddings[:s].astype(self.dtype)
+        if self.tokentype_embeddings is not None:
+            types_BS = jnp.zeros_like(tokens_BS) if types_BS is None else types_BS
+            x_BSD = x_BSD + jnp.take(self.tokentype_embeddings[...], types_BS, axis=0).astype(self.dtype)
+        if self.embedding_layernorm is not None:
+            x_BSD = self.embedding_layernorm(x_BSD)
+        return dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
+
+    # The same scanned layer stack as GPT (layers, recomputation, pipeline stage slots, dropout keys by layer).
+    transform = GPT.transform
+
+    def final_hidden(self, x_BSD):
+        """Output of the layer stack -> the final hidden states (the final LayerNorm of pre-LN; post-LN ends in one)."""
+        return x_BSD if self.final_layernorm is None else self.final_layernorm(x_BSD)
+
+    def __call__(self, tokens_BS, types_BS=None, *, mask_BS=None, keys_B=None):
+        """(B, S) ids -> (B, S, D) final hidden states, replicated over "model"."""
+        x_BSD = self.transform(self.embed(tokens_BS, types_BS, keys_B=keys_B), mask_BS=mask_BS, keys_B=keys_B)
+        return self.final_hidden(x_BSD)
+
+    def lm_logits(self, h_BSD):
+        """Final hidden states -> (B, S, V / tp): this rank's slice of the MLM logits (never gathered)."""
+        y_BSD = self.lm_layernorm(jax.nn.gelu(self.lm_dense(h_BSD), approximate=False))
+        return self.embedding.attend(y_BSD) + self.lm_bias[...].astype(self.dtype)
+
+    def sop_logits(self, h_BSD):
+        """Final hidden states -> (B, 2) sentence-order logits from the [CLS] position, float32."""
+        return self.sop_head(jnp.tanh(self.pooler(h_BSD[:, 0]))).astype(jnp.float32)
+
+    def head_losses(self, x_BSD, labels_BS, is_random_B):
+        """Output of the layer stack -> per-token MLM loss (B, S) and per-sequence SOP loss (B,), float32.
+
+        labels_BS: original ids at masked positions (anything elsewhere: the caller's loss mask drops it).
+        is_random_B: 1 where segments A and B were swapped. Without the binary head the SOP loss is zeros.
+        """
+        h_BSD = self.final_hidden(x_BSD)
+        mlm_BS = vocab_parallel_cross_entropy(self.lm_logits(h_BSD), jnp.maximum(labels_BS, 0),
+                                              vocab_size=self.vocab_size)
+        if self.pooler is None:
+            return mlm_BS, jnp.zeros(mlm_BS.shape[:1], jnp.float32)
+        logits_B2 = self.sop_logits(h_BSD)
+        target_B = jnp.take_along_axis(logits_B2, is_random_B.astype(jnp.int32)[:, None], axis=-1)[:, 0]
+        return mlm_BS, jax.nn.logsumexp(logits_B2, axis=-1) - target_B

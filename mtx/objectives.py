@@ -1,0 +1,90 @@
+"""What each model family trains on: how a step's batch becomes one scalar loss, in pieces the step can schedule.
+
+A batch is a pytree of arrays whose leading axis is the global batch (split over "data"): GPT's is one (G, S + 1)
+token array, BERT's a dict of (G, S) / (G,) fields. An objective splits the loss into the pieces the training step
+needs, so that plain gradient accumulation and the pipeline schedule run any family the same way:
+
+  normalizers(batch)          the step's global counts (inside shard_map, from this data rank's share)
+  embed(model, mb, keys_B)    the first stage: (B, S, D) embeddings of a microbatch
+  attention_mask(mb)          (B, S) padding mask that travels with the microbatch through the stages, or None
+  head_loss(model, x, mb, n)  the last layer's output -> this microbatch's share of the step's loss (already
+                              divided by the step's global counts, so summing over microbatches, data ranks and
+                              pipeline stages gives the step's loss)
+
+All of it runs in the local view inside the step's shard_map.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtx.config import Config
+from mtx.parallel.mesh import DATA
+
+
+class NextTokenPrediction:
+    """GPT: a (B, S + 1) token window per sequence; the loss is the mean next-token cross-entropy over every token
+    of the step."""
+
+    def __init__(self, cfg: Config):
+        self.global_batch_size = cfg.training.global_batch_size
+        self.label_smoothing = cfg.model.label_smoothing
+
+    def normalizers(self, tokens):
+        return self.global_batch_size * (tokens.shape[-1] - 1)  # tokens of the step (a static count)
+
+    def embed(self, model, tokens_BS, keys_B):
+        return model.embed(tokens_BS[:, :-1], keys_B=keys_B)
+
+    def attention_mask(self, tokens_BS):
+        return None
+
+    def head_loss(self, model, x_BSD, tokens_BS, n_tokens, weight_B=None):
+        """weight_B: 0 for padding sequences (pipeline loss shares), which then count nothing."""
+        per_token = model.head_loss(x_BSD, tokens_BS[:, 1:], label_smoothing=self.label_smoothing)
+        if weight_B is not None:
+            per_token = jnp.where(weight_B[:, None] > 0, per_token, 0.0)
+        return per_token.sum() / n_tokens
+
+
+class MaskedLMAndSentenceOrder:
+    """BERT (paper section 4.2): masked-LM loss averaged over the step's masked tokens, plus the sentence-order loss
+    averaged over the step's sequences (when the binary head is on), as Megatron's BERT loss.
+
+    Batch fields (Megatron's BERT dataset): text, types, padding_mask, labels, loss_mask (B, S); is_random (B,).
+    """
+
+    def __init__(self, cfg: Config):
+        self.binary_head = cfg.model.bert_binary_head
+
+    def normalizers(self, batch):
+        masked = jax.lax.psum(batch["loss_mask"].astype(jnp.float32).sum(), DATA)
+        sequences = jax.lax.psum(batch["loss_mask"].shape[0], DATA)
+        return {"masked": jnp.maximum(masked, 1.0), "sequences": sequences}
+
+    def embed(self, model, batch, keys_B):
+        return model.embed(batch["text"], batch["types"], keys_B=keys_B)
+
+    def attention_mask(self, batch):
+        return batch["padding_mask"]
+
+    def head_loss(self, model, x_BSD, batch, counts, weight_B=None):
+        mlm_BS, sop_B = model.head_losses(x_BSD, batch["labels"], batch["is_random"])
+        loss_mask_BS = batch["loss_mask"].astype(jnp.float32)
+        weight_B = jnp.ones(sop_B.shape, jnp.float32) if weight_B is None else weight_B.astype(jnp.float32)
+        loss = jnp.sum(jnp.where(loss_mask_BS * weight_B[:, None] > 0, mlm_BS, 0.0)) / counts["masked"]
+        if self.binary_head:
+            loss = loss + jnp.sum(sop_B * weight_B) / counts["sequences"]
+        return loss
+
+
+def objective_for(cfg: Config):
+    return MaskedLMAndSentenceOrder(cfg) if cfg.model.is_bert else NextTokenPrediction(cfg)
+
+
+def micro_loss(objective, model, batch_B, counts, keys_B=None):
+    """One microbatch through every layer (no pipeline): its share of the step's loss."""
+    x_BSD = objective.embed(model, batch_B, keys_B)
+    x_BSD = model.transform(x_BSD, mask_BS=objective.attention_mask(batch_B), keys_B=keys_B)
+    return objective.head_loss(model, x_BSD, batch_B, counts)
