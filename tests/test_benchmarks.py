@@ -112,3 +112,18 @@ def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
     text = suite.table(records)
     assert f"strong {strong['tokens_per_s'] / ok['tokens_per_s']:.2f}x" in text
     assert text.count("\n") == 2 + len(rows) - 1 and "| tiny, bad | 1 |" in text
+
+
+@pytest.mark.parametrize("group", sorted(__import__("benchmarks.suite", fromlist=["ROWS"]).ROWS))
+def test_every_suite_row_is_a_valid_run_on_its_gpu_count(group):
+    """Each row's flags parse and validate for exactly its GPU count (the 8-GPU rows wait for an 8-GPU host)."""
+    from benchmarks import suite
+    from mtx.cli import parse_config
+
+    for row in suite.ROWS[group]:
+        if row["script"] == "benchmarks/torch_gpt.py":
+            continue
+        cfg = parse_config(row["args"]).validate(row["gpus"])
+        p = cfg.parallel
+        dp = cfg.data_parallel_size(row["gpus"])
+        assert dp * p.pipeline_model_parallel_size * p.tensor_model_parallel_size == row["gpus"], row["name"]
