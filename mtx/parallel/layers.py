@@ -52,7 +52,8 @@ class ColumnParallelLinear(nnx.Module):
     def split_call(self, x_BSD, parts: int, part_dim: int):
         """The same Y = X A + b as `parts` matmuls, one per interleaved group of output columns.
 
-        This rank's columns are read as (n, parts, part_dim); output j is (..., n, part_dim) = f(X) A[:, :, j] + b[:, j].
+        This rank's columns are read as (n, parts, part_dim); output j is (..., n, part_dim) =
+        f(X) A[:, :, j] + b[:, j].
         For the fused QKV projection (columns ordered (N, 3, H)) the matmuls write q, k and v into buffers of their
         own: no strided split of a (..., 3D / tp) activation forward, no re-interleaving of dq, dk, dv backward. One `f`
         serves all parts, so the backward still has one all-reduce.
