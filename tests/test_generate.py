@@ -162,3 +162,33 @@ def test_sampling_never_draws_padded_vocab_ids_and_respects_top_k():
     ranked = jnp.broadcast_to(-jnp.arange(1024, dtype=jnp.float32) * 0.01, (64, 1024))
     ids = np.asarray(sample_logits(ranked, key, vocab_size=VOCAB, temperature=1.0, top_k=3))
     assert set(ids.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("post_layernorm", [False, True])
+def test_a_layer_decodes_like_its_forward_in_either_layernorm_placement(post_layernorm):
+    """One TransformerLayer (TP 2): token-by-token decoding with its KV cache gives the causal forward's outputs."""
+    from mtx.models.transformer import KVCache, TransformerLayer
+    from mtx.parallel.sharded import named_shardings, partition_specs
+
+    cfg = TINY.model
+    layer = TransformerLayer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), post_layernorm=post_layernorm)
+    graphdef, params = nnx.split(layer)
+    specs = partition_specs(params)
+    mesh = make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    params = jax.device_put(params, named_shardings(params, mesh))
+    x_BSD = jax.device_put(jax.random.normal(jax.random.key(1), (2, 8, cfg.hidden_size)),
+                           jax.sharding.NamedSharding(mesh, P()))
+    n_local, h = cfg.num_attention_heads // 2, cfg.head_dim
+
+    def local(params, x_BSD):
+        model = nnx.merge(graphdef, params)
+        full = model(x_BSD)
+        cache = KVCache(*(jnp.zeros((2, 8, n_local, h)) for _ in range(2)))
+        steps = []
+        for t in range(8):
+            y, cache = model.decode(x_BSD[:, t:t + 1], cache, jnp.full((2,), t, jnp.int32))
+            steps.append(y)
+        return full, jnp.concatenate(steps, axis=1)
+
+    full, cached = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), P()))(params, x_BSD)
+    np.testing.assert_allclose(np.asarray(cached), np.asarray(full), rtol=1e-5, atol=1e-5)

@@ -184,6 +184,10 @@ class TransformerLayer(nnx.Module):
 
     def decode(self, x_BTD, cache: KVCache, start_B, *, write=None):
         """The same block for inference with this layer's KV cache (see ParallelSelfAttention.decode); no dropout."""
+        if self.post_layernorm:
+            h, cache = self.attention.decode(x_BTD, cache, start_B, write=write)
+            x_BTD = self.ln1(x_BTD + h)
+            return self.ln2(x_BTD + self.mlp(x_BTD)), cache
         h, cache = self.attention.decode(self.ln1(x_BTD), cache, start_B, write=write)
         x_BTD = x_BTD + h
         return x_BTD + self.mlp(self.ln2(x_BTD)), cache
