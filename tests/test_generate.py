@@ -190,5 +190,5 @@ def test_a_layer_decodes_like_its_forward_in_either_layernorm_placement(post_lay
             steps.append(y)
         return full, jnp.concatenate(steps, axis=1)
 
-    full, cached = jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), P()))(params, x_BSD)
+    full, cached = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), P())))(params, x_BSD)
     np.testing.assert_allclose(np.asarray(cached), np.asarray(full), rtol=1e-5, atol=1e-5)

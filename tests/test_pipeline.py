@@ -18,7 +18,6 @@ DEEP = Config().replace(**load_preset("configs/tiny.toml")).replace(num_layers=8
 MESHES = [
     ((1, 1, 1), {}),
     ((2, 2, 2), {}),
-    ((1, 4, 2), {}),
     ((1, 2, 4), {}),
     ((2, 4, 1), {}),
     ((1, 8, 1), {}),
@@ -57,8 +56,8 @@ def grads_on(mesh, layout, tokens):
 def test_gradients_of_every_parameter_match_the_unpipelined_run():
     tokens = np.random.default_rng(0).integers(0, 257, (16, 33)).astype(np.int32)
     ref_loss, ref = grads_on((1, 1, 1), {}, tokens)
-    for mesh, layout in [((2, 2, 2), {}), ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}),
-                         ((1, 8, 1), {}), ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "scan_layers": False})]:
+    for mesh, layout in [((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "scan_layers": False}),
+                         ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}), ((1, 8, 1), {})]:
         loss, grads = grads_on(mesh, layout, tokens)
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         assert grads.keys() == ref.keys()
