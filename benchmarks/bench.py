@@ -36,27 +36,14 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     t, m = cfg.training, cfg.model
     tokens = trainer.put_batch(np.random.default_rng(0).integers(
         0, m.vocab_size, (t.global_batch_size, m.seq_length + 1)).astype(np.int32))
-    for _ in range(warmup):
-        state, metrics = trainer.train_step(state, tokens)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+    def run_step():
+        nonlocal state, metrics
         state, metrics = trainer.train_step(state, tokens)
         jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+
+    metrics = None
+    times, summary = time_steps(run_step, steps=steps, warmup=warmup, profile=profile)
     step_s = statistics.median(times)
-    summary = None
-    if profile:  # after the timed steps, so tracing never slows what is reported
-        from benchmarks.profile_summary import capture, format_summary
-
-        def run_step():
-            nonlocal state, metrics
-            state, metrics = trainer.train_step(state, tokens)
-            jax.block_until_ready(metrics)
-
-        summary = capture(run_step, profile)
-        print(format_summary(summary, step_s * 1000), file=sys.stderr, flush=True)
     tokens_per_s = t.global_batch_size * m.seq_length / step_s
     flops = tokens_per_s * m.flops_per_token() / mesh.size
     peak = peak_flops_per_device()
@@ -75,9 +62,28 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     }
 
 
-def main(argv=None) -> int:
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None):
+    """`warmup` calls, then `steps` timed calls of run_step() (each blocks until its step is done) -> (seconds of
+    each, profile summary or None). With `profile`, 2 more steps are traced into that directory and summarized
+    (after the timed steps, so tracing never slows what is reported)."""
+    for _ in range(warmup):
+        run_step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run_step()
+        times.append(time.perf_counter() - start)
+    summary = None
+    if profile:
+        from benchmarks.profile_summary import capture, format_summary
+
+        summary = capture(run_step, profile)
+        print(format_summary(summary, statistics.median(times) * 1000), file=sys.stderr, flush=True)
+    return times, summary
+
+
+def run_cli(measure_fn, argv=None) -> int:
+    """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to --json)."""
     from mtx.cli import parse_config
 
     ap = argparse.ArgumentParser(add_help=False)
@@ -86,13 +92,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="append the result line to this file")
     ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them")
     own, rest = ap.parse_known_args(argv)
-    result = measure(parse_config(rest), steps=own.steps, warmup=own.warmup, profile=own.profile)
+    result = measure_fn(parse_config(rest), steps=own.steps, warmup=own.warmup, profile=own.profile)
     line = json.dumps(result)
     print(line, flush=True)
     if own.json:
         with open(own.json, "a") as fh:
             fh.write(line + "\n")
     return 0
+
+
+def main(argv=None) -> int:
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    return run_cli(measure, argv)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,10 @@ donated state. The output JSON line has bench.py's fields.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from benchmarks.bench import run_cli, time_steps
 
 
 def init_params(key, *, vocab, positions, layers, d, f, std):
@@ -139,33 +138,21 @@ def make_step(cfg):
 def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None) -> dict:
     from mtx.metrics import peak_flops_per_device
 
+    cfg.validate()
     m, t = cfg.model, cfg.training
     init, optimizer, step = make_step(cfg)
     params = jax.jit(init)(jax.random.key(t.seed))
     opt_state = jax.jit(optimizer.init)(params)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (t.global_batch_size, m.seq_length + 1)),
                          jnp.int32)
-    for _ in range(warmup):
-        params, opt_state, loss = step(params, opt_state, tokens)
-    jax.block_until_ready(loss)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+    def run_step():
+        nonlocal params, opt_state, loss
         params, opt_state, loss = step(params, opt_state, tokens)
         jax.block_until_ready(loss)
-        times.append(time.perf_counter() - start)
+
+    loss = None
+    times, summary = time_steps(run_step, steps=steps, warmup=warmup, profile=profile)
     step_s = statistics.median(times)
-    summary = None
-    if profile:  # after the timed steps, so tracing never slows what is reported
-        from benchmarks.profile_summary import capture, format_summary
-
-        def run_step():
-            nonlocal params, opt_state, loss
-            params, opt_state, loss = step(params, opt_state, tokens)
-            jax.block_until_ready(loss)
-
-        summary = capture(run_step, profile)
-        print(format_summary(summary, step_s * 1000), file=sys.stderr, flush=True)
     tokens_per_s = t.global_batch_size * m.seq_length / step_s
     flops = tokens_per_s * m.flops_per_token()
     peak = peak_flops_per_device()
@@ -182,22 +169,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
 
 
 def main(argv=None) -> int:
-    from mtx.cli import parse_config
-
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json", default=None, help="append the result line to this file")
-    ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them")
-    own, rest = ap.parse_known_args(argv)
-    cfg = parse_config(rest).validate()
-    result = measure(cfg, steps=own.steps, warmup=own.warmup, profile=own.profile)
-    line = json.dumps(result)
-    print(line, flush=True)
-    if own.json:
-        with open(own.json, "a") as fh:
-            fh.write(line + "\n")
-    return 0
+    return run_cli(measure, argv)
 
 
 if __name__ == "__main__":
