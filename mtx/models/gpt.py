@@ -1,4 +1,4 @@
-"""GPT: vocab-parallel embedding + learned positions, a scanned stack of pre-LN layers, final LN, tied output.
+"""GPT: vocab-parallel embedding + learned positions, a stack of pre-LN layers, final LN, tied output.
 
 All methods run in the local view inside shard_map (see mtx/step.py). The logits stay split over "model"
 (B, S, V / tp); the loss reduces B*S scalars through `vocab_parallel_cross_entropy`, never B*S*V logits.
