@@ -17,7 +17,10 @@ def test_runs_ahead_by_at_most_depth():
     made = []
     batches = prefetch(lambda k: made.append(k) or k, range(100), depth=2)
     assert next(batches) == 0
-    time.sleep(0.3)
+    deadline = time.time() + 10  # wait for the worker (a loaded CI machine may be slow), then give it time to overrun
+    while len(made) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
     assert made == [0, 1, 2, 3]  # step 0 consumed, 1 and 2 queued, 3 made and waiting for room
     batches.close()
 
