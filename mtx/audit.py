@@ -51,6 +51,7 @@ from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
 from mtx.parallel.sharded import named_shardings, partition_specs
+from mtx.step import sequence_parallel_mode
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"%(?P<name>\S+) = (?P<shape>.+?) (?P<kind>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\("
@@ -164,7 +165,8 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  tensor_model_parallel_size: int, data_parallel_size: int = 1, ffn_hidden_size: int | None = None,
                  recompute_granularity: str | None = None, vocab_size: int = 50257,
                  pipeline_model_parallel_size: int = 1, num_layers: int | None = None,
-                 num_microbatches: int | None = None, num_devices: int | None = None) -> Config:
+                 num_microbatches: int | None = None, num_devices: int | None = None,
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
@@ -177,7 +179,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
         tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
         pipeline_model_parallel_size=pp, num_layers=num_layers or 2 * pp,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
@@ -194,17 +196,21 @@ def _audit(mesh, forward, forward_backward, args) -> dict:
 
 
 def audit_layer(cfg: Config) -> dict:
-    """Collectives of one TransformerLayer, forward and backward, local batch b = micro_batch_size."""
+    """Collectives of one TransformerLayer, forward and backward, local batch b = micro_batch_size (split over
+    "model" by rows with sequence parallelism)."""
     mesh = _mesh(cfg)
     recompute = cfg.training.recompute_granularity
+    sp = sequence_parallel_mode(cfg)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
-        cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective")))
+        cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective",
+        sequence_parallel=sp)))
     specs = partition_specs(abstract)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, named_shardings(abstract, mesh))
     m, t = cfg.model, cfg.training
+    rows = P((DATA, MODEL)) if sp else P(DATA)  # each data rank's rows, with sp split again over "model"
     x = jax.ShapeDtypeStruct((t.micro_batch_size * mesh.shape[DATA], m.seq_length, m.hidden_size), jnp.float32,
-                             sharding=NamedSharding(mesh, P(DATA)))
+                             sharding=NamedSharding(mesh, rows))
 
     def layer(p, x_BSD):
         return nnx.merge(graphdef, p)(x_BSD)
@@ -224,9 +230,9 @@ def audit_layer(cfg: Config) -> dict:
 
     with_data = jax.tree.map(lambda s: P(DATA, *s), specs, is_leaf=lambda s: isinstance(s, P))
     return _audit(mesh,
-                  jax.shard_map(forward, mesh=mesh, in_specs=(specs, P(DATA), P(DATA)), out_specs=P(DATA)),
-                  jax.shard_map(forward_backward, mesh=mesh, in_specs=(specs, P(DATA), P(DATA)),
-                                out_specs=(P(DATA), with_data, P(DATA))),
+                  jax.shard_map(forward, mesh=mesh, in_specs=(specs, rows, rows), out_specs=rows),
+                  jax.shard_map(forward_backward, mesh=mesh, in_specs=(specs, rows, rows),
+                                out_specs=(rows, with_data, rows)),
                   (params, x, x))
 
 
@@ -306,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="> 1 also audits a whole pipelined step (its activation ppermutes per step)")
     ap.add_argument("--num-layers", type=int, default=None, help="layers of the pipelined step (default 2 x stages)")
     ap.add_argument("--num-microbatches", type=int, default=None, help="per data rank (default 2 x stages)")
+    ap.add_argument("--sequence-parallel", action="store_true", help="split the layer's rows over TP (see train.py)")
+    ap.add_argument("--tp-comm-overlap", action="store_true", help="with --sequence-parallel: ring steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     a = ap.parse_args(argv)
     # XLA reads the device count when the CPU backend starts (the first device query), not when jax is imported.

@@ -98,6 +98,8 @@ def _num_params(m: ModelConfig, vocab: int) -> int:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = 2  # TP: devices one layer is split over (the "model" axis)
+    sequence_parallel: bool = False  # split the residual stream (LayerNorm, dropout, residual adds) over TP by rows
+    tp_comm_overlap: bool = False  # overlap sequence parallelism's all-gathers/reduce-scatters with the matmuls
     pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
     data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
     num_layers_in_first_pipeline_stage: int | None = None  # uneven stages: layers of the first stage
@@ -213,6 +215,11 @@ class Config:
         _check(m.max_positions >= m.seq_length,
                f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
                "raise it to at least the sequence length.")
+        _check(not p.tp_comm_overlap or p.sequence_parallel,
+               "--tp-comm-overlap overlaps sequence parallelism's collectives; pass --sequence-parallel with it.")
+        _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
+               f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
+               f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
         self.stage_layer_counts()  # refuses layers that do not split over the stages as asked
         _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
         _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),

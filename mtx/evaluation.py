@@ -74,7 +74,9 @@ class Scorer:
     def __init__(self, trainer, params, batch_size: int | None = None):
         dp = trainer.mesh.shape[DATA]
         size = batch_size or trainer.cfg.training.micro_batch_size * dp
-        self.batch_size = math.ceil(size / dp) * dp  # every data rank gets the same number of rows
+        # Every data rank gets the same number of rows, which sequence parallelism splits over the model ranks.
+        rows = dp * (trainer.mesh.shape[MODEL] if trainer.cfg.parallel.sequence_parallel else 1)
+        self.batch_size = math.ceil(size / rows) * rows
         self.trainer, self.params, self._fn = trainer, params, make_scorer(trainer)
 
     def __call__(self, inputs_BS, targets_BS, mask_BS):

@@ -22,8 +22,8 @@ B, S, D, N = 2, 16, 64, 8  # local micro batch, sequence, hidden, heads: small e
 def _cfg(tp, dp=1, **kw):
     if tp * dp > len(jax.devices()):
         pytest.skip(f"needs {tp * dp} devices")
-    return audit.audit_config(hidden_size=D, num_attention_heads=N, seq_length=S, micro_batch_size=B,
-                              tensor_model_parallel_size=tp, data_parallel_size=dp, **kw)
+    return audit.audit_config(**{"hidden_size": D, "num_attention_heads": N, "seq_length": S, "micro_batch_size": B,
+                                 "tensor_model_parallel_size": tp, "data_parallel_size": dp, **kw})
 
 
 def _only_all_reduces(n):
@@ -166,3 +166,29 @@ def test_matmul_recompute_adds_no_communication():
     # backward must not repeat a b*s*h all-reduce.
     r = audit.audit_layer(_cfg(4, 2, recompute_granularity="matmuls"))
     assert r["forward"] == r["backward"] == _only_all_reduces(2)
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 1), (4, 2)])
+def test_sequence_parallel_layer_gathers_and_scatters_instead_of_all_reducing(tp, dp):
+    """--sequence-parallel: each all-reduce of b*s*h becomes an all-gather and a reduce-scatter of the same bytes;
+    the backward adds the all-reduce of the replicated LayerNorm and bias gradients (6 vectors of D), which every
+    rank computed from its own rows only. With the `matmuls` policy the gathered inputs are kept, not re-gathered."""
+    b = 2 * tp  # the rows split over "model"
+    r = audit.audit_layer(_cfg(tp, dp, micro_batch_size=b, sequence_parallel=True, recompute_granularity="matmuls"))
+    sp = {"all-gather model": 2, "reduce-scatter model": 2}
+    assert r["by_axis"] == {"forward": sp, "backward": {**sp, "all-reduce model": 6}}, r["ops"]
+    assert r["elements"]["forward"] == {"all-gather model": 2 * b * S * D, "reduce-scatter model": 2 * b * S * D // tp}
+    assert sorted(op["elements"] for op in r["ops"]["backward"] if op["kind"] == "all-reduce") == [D] * 6
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_overlapped_sequence_parallel_layer_moves_the_same_bytes_in_ring_steps(tp):
+    """--tp-comm-overlap: the two gathers and two scatters of a layer become 4 (tp - 1) ring steps each way, each one
+    rank's rows, and nothing else is added."""
+    b = 2 * tp
+    r = audit.audit_layer(_cfg(tp, micro_batch_size=b, sequence_parallel=True, tp_comm_overlap=True,
+                               recompute_granularity="matmuls"))
+    steps = 4 * (tp - 1)
+    assert r["by_axis"] == {"forward": {"collective-permute model": steps},
+                            "backward": {"collective-permute model": steps, "all-reduce model": 6}}, r["ops"]
+    assert r["elements"]["forward"] == {"collective-permute model": steps * b * S * D // tp}

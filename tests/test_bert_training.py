@@ -61,6 +61,8 @@ def test_pre_layernorm_loss_is_the_same_on_every_mesh_and_resumes(tiny, tmp_path
     (validation MLM + SOP loss) and saves at step 5; resuming that checkpoint on (4, 1, 2) continues the curve."""
     cfg = tiny.replace(split="90,10,0", **EXACT)
     curves = {mesh: direct_curve(cfg, mesh) for mesh in [(1, 1, 1), (2, 1, 4), (1, 2, 2)]}
+    curves["(2, 1, 4), sequence parallel"] = direct_curve(cfg.replace(sequence_parallel=True, micro_batch_size=4),
+                                                          (2, 1, 4))
     full = run(cfg, (2, 2, 2), tmp_path, "full", save=str(tmp_path / "ckpt"), save_interval=5, eval_interval=5,
                eval_iters=1, generate_tokens=20)
     curves[(2, 2, 2)] = curve(full, range(1, 11))
@@ -78,10 +80,14 @@ def test_pre_layernorm_loss_is_the_same_on_every_mesh_and_resumes(tiny, tmp_path
 
 
 def test_post_layernorm_with_dropout_is_the_same_on_every_mesh(tiny):
-    """Dropout masks follow the sequence (and head), not the device, so even with dropout the meshes agree."""
+    """Dropout masks follow the token (and head), not the device, so even with dropout the meshes agree, also with
+    the sequence split over "model" (overlapped ring steps, pipelined)."""
     cfg = tiny.replace(layernorm_placement="post", hidden_dropout=0.1, attention_dropout=0.1)
     one, many = direct_curve(cfg, (1, 1, 1)), direct_curve(cfg, (2, 2, 2))
     np.testing.assert_allclose(many, one, rtol=1e-5, err_msg="post-LN with dropout on (2, 2, 2)")
+    sp = direct_curve(cfg.replace(sequence_parallel=True, tp_comm_overlap=True, micro_batch_size=4),
+                      (1, 2, 4))
+    np.testing.assert_allclose(sp, one, rtol=1e-5, err_msg="post-LN with dropout, sequence parallel on (1, 2, 4)")
     assert one[-1] < one[0] - 0.1, one
 
 

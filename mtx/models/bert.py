@@ -11,6 +11,8 @@ Heads, both in the local view inside shard_map:
   SOP (sentence-order prediction, following ALBERT): the [CLS] state through a pooler dense + tanh and a 2-way
        classifier; `--bert-no-binary-head` leaves it out.
 The dense layers of the heads are small (D x D) and replicated, as in Megatron's BertLMHead and Pooler.
+With sequence parallelism the embeddings and layers work on this rank's rows (B / tp, S, D) as GPT's do; the final
+hidden states are gathered before the heads.
 Dimension letters as in mtx/models/transformer.py.
 """
 
@@ -26,6 +28,7 @@ from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
 from mtx.parallel.mesh import MODEL, PIPELINE
+from mtx.parallel.ops import gather_from_model_parallel, sequence_parallel_rows
 from mtx.parallel.random import dropout, fold
 
 
@@ -43,7 +46,7 @@ class Dense(nnx.Module):
 
 class BERT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sequence_parallel: str | None = None, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.post_layernorm = cfg.layernorm_placement == "post"
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
@@ -57,7 +60,8 @@ class BERT(nnx.Module):
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
         def make_layers(rngs):  # stacked like GPT's: a leading L axis, split into pipeline stages
             return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective",
-                                    flash=flash, causal=False, post_layernorm=self.post_layernorm)
+                                    flash=flash, causal=False, post_layernorm=self.post_layernorm,
+                                    sequence_parallel=sequence_parallel)
 
         self.layers = make_layers(rngs)
         self.final_layernorm = (None if self.post_layernorm
@@ -74,15 +78,20 @@ class BERT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute  # GPT.transform's per-layer checkpoint policy
         self.scan_layers = scan_layers
+        self.sp = sequence_parallel  # None, "gather" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size
 
     def embed(self, tokens_BS, types_BS=None, *, keys_B=None):
-        """(B, S) ids and token types -> (B, S, D): token + position + type embeddings, [LayerNorm,] dropout."""
+        """(B, S) ids and token types -> (B, S, D): token + position + type embeddings, [LayerNorm,] dropout; with
+        sequence parallelism this rank's rows (B / tp, S, D)."""
         s = tokens_BS.shape[1]
-        x_BSD = self.embedding(tokens_BS) + self.position_embeddings[:s].astype(self.dtype)
+        types_BS = jnp.zeros_like(tokens_BS) if types_BS is None else types_BS
+        if self.sp:  # this rank's rows
+            types_BS = sequence_parallel_rows(types_BS)
+            keys_B = None if keys_B is None else sequence_parallel_rows(keys_B)
+        x_BSD = self.embedding(tokens_BS, sp=self.sp) + self.position_embeddings[:s].astype(self.dtype)
         if self.tokentype_embeddings is not None:
-            types_BS = jnp.zeros_like(tokens_BS) if types_BS is None else types_BS
             x_BSD = x_BSD + jnp.take(self.tokentype_embeddings[...], types_BS, axis=0).astype(self.dtype)
         if self.embedding_layernorm is not None:
             x_BSD = self.embedding_layernorm(x_BSD)
@@ -92,8 +101,10 @@ class BERT(nnx.Module):
     transform = GPT.transform
 
     def final_hidden(self, x_BSD):
-        """Output of the layer stack -> the final hidden states (the final LayerNorm of pre-LN; post-LN ends in one)."""
-        return x_BSD if self.final_layernorm is None else self.final_layernorm(x_BSD)
+        """Output of the layer stack -> the final hidden states, replicated over "model" (the final LayerNorm of
+        pre-LN, post-LN ends in one; sequence-parallel rows gathered)."""
+        h_BSD = x_BSD if self.final_layernorm is None else self.final_layernorm(x_BSD)
+        return gather_from_model_parallel(h_BSD, axis=0) if self.sp else h_BSD
 
     def __call__(self, tokens_BS, types_BS=None, *, mask_BS=None, keys_B=None):
         """(B, S) ids -> (B, S, D) final hidden states, replicated over "model"."""

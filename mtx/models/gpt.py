@@ -2,6 +2,9 @@
 
 All methods run in the local view inside shard_map (see mtx/step.py). The logits stay split over "model"
 (B, S, V / tp); the loss reduces B*S scalars through `vocab_parallel_cross_entropy`, never B*S*V logits.
+With sequence parallelism the residual stream between `embed` and the head is split by rows over "model": `embed`
+returns this rank's rows (B / tp, S, D), `transform` keeps them split, and the final LayerNorm runs on them before
+the hidden states are gathered for the output layer.
 Inference (mtx/generate.py) runs the same layers through `transform_cached`, with a per-layer KV cache scanned
 alongside the layer parameters.
 """
@@ -17,7 +20,7 @@ from mtx.models.transformer import KVCache, TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import PIPELINE
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
-from mtx.parallel.ops import vary_like
+from mtx.parallel.ops import gather_from_model_parallel, sequence_parallel_rows, vary_like
 from mtx.parallel.random import dropout, fold
 
 
@@ -29,11 +32,14 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     The element-wise ops are cheap to recompute (memory-bound, fused into their neighbours), while each saved
     activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an
     all-reduce recomputed would be communication repeated (a row-parallel output is saved after its psum, so the
-    backward adds none: tests/test_audit.py). Without cuDNN the attention core's einsums have batch dimensions and are
-    recomputed (as `selective` does).
+    backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers, reduce-scatters and ring
+    steps. Without cuDNN the attention core's einsums have batch dimensions and are recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith(("dot_product_attention_fwd", "psum")))
+            or prim.name.startswith(_SAVED_PRIMITIVES))
+
+
+_SAVED_PRIMITIVES = ("dot_product_attention_fwd", "psum", "all_gather", "reduce_scatter", "ppermute")
 
 
 @jax.custom_vjp
@@ -49,7 +55,7 @@ _unstack.defvjp(lambda a_L: (_unstack(a_L), None), lambda _, grads: (jnp.stack(g
 
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sequence_parallel: str | None = None, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
@@ -58,13 +64,14 @@ class GPT(nnx.Module):
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
         def make_layers(rngs):  # stacked: every layer parameter gets a leading L axis, split into pipeline stages
             return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective",
-                                    flash=flash)
+                                    flash=flash, sequence_parallel=sequence_parallel)
 
         self.layers = make_layers(rngs)
         self.final_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute
         self.scan_layers = scan_layers
+        self.sp = sequence_parallel  # None, "gather" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size  # real ids; the padded ones take no probability in the loss
 
@@ -74,20 +81,31 @@ class GPT(nnx.Module):
         keys_B: one dropout key per sequence (mtx/parallel/random.py); None turns dropout off.
         """
         x_BSD = self.transform(self.embed(tokens_BS, keys_B=keys_B), mask_BS=mask_BS, keys_B=keys_B)
-        return self.final_layernorm(x_BSD)
+        return self.final_hidden(x_BSD)
 
     def embed(self, tokens_BS, *, keys_B=None, positions_BS=None):
-        """(B, S) ids -> (B, S, D): token + position embeddings, then hidden dropout.
+        """(B, S) ids -> (B, S, D): token + position embeddings, then hidden dropout; with sequence parallelism this
+        rank's rows (B / tp, S, D).
 
-        positions_BS: each token's position (inference continues a sequence mid-way); None means 0 .. S - 1.
+        positions_BS: each token's position (inference continues a sequence mid-way, never split); None means
+        0 .. S - 1.
         """
         s = tokens_BS.shape[1]
+        sp = self.sp if positions_BS is None else None
         if positions_BS is None:
             pos_SD = self.position_embeddings[:s]
         else:
             pos_SD = jnp.take(self.position_embeddings[...], positions_BS, axis=0)
-        x_BSD = self.embedding(tokens_BS) + pos_SD.astype(self.dtype)
+        x_BSD = self.embedding(tokens_BS, sp=sp) + pos_SD.astype(self.dtype)
+        if keys_B is not None and sp:
+            keys_B = sequence_parallel_rows(keys_B)  # the keys of this rank's rows
         return dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
+
+    def final_hidden(self, x_BSD):
+        """Output of the layer stack -> final hidden states (B, S, D), replicated over "model": the final LayerNorm
+        (on this rank's rows with sequence parallelism, which are then gathered)."""
+        h_BSD = self.final_layernorm(x_BSD)
+        return gather_from_model_parallel(h_BSD, axis=0) if self.sp else h_BSD
 
     def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
         """Runs the layers held in self.layers (all L, or one pipeline stage's) on (B, S, D).
@@ -144,7 +162,7 @@ class GPT(nnx.Module):
 
     def head_loss(self, x_BSD, targets_BS, *, label_smoothing: float = 0.0):
         """Final LN, tied output layer and vocab-parallel cross-entropy: (B, S, D) -> per-token loss (B, S)."""
-        logits_BSV = self.embedding.attend(self.final_layernorm(x_BSD))
+        logits_BSV = self.embedding.attend(self.final_hidden(x_BSD))
         return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing,
                                             vocab_size=self.vocab_size)
 

@@ -3,6 +3,14 @@
 Every parameter states its layout once, here, where it is declared: the global array has the full (mesh-independent)
 shape and `out_sharding` says how the mesh splits it. Inside `jax.shard_map` a layer sees only its local slice, so
 `kernel` of a ColumnParallelLinear is (D, F / tp) there.
+
+`sp` (sequence parallelism, chosen per call by the transformer layer; decoding never uses it):
+  None        the paper's layers: replicated (B, S, D) in and out; `f` before the column-parallel matmul, `g` after
+              the row-parallel one.
+  "gather"    --sequence-parallel: this rank's rows (B / tp, S, D) in and out; all-gather before the column-parallel
+              matmul, reduce-scatter after the row-parallel one (mtx/parallel/ops.py).
+  "overlap"   --tp-comm-overlap: the same, each collective cut into ring steps beside the matmuls; between the two
+              linears activations are lists of row chunks in ring order (mtx/parallel/collective_matmul.py).
 """
 
 from __future__ import annotations
@@ -11,8 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtx.parallel.collective_matmul import ring_gather, ring_reduce_scatter
 from mtx.parallel.mesh import MODEL
-from mtx.parallel.ops import f, g, gather_from_model_parallel, model_rank, scatter_to_model_parallel
+from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequence_parallel, model_rank,
+                              reduce_scatter_to_sequence_parallel, scatter_to_model_parallel)
+
+SP_MODES = (None, "gather", "overlap")
 
 REPLICATED = None
 
@@ -42,31 +54,44 @@ class ColumnParallelLinear(nnx.Module):
         self.gather_output = gather_output
         self.dtype = dtype
 
-    def __call__(self, x_BSD):
-        """(..., D) replicated -> (..., F / tp) on this rank, or (..., F) replicated with gather_output."""
-        y = f(x_BSD.astype(self.dtype)) @ self.kernel[...].astype(self.dtype)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return gather_from_model_parallel(y) if self.gather_output else y
+    def __call__(self, x_BSD, *, sp: str | None = None):
+        """(B, S, D) replicated (or this rank's rows (B / tp, S, D) with `sp`) -> (B, S, F / tp) on this rank, or
+        (B, S, F) replicated with gather_output; with sp="overlap" a list of row chunks (B / tp, S, F / tp)."""
+        return self._matmuls(x_BSD, [self.kernel[...].astype(self.dtype)],
+                             None if self.bias is None else [self.bias[...].astype(self.dtype)], sp)[0]
 
-    def split_call(self, x_BSD, parts: int, part_dim: int):
+    def split_call(self, x_BSD, parts: int, part_dim: int, *, sp: str | None = None):
         """The same Y = X A + b as `parts` matmuls, one per interleaved group of output columns.
 
-        This rank's columns are read as (n, parts, part_dim); output j is (..., n, part_dim) =
-        f(X) A[:, :, j] + b[:, j].
+        This rank's columns are read as (n, parts, part_dim); output j is (B, S, n, part_dim) =
+        f(X) A[:, :, j] + b[:, j] (with sp="overlap" a list of row chunks).
         For the fused QKV projection (columns ordered (N, 3, H)) the matmuls write q, k and v into buffers of their
         own: no strided split of a (..., 3D / tp) activation forward, no re-interleaving of dq, dk, dv backward. One `f`
-        serves all parts, so the backward still has one all-reduce.
+        (or one all-gather) serves all parts, so the backward still has one all-reduce.
         """
-        x = f(x_BSD.astype(self.dtype))
         kernel = self.kernel[...].astype(self.dtype)
         kernel = kernel.reshape(kernel.shape[0], -1, parts, part_dim)
         bias = None if self.bias is None else self.bias[...].astype(self.dtype).reshape(-1, parts, part_dim)
+        return tuple(self._matmuls(x_BSD, [kernel[:, :, j] for j in range(parts)],
+                                   None if bias is None else [bias[:, j] for j in range(parts)], sp))
+
+    def _matmuls(self, x, kernels, biases, sp):
+        assert sp in SP_MODES, sp
+        spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
+        x = x.astype(self.dtype)
+        if sp == "overlap":  # ring steps: each chunk's matmuls run while the next chunk arrives
+            chunks = ring_gather(x)
+        else:  # f (replicated input) or the all-gather of the ranks' rows
+            chunks = [gather_from_sequence_parallel(x) if sp == "gather" else f(x)]
         outs = []
-        for j in range(parts):
-            y = jnp.einsum("...d,dnh->...nh", x, kernel[:, :, j])
-            outs.append(y if bias is None else y + bias[:, j])
-        return tuple(outs)
+        for j, kernel in enumerate(kernels):
+            ys = [jnp.einsum(spec, c, kernel) for c in chunks]
+            if biases is not None:
+                ys = [y + biases[j] for y in ys]
+            if self.gather_output:
+                ys = [gather_from_model_parallel(y) for y in ys]
+            outs.append(ys if sp == "overlap" else ys[0])
+        return outs
 
 
 class RowParallelLinear(nnx.Module):
@@ -83,12 +108,19 @@ class RowParallelLinear(nnx.Module):
         self.input_is_parallel = input_is_parallel
         self.dtype = dtype
 
-    def __call__(self, x_BSF):
-        """(..., F / tp) on this rank (or (..., F) replicated without input_is_parallel) -> (..., D) replicated."""
-        if not self.input_is_parallel:
-            x_BSF = scatter_to_model_parallel(x_BSF)
-        y = g(x_BSF.astype(self.dtype) @ self.kernel[...].astype(self.dtype))
-        if self.bias is not None:
+    def __call__(self, x_BSF, *, sp: str | None = None):
+        """(B, S, F / tp) on this rank (or (B, S, F) replicated without input_is_parallel) -> (B, S, D) replicated,
+        or with `sp` this rank's rows (B / tp, S, D) of it; with sp="overlap" x is a list of row chunks."""
+        assert sp in SP_MODES, sp
+        kernel = self.kernel[...].astype(self.dtype)
+        if sp == "overlap":  # ring steps: each partial sum travels on while the next chunk's matmul runs
+            y = ring_reduce_scatter([c.astype(self.dtype) @ kernel for c in x_BSF])
+        else:
+            if not self.input_is_parallel:
+                x_BSF = scatter_to_model_parallel(x_BSF)
+            y = x_BSF.astype(self.dtype) @ kernel
+            y = reduce_scatter_to_sequence_parallel(y) if sp == "gather" else g(y)
+        if self.bias is not None:  # replicated, added once after the reduction (to this rank's rows with sp)
             y = y + self.bias[...].astype(self.dtype)
         return y
 
@@ -105,15 +137,16 @@ class VocabParallelEmbedding(nnx.Module):
         self.embedding = param(rngs, (num_embeddings, features), (MODEL, REPLICATED), std=std)
         self.dtype = dtype
 
-    def __call__(self, ids_BS):
-        """(B, S) int ids, replicated -> (B, S, D) replicated."""
+    def __call__(self, ids_BS, *, sp: str | None = None):
+        """(B, S) int ids, replicated -> (B, S, D) replicated, or with `sp` this rank's rows (B / tp, S, D)."""
         table_VD = self.embedding[...]  # local (V / tp, D)
         v_local = table_VD.shape[0]
         local_ids = ids_BS - model_rank() * v_local
         in_range = (local_ids >= 0) & (local_ids < v_local)
         x_BSD = jnp.take(table_VD, jnp.where(in_range, local_ids, 0), axis=0)
         x_BSD = jnp.where(in_range[..., None], x_BSD, 0.0)
-        return g(x_BSD).astype(self.dtype)
+        # The partial lookups are summed over ranks: all-reduced, or reduce-scattered into the ranks' rows (sp).
+        return (reduce_scatter_to_sequence_parallel(x_BSD) if sp else g(x_BSD)).astype(self.dtype)
 
     def attend(self, x_BSD):
         """(B, S, D) replicated -> (B, S, V / tp) logits of this rank's vocabulary slice (f before the matmul)."""

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtx.parallel.mesh import PIPELINE
+from mtx.parallel.mesh import MODEL, PIPELINE
 from mtx.parallel.ops import vary
 
 
@@ -115,13 +115,13 @@ def pipelined_loss(model, objective, batch_M, schedule: Schedule, counts, *, key
     total). The embeddings are made for all M up front; the padding mask travels with each microbatch."""
     p, m = schedule.stages, schedule.microbatches
     b = jax.tree.leaves(batch_M)[0].shape[1]
-    flat = jax.tree.map(lambda a: a.reshape(m * b, *a.shape[2:]), batch_M)
-    keys_flat = None if keys_MB is None else keys_MB.reshape(m * b)
-    x0_BSD = objective.embed(model, flat, keys_flat)
+    # With sequence parallelism each model rank embeds its rows of every microbatch: order the rows rank-major.
+    rows = _rank_major if model.sp else (lambda a: a.reshape(-1, *a.shape[2:]))
+    x0_BSD = objective.embed(model, jax.tree.map(rows, batch_M), None if keys_MB is None else rows(keys_MB))
     s = x0_BSD.shape[1]
-    x0_MBSD = x0_BSD.reshape(m, b, s, -1)
-    mask = objective.attention_mask(flat)
-    mask_MBS = None if mask is None else mask.reshape(m, b, s)
+    x0_MBSD = x0_BSD.reshape(m, x0_BSD.shape[0] // m, s, -1)  # (M, B / tp, S, D) with sequence parallelism
+    mask = objective.attention_mask(jax.tree.map(lambda a: a.reshape(m * b, *a.shape[2:]), batch_M))
+    mask_MBS = None if mask is None else mask.reshape(m, b, s)  # whole microbatches: the layers gather all rows
     hidden_MBSD = pipelined_hidden(model, x0_MBSD, schedule, keys_MB=keys_MB, mask_MBS=mask_MBS)
     # Spread the last stage's outputs over all stages: M padded up to a multiple of P, M' / P microbatches each.
     share = math.ceil(m / p)
@@ -131,16 +131,26 @@ def pipelined_loss(model, objective, batch_M, schedule: Schedule, counts, *, key
     mine_MBSD = jax.lax.psum_scatter(jnp.pad(hidden_MBSD, pad), PIPELINE, scatter_dimension=0, tiled=True)
     stage = jax.lax.axis_index(PIPELINE)
     mine_batch = jax.tree.map(
-        lambda a: jax.lax.dynamic_slice_in_dim(jnp.pad(a, [(0, share * p - m)] + [(0, 0)] * (a.ndim - 1)),
-                                               stage * share, share).reshape(share * b, *a.shape[2:]), batch_M)
-    real_B = jnp.repeat((stage * share + jnp.arange(share)) < m, b)  # padding microbatches count nothing
-    return objective.head_loss(model, mine_MBSD.reshape(share * b, s, -1), mine_batch, counts, weight_B=real_B)
+        lambda a: rows(jax.lax.dynamic_slice_in_dim(jnp.pad(a, [(0, share * p - m)] + [(0, 0)] * (a.ndim - 1)),
+                                                    stage * share, share)), batch_M)
+    real_B = rows(jnp.repeat(((stage * share + jnp.arange(share)) < m)[:, None], b, axis=1))  # padding counts nothing
+    # The head gathers the model ranks' rows (rank-major with sequence parallelism): mine_batch is in that order.
+    return objective.head_loss(model, mine_MBSD.reshape(-1, s, mine_MBSD.shape[-1]), mine_batch, counts,
+                               weight_B=real_B)
+
+
+def _rank_major(a_MB):
+    """(M, B, ...) -> (M * B, ...) ordered by model rank, then microbatch: rank r's rows of every microbatch (B / tp
+    each, as sequence parallelism splits them) are one contiguous block."""
+    tp = jax.lax.axis_size(MODEL)
+    m, b = a_MB.shape[:2]
+    return jnp.swapaxes(a_MB.reshape(m, tp, b // tp, *a_MB.shape[2:]), 0, 1).reshape(m * b, *a_MB.shape[2:])
 
 
 def pipelined_final_hidden(model, tokens_BS, schedule: Schedule):
-    """(B, S) ids -> (B, S, D) final hidden states after the final LayerNorm on every stage (no dropout);
-    for evaluation and generation, with M = 1."""
+    """(B, S) ids -> (B, S, D) final hidden states after the final LayerNorm on every stage (no dropout), replicated
+    over "model"; for evaluation and generation, with M = 1."""
     x0 = model.embed(tokens_BS)[None]
     hidden = pipelined_hidden(model, x0, schedule)[0]
     last = jax.lax.axis_index(PIPELINE) == schedule.stages - 1
-    return model.final_layernorm(jax.lax.psum(jnp.where(last, hidden, jnp.zeros((), hidden.dtype)), PIPELINE))
+    return model.final_hidden(jax.lax.psum(jnp.where(last, hidden, jnp.zeros((), hidden.dtype)), PIPELINE))
