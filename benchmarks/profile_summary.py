@@ -7,7 +7,9 @@ writes one). Device events are the ones on a process named like "/device:GPU:0";
 name: matmul (cuBLAS/cuBLASLt/CUTLASS GEMMs), attention (cuDNN flash attention), collective (NCCL), copy (memcpy and
 memset), or fusion (XLA's own element-wise and reduction kernels: LayerNorm, GeLU, softmax, loss, optimizer). Times
 are per step (the trace's total divided by --steps). "busy" is the union of kernel intervals on all streams, so
-busy / step time shows how much of a step the device is idle (host overhead, waiting on transfers).
+busy / step time shows how much of a step the device is idle (host overhead, waiting on transfers); "collective
+exposed" is the time a collective runs with no other kernel beside it (communication the step waits for). With several
+GPUs in the trace only the first one is counted (the others run the same program).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def device_events(trace_path: Path) -> list[dict]:
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
+    first = {pid for pid in device if re.search(r"/device:(GPU|TPU):0\b", names[pid])}
+    device = first or device
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device and e.get("dur", 0) > 0]
 
 
@@ -70,10 +74,13 @@ def summarize(trace_dir: str | Path, *, steps: int = 1, top: int = 25) -> dict:
         by_kernel[e["name"]][1] += 1
         op.setdefault(e["name"], (e.get("args") or {}).get("hlo_op", ""))
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events])
+    busy_without_collectives = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events
+                                          if kernel_class(e["name"]) != "collective"])
     ms = lambda us: us / 1000 / steps
     kernels = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return {
-        "steps": steps, "events": len(events), "busy_ms": ms(busy), "kernel_ms": ms(sum(by_class.values())),
+        "steps": steps, "events": len(events), "busy_ms": ms(busy),
+        "collective_exposed_ms": ms(busy - busy_without_collectives), "kernel_ms": ms(sum(by_class.values())),
         "by_class_ms": {k: ms(v) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:120], "class": kernel_class(n), "ms": ms(t), "calls": c // steps,
                          "hlo_op": op[n]} for n, (t, c) in kernels],
@@ -95,6 +102,8 @@ def format_summary(s: dict, step_ms: float | None = None) -> str:
                                                           if step_ms else "")]
     total = s["kernel_ms"] or 1.0
     lines += [f"  {cls:<10} {t:9.1f} ms  {t / total:6.1%}" for cls, t in s["by_class_ms"].items()]
+    if s["by_class_ms"].get("collective"):
+        lines.append(f"  collective exposed (nothing else running) {s['collective_exposed_ms']:.1f} ms")
     lines.append("top kernels:")
     lines += [f"  {k['ms']:8.2f} ms  x{k['calls']:<5} {k['class']:<10} {k['name'][:70]}  {k.get('hlo_op', '')}"
               for k in s["top_kernels"]]

@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # recompute everything but the matmuls, layers unrolled.
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
         "matmuls", "--no-scan-layers"]
+SP, OVERLAP = ["--sequence-parallel"], ["--tp-comm-overlap"]
+# The overlapped ring steps as copy-engine transfers (cudaMemcpy between the process's GPUs) instead of NCCL kernels,
+# which take SMs from the matmuls they run beside.
+P2P_COPY = "--xla_gpu_use_memcpy_local_p2p=true"
 
 
 def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, xla_flags=None):
@@ -61,7 +65,15 @@ ROWS = {
     ],
     "2gpu": [
         mtx("2.5B, TP 2 (weak)", 2, "gpt_2.5b", 1, 1, 2, 16, 16),
+        mtx("2.5B, TP 2 (weak), sequence parallel", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP),
+        mtx("2.5B, TP 2 (weak), sequence parallel + overlap", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP, *OVERLAP),
+        mtx("2.5B, TP 2 (weak), sequence parallel + overlap, copy-engine p2p", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP,
+            *OVERLAP, xla_flags=P2P_COPY),
         mtx("1.2B, TP 2 (strong)", 2, "gpt_1.2b", 1, 1, 2, 16, 16),
+        mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
+        mtx("1.2B, TP 2 (strong), sequence parallel + overlap", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP, *OVERLAP),
+        mtx("1.2B, TP 2 (strong), sequence parallel + overlap, copy-engine p2p", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP,
+            *OVERLAP, xla_flags=P2P_COPY),
         mtx("1.2B, TP 2 (strong), latency-hiding scheduler", 2, "gpt_1.2b", 1, 1, 2, 16, 16,
             xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),
@@ -139,6 +151,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="+", default=["1gpu"], choices=sorted(ROWS))
     ap.add_argument("--only", nargs="*", default=None, help="run only rows whose name contains one of these")
+    ap.add_argument("--skip", nargs="*", default=(), help="leave out rows whose name contains one of these")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per row")
@@ -149,7 +162,7 @@ def main(argv=None) -> int:
     records = []
     for group in args.rows:
         for row in ROWS[group]:
-            if args.only and not any(s in row["name"] for s in args.only):
+            if args.only and not any(s in row["name"] for s in args.only) or any(s in row["name"] for s in args.skip):
                 continue
             rec = run_row(row, args.steps, args.warmup, args.timeout)
             print(json.dumps({"name": rec["name"], **rec["result"]}), flush=True)
