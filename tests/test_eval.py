@@ -121,11 +121,14 @@ def scored_batch(checkpoint):
     return inputs, targets, mask, nll_ref, argmax_ref, margin
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (2, 2), (1, 2)])
-def test_scorer_matches_a_plain_forward(checkpoint, scored_batch, tp, pp):
+@pytest.mark.parametrize("tp, pp, sp", [(1, 1, False), (2, 1, False), (2, 2, False), (1, 2, False), (2, 2, True)])
+def test_scorer_matches_a_plain_forward(checkpoint, scored_batch, tp, pp, sp):
     inputs, targets, mask, nll_ref, argmax_ref, margin = scored_batch
-    trainer, params = load_model(str(checkpoint), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    scorer = ev.Scorer(trainer, params, batch_size=8)
+    trainer, params = load_model(str(checkpoint), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 sequence_parallel=sp)
+    # With sequence parallelism each data rank's rows split over TP: 6 rows round up to 8 (DP 2 x TP 2).
+    scorer = ev.Scorer(trainer, params, batch_size=6 if sp else 8)
+    assert scorer.batch_size == 8
     nll, correct = scorer(inputs, targets, mask)
     scorer(inputs[:3], targets[:3], mask[:3])
     assert scorer._fn._cache_size() == 1  # fewer rows are padded to the compiled shape, not recompiled
