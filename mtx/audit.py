@@ -203,7 +203,7 @@ def audit_layer(cfg: Config) -> dict:
     sp = sequence_parallel_mode(cfg)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
         cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective",
-        sequence_parallel=sp)))
+        sp=sp)))
     specs = partition_specs(abstract)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, named_shardings(abstract, mesh))
@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(_table(f"TransformerLayer  D={m.hidden_size} N={m.num_attention_heads} F={m.ffn_size} S={m.seq_length} "
                      f"b={cfg.training.micro_batch_size} tp={flags['tensor_model_parallel_size']} "
-                     f"dp={flags['data_parallel_size']} fp32 recompute={flags['recompute_granularity'] or 'none'}",
+                     f"dp={flags['data_parallel_size']} fp32 recompute={flags['recompute_granularity'] or 'none'} "
+                     f"sequence-parallel={sequence_parallel_mode(cfg) or 'off'}",
                      report))
         print(_table(f"vocab-parallel cross-entropy  V={m.padded_vocab_size}", report["loss"]))
         if "pipeline" in report:

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + f.name.replace("_", "-")
             kind = _scalar_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{helps.get(f.name, '')} (default: {default})")
+            kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%"))
             if kind is bool and default:
                 off = _OFF_FLAGS.get(f.name, "--no-" + f.name.replace("_", "-"))
                 group.add_argument(off, action="store_false", **kw)

@@ -28,7 +28,7 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # rows of the learned position table; None means seq_length
     vocab_size: int = 50257  # tokenizer vocabulary before padding (set from the tokenizer when data is loaded)
     make_vocab_size_divisible_by: int = 128  # each model-parallel vocab shard is a multiple of this
-    hidden_dropout: float = 0.1  # dropout on the residual branches and embeddings (same mask on all model ranks)
+    hidden_dropout: float = 0.1  # dropout on the residual branches and embeddings (one mask per sequence, any mesh)
     attention_dropout: float = 0.1  # dropout on attention probabilities (a different stream per model rank)
     init_method_std: float = 0.02  # std of N(0, std) init; residual projections use std / sqrt(2 L)
     layernorm_epsilon: float = 1e-5  # LayerNorm epsilon

@@ -80,8 +80,8 @@ def test_pre_layernorm_loss_is_the_same_on_every_mesh_and_resumes(tiny, tmp_path
 
 
 def test_post_layernorm_with_dropout_is_the_same_on_every_mesh(tiny):
-    """Dropout masks follow the token (and head), not the device, so even with dropout the meshes agree, also with
-    the sequence split over "model" (overlapped ring steps, pipelined)."""
+    """Dropout masks follow the sequence (and head), not the device, so even with dropout the meshes agree, also with
+    each microbatch's rows split over "model" (sequence parallelism with overlapped ring steps, pipelined)."""
     cfg = tiny.replace(layernorm_placement="post", hidden_dropout=0.1, attention_dropout=0.1)
     one, many = direct_curve(cfg, (1, 1, 1)), direct_curve(cfg, (2, 2, 2))
     np.testing.assert_allclose(many, one, rtol=1e-5, err_msg="post-LN with dropout on (2, 2, 2)")

@@ -76,3 +76,12 @@ def test_preset_with_unknown_key(tmp_path):
 def test_config_round_trips_through_dict():
     cfg = Config().replace(data_path=("a.txt",), hidden_size=256)
     assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_help_lists_every_flag():
+    """`train.py --help` formats (a '%' in a field's comment once broke argparse) and names every field's flag."""
+    from mtx.cli import build_parser
+
+    text = build_parser().format_help()
+    for flag in ("--mask-prob", "--sequence-parallel", "--tp-comm-overlap", "--no-scan-layers", "--bert-no-binary-head"):
+        assert flag in text

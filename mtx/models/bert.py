@@ -46,7 +46,7 @@ class Dense(nnx.Module):
 
 class BERT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, sequence_parallel: str | None = None, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sp: str | None = None, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.post_layernorm = cfg.layernorm_placement == "post"
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
@@ -60,8 +60,7 @@ class BERT(nnx.Module):
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
         def make_layers(rngs):  # stacked like GPT's: a leading L axis, split into pipeline stages
             return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective",
-                                    flash=flash, causal=False, post_layernorm=self.post_layernorm,
-                                    sequence_parallel=sequence_parallel)
+                                    flash=flash, causal=False, post_layernorm=self.post_layernorm, sp=sp)
 
         self.layers = make_layers(rngs)
         self.final_layernorm = (None if self.post_layernorm
@@ -78,7 +77,7 @@ class BERT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute  # GPT.transform's per-layer checkpoint policy
         self.scan_layers = scan_layers
-        self.sp = sequence_parallel  # None, "gather" or "overlap" (mtx/parallel/layers.py)
+        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size
 

@@ -24,6 +24,9 @@ from mtx.parallel.ops import gather_from_model_parallel, sequence_parallel_rows,
 from mtx.parallel.random import dropout, fold
 
 
+_SAVED_PRIMITIVES = ("dot_product_attention_fwd", "psum", "all_gather", "reduce_scatter", "ppermute")
+
+
 def save_matmul_outputs(prim, *args, **params) -> bool:
     """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls, of cuDNN's fused
     attention (its output and softmax statistics, which its backward needs) and of the `g` all-reduces; recompute the
@@ -33,13 +36,12 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an
     all-reduce recomputed would be communication repeated (a row-parallel output is saved after its psum, so the
     backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers, reduce-scatters and ring
-    steps. Without cuDNN the attention core's einsums have batch dimensions and are recomputed (as `selective` does).
+    steps (the gathered whole-batch inputs of the column-parallel matmuls stay alive for the backward: speed over
+    SP's activation-memory saving, which `full` recomputation keeps). Without cuDNN the attention core's einsums have batch dimensions and are recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
             or prim.name.startswith(_SAVED_PRIMITIVES))
 
-
-_SAVED_PRIMITIVES = ("dot_product_attention_fwd", "psum", "all_gather", "reduce_scatter", "ppermute")
 
 
 @jax.custom_vjp
@@ -55,7 +57,7 @@ _unstack.defvjp(lambda a_L: (_unstack(a_L), None), lambda _, grads: (jnp.stack(g
 
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, sequence_parallel: str | None = None, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sp: str | None = None, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
@@ -64,14 +66,14 @@ class GPT(nnx.Module):
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
         def make_layers(rngs):  # stacked: every layer parameter gets a leading L axis, split into pipeline stages
             return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective",
-                                    flash=flash, sequence_parallel=sequence_parallel)
+                                    flash=flash, sp=sp)
 
         self.layers = make_layers(rngs)
         self.final_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute
         self.scan_layers = scan_layers
-        self.sp = sequence_parallel  # None, "gather" or "overlap" (mtx/parallel/layers.py)
+        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size  # real ids; the padded ones take no probability in the loss
 
@@ -161,7 +163,8 @@ class GPT(nnx.Module):
         return x_BTD, cache
 
     def head_loss(self, x_BSD, targets_BS, *, label_smoothing: float = 0.0):
-        """Final LN, tied output layer and vocab-parallel cross-entropy: (B, S, D) -> per-token loss (B, S)."""
+        """Final LN, tied output layer and vocab-parallel cross-entropy: (B, S, D) (this rank's B / tp rows with
+        sequence parallelism) -> per-token loss (B, S) of all rows."""
         logits_BSV = self.embedding.attend(self.final_hidden(x_BSD))
         return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing,
                                             vocab_size=self.vocab_size)

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
-from mtx.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
 from mtx.parallel.collective_matmul import ring_rows
+from mtx.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
 from mtx.parallel.ops import sequence_parallel_rows
 from mtx.parallel.random import dropout, fold, model_parallel_keys
 
@@ -170,7 +170,7 @@ class ParallelMLP(nnx.Module):
 
 class TransformerLayer(nnx.Module):
     """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))); the residual stream is replicated, or split
-    by rows with `sequence_parallel` ("gather" or "overlap", see mtx/parallel/layers.py).
+    by rows with `sp` ("gather" or "overlap", see mtx/parallel/layers.py).
 
     post_layernorm=True gives the original BERT/Transformer block instead, LN(x + drop(attn(x))) then
     LN(x + drop(mlp(x))), with the same parameters (paper section 4.2 compares the two); causal=False makes the
@@ -178,8 +178,7 @@ class TransformerLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
-                 flash: bool = False, causal: bool = True, post_layernorm: bool = False,
-                 sequence_parallel: str | None = None):
+                 flash: bool = False, causal: bool = True, post_layernorm: bool = False, sp: str | None = None):
         self.ln1 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
                                                flash=flash, causal=causal)
@@ -187,7 +186,7 @@ class TransformerLayer(nnx.Module):
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm
-        self.sp = sequence_parallel
+        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         """keys_B: one dropout key per sequence of the microbatch (None: no dropout). With sequence parallelism x is

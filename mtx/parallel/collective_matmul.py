@@ -34,10 +34,10 @@ def _next_rank(tp: int):
     return [(i, (i + 1) % tp) for i in range(tp)]
 
 
-def ring_gather(x_bSD) -> list:
+def ring_gather(x_BSD) -> list:
     """(B / tp, S, D) rows of this rank -> tp chunks in ring order: chunk j holds the rows of rank (r - j) % tp."""
     tp = model_size()
-    chunks = [x_bSD]
+    chunks = [x_BSD]
     for _ in range(tp - 1):
         chunks.append(jax.lax.ppermute(chunks[-1], MODEL, _next_rank(tp)))
     return chunks

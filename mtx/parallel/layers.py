@@ -44,7 +44,8 @@ class ColumnParallelLinear(nnx.Module):
     """Y = X A + b with A split by columns: A = [A_1 ... A_tp]; rank r computes X A_r, its own slice of Y.
 
     The input is replicated, so `f` comes first: identity forward, and in the backward the partial input gradients
-    of all ranks are summed (the one all-reduce of this layer). No communication forward unless gather_output.
+    of all ranks are summed (the one all-reduce of this layer). No communication forward unless gather_output (or,
+    with sequence parallelism, the all-gather of the ranks' rows that replaces `f`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
@@ -67,7 +68,7 @@ class ColumnParallelLinear(nnx.Module):
         f(X) A[:, :, j] + b[:, j] (with sp="overlap" a list of row chunks).
         For the fused QKV projection (columns ordered (N, 3, H)) the matmuls write q, k and v into buffers of their
         own: no strided split of a (..., 3D / tp) activation forward, no re-interleaving of dq, dk, dv backward. One `f`
-        (or one all-gather) serves all parts, so the backward still has one all-reduce.
+        (or one all-gather) serves all parts, so the backward still has one all-reduce (or one reduce-scatter).
         """
         kernel = self.kernel[...].astype(self.dtype)
         kernel = kernel.reshape(kernel.shape[0], -1, parts, part_dim)
@@ -80,6 +81,8 @@ class ColumnParallelLinear(nnx.Module):
         spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
         x = x.astype(self.dtype)
         if sp == "overlap":  # ring steps: each chunk's matmuls run while the next chunk arrives
+            # Chunk j holds other rows on every rank, so its columns cannot be gathered across ranks.
+            assert not self.gather_output, "gather_output needs whole rows; use sp=None or 'gather'"
             chunks = ring_gather(x)
         else:  # f (replicated input) or the all-gather of the ranks' rows
             chunks = [gather_from_sequence_parallel(x) if sp == "gather" else f(x)]
@@ -114,6 +117,7 @@ class RowParallelLinear(nnx.Module):
         assert sp in SP_MODES, sp
         kernel = self.kernel[...].astype(self.dtype)
         if sp == "overlap":  # ring steps: each partial sum travels on while the next chunk's matmul runs
+            assert self.input_is_parallel, "sp='overlap' takes the column-parallel layer's chunks"
             y = ring_reduce_scatter([c.astype(self.dtype) @ kernel for c in x_BSF])
         else:
             if not self.input_is_parallel:

@@ -110,14 +110,14 @@ def scatter_to_model_parallel(x, axis: int = -1):
 # ---- sequence parallelism: the residual stream's rows (axis 0) are split over "model" ----
 
 
-def gather_from_sequence_parallel(x_bSD):
+def gather_from_sequence_parallel(x_BSD):
     """SP's `f`: this rank's rows (B / tp, S, D) -> all rows (B, S, D) on every rank, for a column-parallel matmul;
     backward reduce-scatters the per-rank partial input gradients back into rows.
 
     Typed varying (unlike `gather_from_model_parallel`): the consumer multiplies it by this rank's weight columns, and
     the transpose of a varying all-gather is the psum_scatter that sums their partial gradients.
     """
-    return jax.lax.all_gather(x_bSD, MODEL, axis=0, tiled=True)
+    return jax.lax.all_gather(x_BSD, MODEL, axis=0, tiled=True)
 
 
 def reduce_scatter_to_sequence_parallel(x_BSD):

@@ -8,7 +8,9 @@ mtx goes one step further than Megatron's per-rank RNG tracker: every mask is ke
 computes it. Each sequence of the global batch has its own key (from the seed, the step and its index in the global
 batch); a replicated activation draws its mask from that key alone, and a head's activation folds in the head's
 global index. Ranks holding different heads therefore draw different masks, replicas draw the same, and the masks
-are the same on every mesh: dropout does not break mesh invariance, and a run resumes on any mesh exactly.
+are the same on every mesh: dropout does not break mesh invariance, and a run resumes on any mesh exactly. With
+sequence parallelism the residual stream is not replicated but split by rows: each rank holds whole sequences and
+draws their masks from the same per-sequence keys, so nothing changes.
 """
 
 from __future__ import annotations
