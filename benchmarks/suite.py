@@ -32,13 +32,13 @@ SP, OVERLAP = ["--sequence-parallel"], ["--tp-comm-overlap"]
 P2P_COPY = "--xla_gpu_use_memcpy_local_p2p=true"
 
 
-def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, xla_flags=None):
+def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, xla_flags=None, env=None):
     fast_flags = [a for a in FAST if not (scan and a == "--no-scan-layers")] if fast else []
     args = ["--config", f"configs/{preset}.toml", "--data-parallel-size", str(dp), "--pipeline-model-parallel-size",
             str(pp), "--tensor-model-parallel-size", str(tp), "--micro-batch-size", str(mb), "--global-batch-size",
             str(gb), *fast_flags, *extra]
     return {"name": name, "gpus": gpus, "script": "benchmarks/bench.py", "args": args, "model": preset,
-            "xla_flags": xla_flags}
+            "xla_flags": xla_flags, "env": env}
 
 
 def plain(name, preset, mb, *extra):
@@ -79,6 +79,16 @@ ROWS = {
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),
         mtx("1.2B, PP 2, 8 microbatches", 2, "gpt_1.2b", 1, 2, 1, 8, 64, "--recompute-granularity", "full"),
     ],
+    # Not measured yet: NCCL settings for the 25-50 MB gathers/scatters of sequence parallelism, which ran at about
+    # half the bus bandwidth of large all-reduces (docs/benchmarks.md, table 3). Run with the 1-GPU row:
+    #   python benchmarks/suite.py --rows 1gpu 2gpu-nccl --only "1.2B, 1 GPU" "TP 2" --skip "mb 24"
+    "2gpu-nccl": [
+        mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
+        mtx("1.2B, TP 2 (strong), sequence parallel, NCCL_PROTO=Simple", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP,
+            env={"NCCL_PROTO": "Simple"}),
+        mtx("1.2B, TP 2 (strong), sequence parallel, NCCL_MIN_NCHANNELS=32", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP,
+            env={"NCCL_MIN_NCHANNELS": "32"}),
+    ],
     "4gpu": [
         mtx("4.2B, TP 4 (weak)", 4, "gpt_4.2b", 1, 1, 4, 16, 16),
         mtx("1.2B, TP 4 (strong)", 4, "gpt_1.2b", 1, 1, 4, 16, 16),
@@ -103,6 +113,7 @@ def run_row(row, steps, warmup, timeout) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(map(str, range(row["gpus"]))))
     if row.get("xla_flags"):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + row["xla_flags"]).strip()
+    env.update(row.get("env") or {})
     own = ["--steps", str(steps), "--warmup", str(warmup)]
     cmd = [sys.executable, row["script"], *own, *row["args"]]
     try:
@@ -114,6 +125,7 @@ def run_row(row, steps, warmup, timeout) -> dict:
         result = {"error": f"timed out after {timeout} s"}
     result.pop("profile", None)
     flags = f"XLA_FLAGS={row['xla_flags']} " if row.get("xla_flags") else ""
+    flags += "".join(f"{k}={v} " for k, v in (row.get("env") or {}).items())
     return {**row, "command": flags + " ".join(["python", row["script"], *own, *row["args"]]), "result": result}
 
 
@@ -162,7 +174,7 @@ def main(argv=None) -> int:
     records = []
     for group in args.rows:
         for row in ROWS[group]:
-            if args.only and not any(s in row["name"] for s in args.only) or any(s in row["name"] for s in args.skip):
+            if (args.only and not any(s in row["name"] for s in args.only)) or any(s in row["name"] for s in args.skip):
                 continue
             rec = run_row(row, args.steps, args.warmup, args.timeout)
             print(json.dumps({"name": rec["name"], **rec["result"]}), flush=True)
