@@ -212,6 +212,9 @@ def audit_layer(cfg: Config) -> dict:
     x = jax.ShapeDtypeStruct((t.micro_batch_size * mesh.shape[DATA], m.seq_length, m.hidden_size), jnp.float32,
                              sharding=NamedSharding(mesh, rows))
 
+    grad_axes = jax.tree.map(lambda spec: (DATA, MODEL) if sp and MODEL not in spec else (DATA,), specs,
+                             is_leaf=lambda s: isinstance(s, P))
+
     def layer(p, x_BSD):
         return nnx.merge(graphdef, p)(x_BSD)
 
@@ -224,11 +227,14 @@ def audit_layer(cfg: Config) -> dict:
         return layer(p, x_BSD)
 
     def forward_backward(p, x_BSD, dy_BSD):
-        p = jax.tree.map(lambda v: jax.lax.pcast(v, DATA, to="varying"), p)  # no data all-reduce per layer
+        # No all-reduce per layer over "data", nor (sequence parallelism) of the replicated LayerNorm/bias gradients
+        # over "model": the training step sums both once per step (Trainer._gradient_axes).
+        p = jax.tree.map(lambda v, axes: jax.lax.pcast(v, axes, to="varying"), p, grad_axes)
         loss, (dp, dx) = jax.value_and_grad(lambda p, x: jnp.sum(layer(p, x) * dy_BSD), argnums=(0, 1))(p, x_BSD)
-        return loss[None], jax.tree.map(lambda g: g[None], dp), dx  # leading axis: one gradient per data rank
+        return loss[None], jax.tree.map(lambda g: g[None], dp), dx
 
-    with_data = jax.tree.map(lambda s: P(DATA, *s), specs, is_leaf=lambda s: isinstance(s, P))
+    # leading axis: one gradient per rank it varies over
+    with_data = jax.tree.map(lambda s, axes: P(axes, *s), specs, grad_axes, is_leaf=lambda s: isinstance(s, P))
     return _audit(mesh,
                   jax.shard_map(forward, mesh=mesh, in_specs=(specs, rows, rows), out_specs=rows),
                   jax.shard_map(forward_backward, mesh=mesh, in_specs=(specs, rows, rows),

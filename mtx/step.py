@@ -25,7 +25,7 @@ from mtx.models.gpt import GPT
 from mtx.objectives import micro_loss, objective_for
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.optim import LossScale, learning_rate_schedule, make_optimizer
-from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.pipeline import Schedule, from_slots, pipelined_final_hidden, pipelined_loss, to_slots
 from mtx.parallel.random import sample_keys
 from mtx.parallel.sharded import named_shardings, partition_specs
@@ -126,10 +126,9 @@ class Trainer:
         first = jax.lax.axis_index(DATA) * rows
         keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
         # Each rank differentiates its own copy: gradients stay local until the explicit psums below.
-        stage_replicated = jax.tree.map(lambda spec: PIPELINE not in spec, self.param_specs,
-                                        is_leaf=lambda x: isinstance(x, P))
-        params = jax.tree.map(lambda p, rep: jax.lax.pcast(p, (DATA, PIPELINE) if rep else DATA, to="varying"),
-                              params, stage_replicated)
+        reduce_axes = self._gradient_axes()
+        params = jax.tree.map(lambda p, axes: jax.lax.pcast(p, axes, to="varying"), params, reduce_axes,
+                              is_leaf=lambda x: isinstance(x, tuple))
 
         if self.pipeline is not None:  # GPipe: one forward and backward through all M microbatches
             def loss_fn(p):
@@ -154,10 +153,25 @@ class Trainer:
                          jax.tree.map(jnp.zeros_like, params))
                 (loss, grads), _ = jax.lax.scan(micro, zeros, (batch_M, keys_MB))
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
-        # holds (embeddings, final LN) also sum their per-stage parts over "pipeline".
-        grads = jax.tree.map(lambda g, rep: jax.lax.psum(g, (DATA, PIPELINE) if rep else DATA), grads,
-                             stage_replicated)
+        # holds (embeddings, final LN) also sum their per-stage parts over "pipeline", and with sequence parallelism
+        # the layers' replicated LayerNorms and biases their per-rank (per-rows) parts over "model".
+        grads = jax.tree.map(lambda g, axes: jax.lax.psum(g, axes), grads, reduce_axes,
+                             is_leaf=lambda x: isinstance(x, tuple))
         return jax.lax.psum(loss, (DATA, PIPELINE)) / scale, grads
+
+    def _gradient_axes(self):
+        """Per parameter, the mesh axes its gradient is summed over once per step (and its copy cast to vary over
+        inside the step, so autodiff inserts no earlier reduction): "data" always; "pipeline" for the parameters
+        every stage holds; "model" for the layers' replicated LayerNorms and biases under sequence parallelism, which
+        each rank applies to its own rows only (Megatron's all-reduce of the sequence-parallel LayerNorm gradients).
+        Not the heads' replicated parameters: they act on the gathered, identical rows."""
+        sp = sequence_parallel_mode(self.cfg) is not None
+
+        def axes(path, spec):
+            layer_replicated = sp and jax.tree_util.keystr(path).startswith("['layers']") and MODEL not in spec
+            return (DATA, *(() if PIPELINE in spec else (PIPELINE,)), *((MODEL,) if layer_replicated else ()))
+
+        return jax.tree_util.tree_map_with_path(axes, self.param_specs, is_leaf=lambda x: isinstance(x, P))
 
     # ---- jitted ----
     @property
