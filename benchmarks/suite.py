@@ -113,7 +113,8 @@ def run_row(row, steps, warmup, timeout) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(map(str, range(row["gpus"]))))
     if row.get("xla_flags"):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + row["xla_flags"]).strip()
-    env.update(row.get("env") or {})
+    for key, value in (row.get("env") or {}).items():  # XLA_FLAGS add to the row's flags, the rest replace
+        env[key] = f"{env[key]} {value}" if key == "XLA_FLAGS" and env.get(key) else value
     own = ["--steps", str(steps), "--warmup", str(warmup)]
     cmd = [sys.executable, row["script"], *own, *row["args"]]
     try:
@@ -169,13 +170,24 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per row")
     ap.add_argument("--out", default=None, help="append each row's record (JSON) to this file")
     ap.add_argument("--baseline", default=None, help="records of earlier rows (e.g. the 1-GPU ones) to scale against")
+    ap.add_argument("--env", nargs="*", default=(), metavar="KEY=VALUE",
+                    help="extra environment for every row (e.g. NCCL_PROTO=Simple), added to each row's name")
     args = ap.parse_args(argv)
+    extra_env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--env {item!r}: expected KEY=VALUE, e.g. --env NCCL_PROTO=Simple")
+        extra_env[key] = value
     earlier = [json.loads(l) for l in open(args.baseline)] if args.baseline else []
     records = []
     for group in args.rows:
         for row in ROWS[group]:
             if (args.only and not any(s in row["name"] for s in args.only)) or any(s in row["name"] for s in args.skip):
                 continue
+            if extra_env:
+                row = {**row, "name": row["name"] + "".join(f", {k}={v}" for k, v in extra_env.items()),
+                       "env": {**(row.get("env") or {}), **extra_env}}
             rec = run_row(row, args.steps, args.warmup, args.timeout)
             print(json.dumps({"name": rec["name"], **rec["result"]}), flush=True)
             records.append(rec)

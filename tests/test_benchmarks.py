@@ -127,3 +127,44 @@ def test_every_suite_row_is_a_valid_run_on_its_gpu_count(group):
         p = cfg.parallel
         dp = cfg.data_parallel_size(row["gpus"])
         assert dp * p.pipeline_model_parallel_size * p.tensor_model_parallel_size == row["gpus"], row["name"]
+
+
+def test_collectives_benchmark_moves_the_right_data_and_reports_bus_bandwidth():
+    """benchmarks/collectives.py: each collective gives what mtx's layers expect (checked on simulated devices), and
+    the bus bandwidth follows nccl-tests' factors."""
+    from benchmarks import collectives
+
+    n = 4
+    mesh = make_mesh(1, 1, n, devices=jax.devices()[:n])
+    x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+    expected = {"all_gather": np.tile(x, (n, 1)), "reduce_scatter": n * x, "all_reduce": np.tile(n * x, (n, 1)),
+                "ppermute": np.roll(x, 8 // n, axis=0)}
+    for name, want in expected.items():
+        fn, split = collectives.collective_fn(name, mesh)
+        placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P("model") if split else jax.P()))
+        np.testing.assert_array_equal(np.asarray(fn(placed)), want, err_msg=name)
+
+    results = collectives.main(["--devices", str(n), "--sizes-mb", "0.05", "--iters", "2", "--repeats", "1"])
+    assert [r["collective"] for r in results] == list(collectives.COLLECTIVES)
+    for r in results:
+        assert r["devices"] == n and r["time_us"] > 0
+        factor = {"all_gather": 0.75, "reduce_scatter": 0.75, "all_reduce": 1.5, "ppermute": 1.0}[r["collective"]]
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor, abs=0.11)
+    with pytest.raises(SystemExit):
+        collectives.main(["--devices", "1"])
+
+
+def test_suite_env_adds_to_every_row(tmp_path, monkeypatch):
+    """--env KEY=VALUE reaches each row's process (XLA_FLAGS added to the row's own flags) and names the row."""
+    from benchmarks import suite
+
+    seen = []
+    monkeypatch.setattr(suite.subprocess, "run", lambda cmd, env, **kw: seen.append(env) or
+                        type("P", (), {"returncode": 1, "stdout": "", "stderr": "stub"})())
+    monkeypatch.setitem(suite.ROWS, "test", [suite.mtx("tiny, TP 2", 2, "tiny", 1, 1, 2, 2, 4, xla_flags="--a=1")])
+    suite.main(["--rows", "test", "--env", "NCCL_PROTO=Simple", "XLA_FLAGS=--b=2", "--out", str(tmp_path / "r.jsonl")])
+    assert seen[0]["NCCL_PROTO"] == "Simple" and seen[0]["XLA_FLAGS"].endswith("--a=1 --b=2")
+    rec = json.loads((tmp_path / "r.jsonl").read_text())
+    assert rec["name"] == "tiny, TP 2, NCCL_PROTO=Simple, XLA_FLAGS=--b=2" and "NCCL_PROTO=Simple" in rec["command"]
+    with pytest.raises(SystemExit):
+        suite.main(["--rows", "test", "--env", "NCCL_PROTO"])
