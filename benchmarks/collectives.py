@@ -7,7 +7,9 @@ inside `jax.shard_map`, on bf16 activations of the shapes a layer sees (nccl-tes
 One JSON line per (collective, size): the whole tensor's size, the median time of one call over `--iters` calls queued
 back to back, the algorithm bandwidth (size / time) and the bus bandwidth (algbw x (n - 1) / n for all-gather and
 reduce-scatter, x 2 (n - 1) / n for all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link
-carries. Environment variables (NCCL_*) and XLA_FLAGS apply as set, so one setting per process.
+carries. `all_gather_p2p` / `reduce_scatter_p2p` are the same collectives built from ring `ppermute` steps (the
+transfers XLA runs as copy-engine peer copies with XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true), with the rows
+put in rank order: what sequence parallelism's collectives would cost that way. Environment variables (NCCL_*) and XLA_FLAGS apply as set, so one setting per process.
 """
 
 from __future__ import annotations
@@ -24,12 +26,40 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute", "all_gather_p2p", "reduce_scatter_p2p")
 
 
 def bus_factor(collective: str, n: int) -> float:
-    return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_reduce": 2 * (n - 1) / n,
-            "ppermute": 1.0}[collective]
+    return 1.0 if collective == "ppermute" else 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def _ring_all_gather(x):
+    """all_gather(x, axis 0, tiled) as n - 1 ring steps (`ppermute`, which XLA can run as copy-engine peer copies with
+    --xla_gpu_use_memcpy_local_p2p) written into place in rank order: a candidate for sequence parallelism's gather."""
+    import jax
+
+    from mtx.parallel.collective_matmul import ring_gather
+    from mtx.parallel.ops import model_rank, model_size
+
+    n, rows = model_size(), x.shape[0]
+    out = jax.numpy.zeros((n * rows, *x.shape[1:]), x.dtype)
+    for j, chunk in enumerate(ring_gather(x)):  # chunk j holds the rows of rank (r - j) % n
+        out = jax.lax.dynamic_update_slice_in_dim(out, chunk, ((model_rank() - j) % n) * rows, axis=0)
+    return out
+
+
+def _ring_reduce_scatter(x):
+    """psum_scatter(x, axis 0, tiled) as n - 1 ring steps: each rank's partial sums sliced in ring order, summed on
+    the way around (mtx.parallel.collective_matmul.ring_reduce_scatter)."""
+    import jax
+
+    from mtx.parallel.collective_matmul import ring_reduce_scatter
+    from mtx.parallel.ops import model_rank, model_size
+
+    n = model_size()
+    rows = x.shape[0] // n
+    parts = [jax.lax.dynamic_slice_in_dim(x, ((model_rank() - j) % n) * rows, rows, axis=0) for j in range(n)]
+    return ring_reduce_scatter(parts)
 
 
 def collective_fn(collective: str, mesh):
@@ -47,8 +77,10 @@ def collective_fn(collective: str, mesh):
         "reduce_scatter": lambda x: jax.lax.psum_scatter(x, MODEL, scatter_dimension=0, tiled=True),
         "all_reduce": lambda x: jax.lax.psum(x, MODEL),
         "ppermute": lambda x: jax.lax.ppermute(x, MODEL, [(i, (i + 1) % n) for i in range(n)]),
+        "all_gather_p2p": _ring_all_gather,
+        "reduce_scatter_p2p": _ring_reduce_scatter,
     }[collective]
-    split = collective in ("all_gather", "ppermute")
+    split = collective in ("all_gather", "ppermute", "all_gather_p2p")
     in_spec = P(MODEL) if split else P()
     out_spec = P(MODEL)  # every rank's result stays where it is: stacking them moves nothing
     if not split:

@@ -79,8 +79,8 @@ ROWS = {
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),
         mtx("1.2B, PP 2, 8 microbatches", 2, "gpt_1.2b", 1, 2, 1, 8, 64, "--recompute-granularity", "full"),
     ],
-    # Not measured yet: NCCL settings for the 25-50 MB gathers/scatters of sequence parallelism, which ran at about
-    # half the bus bandwidth of large all-reduces (docs/benchmarks.md, table 3). Run with the 1-GPU row:
+    # NCCL settings for the 25-50 MB gathers/scatters of sequence parallelism (docs/benchmarks.md, 3b: no gain).
+    # Run with the 1-GPU row; other settings with --env KEY=VALUE on any row:
     #   python benchmarks/suite.py --rows 1gpu 2gpu-nccl --only "1.2B, 1 GPU" "TP 2" --skip "mb 24"
     "2gpu-nccl": [
         mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
