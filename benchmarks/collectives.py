@@ -7,9 +7,9 @@ inside `jax.shard_map`, on bf16 activations of the shapes a layer sees (nccl-tes
 One JSON line per (collective, size): the whole tensor's size, the median time of one call over `--iters` calls queued
 back to back, the algorithm bandwidth (size / time) and the bus bandwidth (algbw x (n - 1) / n for all-gather and
 reduce-scatter, x 2 (n - 1) / n for all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link
-carries. `all_gather_p2p` / `reduce_scatter_p2p` are the same collectives built from ring `ppermute` steps (the
-transfers XLA runs as copy-engine peer copies with XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true), with the rows
-put in rank order: what sequence parallelism's collectives would cost that way. Environment variables (NCCL_*) and XLA_FLAGS apply as set, so one setting per process.
+carries. `all_gather_p2p` / `reduce_scatter_p2p` are the same collectives built from ring `ppermute` steps, rows in
+rank order, as `--tp-comm-p2p` does them (mtx/parallel/collective_matmul.py); XLA runs the steps as copy-engine peer
+copies with XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true. Environment variables (NCCL_*) and XLA_FLAGS apply as set, so one setting per process.
 """
 
 from __future__ import annotations
@@ -33,35 +33,6 @@ def bus_factor(collective: str, n: int) -> float:
     return 1.0 if collective == "ppermute" else 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
 
 
-def _ring_all_gather(x):
-    """all_gather(x, axis 0, tiled) as n - 1 ring steps (`ppermute`, which XLA can run as copy-engine peer copies with
-    --xla_gpu_use_memcpy_local_p2p) written into place in rank order: a candidate for sequence parallelism's gather."""
-    import jax
-
-    from mtx.parallel.collective_matmul import ring_gather
-    from mtx.parallel.ops import model_rank, model_size
-
-    n, rows = model_size(), x.shape[0]
-    out = jax.numpy.zeros((n * rows, *x.shape[1:]), x.dtype)
-    for j, chunk in enumerate(ring_gather(x)):  # chunk j holds the rows of rank (r - j) % n
-        out = jax.lax.dynamic_update_slice_in_dim(out, chunk, ((model_rank() - j) % n) * rows, axis=0)
-    return out
-
-
-def _ring_reduce_scatter(x):
-    """psum_scatter(x, axis 0, tiled) as n - 1 ring steps: each rank's partial sums sliced in ring order, summed on
-    the way around (mtx.parallel.collective_matmul.ring_reduce_scatter)."""
-    import jax
-
-    from mtx.parallel.collective_matmul import ring_reduce_scatter
-    from mtx.parallel.ops import model_rank, model_size
-
-    n = model_size()
-    rows = x.shape[0] // n
-    parts = [jax.lax.dynamic_slice_in_dim(x, ((model_rank() - j) % n) * rows, rows, axis=0) for j in range(n)]
-    return ring_reduce_scatter(parts)
-
-
 def collective_fn(collective: str, mesh):
     """A jitted function of the whole (rows, width) tensor doing one `collective` over "model", as mtx's layers do:
     rows split for gather/ppermute (sequence parallelism's residual stream), whole per rank for scatter/reduce (the
@@ -69,6 +40,7 @@ def collective_fn(collective: str, mesh):
     import jax
     from jax.sharding import PartitionSpec as P
 
+    from mtx.parallel.collective_matmul import all_gather_by_ring, reduce_scatter_by_ring
     from mtx.parallel.mesh import MODEL
 
     n = mesh.shape[MODEL]
@@ -77,8 +49,8 @@ def collective_fn(collective: str, mesh):
         "reduce_scatter": lambda x: jax.lax.psum_scatter(x, MODEL, scatter_dimension=0, tiled=True),
         "all_reduce": lambda x: jax.lax.psum(x, MODEL),
         "ppermute": lambda x: jax.lax.ppermute(x, MODEL, [(i, (i + 1) % n) for i in range(n)]),
-        "all_gather_p2p": _ring_all_gather,
-        "reduce_scatter_p2p": _ring_reduce_scatter,
+        "all_gather_p2p": all_gather_by_ring,
+        "reduce_scatter_p2p": reduce_scatter_by_ring,
     }[collective]
     split = collective in ("all_gather", "ppermute", "all_gather_p2p")
     in_spec = P(MODEL) if split else P()

@@ -23,9 +23,10 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
         if step is None or step not in ckpt.steps():
             raise ValueError(f"--load {load} holds no checkpoint{'' if step is None else f' at step {step}'}; "
                              "pass a directory written by --save (or by `python -m mtx.convert from-hf`).")
+        # Training choices, off: any checkpoint loads on any mesh.
         fields = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
                       num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,
-                      sequence_parallel=False, tp_comm_overlap=False)  # a training choice; any checkpoint loads
+                      sequence_parallel=False, tp_comm_overlap=False, tp_comm_p2p=False)
         fields.update(overrides)
         cfg = ckpt.saved_config(step).replace(
             tensor_model_parallel_size=tensor_model_parallel_size,

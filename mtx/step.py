@@ -58,12 +58,12 @@ def build_model(cfg: Config, *, seed: int | None = None):
 
 
 def sequence_parallel_mode(cfg: Config) -> str | None:
-    """The layers' `sp` (mtx/parallel/layers.py): None, "gather" or "overlap". With TP 1 there is nothing to split, and
-    sequence parallelism is off (as in Megatron)."""
+    """The layers' `sp` (mtx/parallel/layers.py): None, "gather", "p2p" or "overlap". With TP 1 there is nothing to
+    split, and sequence parallelism is off (as in Megatron)."""
     p = cfg.parallel
     if not p.sequence_parallel or p.tensor_model_parallel_size == 1:
         return None
-    return "overlap" if p.tp_comm_overlap else "gather"
+    return "overlap" if p.tp_comm_overlap else "p2p" if p.tp_comm_p2p else "gather"
 
 
 def num_microbatches(cfg: Config, mesh) -> int:

@@ -77,7 +77,7 @@ class BERT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute  # GPT.transform's per-layer checkpoint policy
         self.scan_layers = scan_layers
-        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
+        self.sp = sp  # sequence parallelism: None, "gather", "p2p" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size
 

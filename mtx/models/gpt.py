@@ -73,7 +73,7 @@ class GPT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute
         self.scan_layers = scan_layers
-        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
+        self.sp = sp  # sequence parallelism: None, "gather", "p2p" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size  # real ids; the padded ones take no probability in the loss
 

@@ -170,7 +170,7 @@ class ParallelMLP(nnx.Module):
 
 class TransformerLayer(nnx.Module):
     """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))); the residual stream is replicated, or split
-    by rows with `sp` ("gather" or "overlap", see mtx/parallel/layers.py).
+    by rows with `sp` ("gather", "p2p" or "overlap", see mtx/parallel/layers.py).
 
     post_layernorm=True gives the original BERT/Transformer block instead, LN(x + drop(attn(x))) then
     LN(x + drop(mlp(x))), with the same parameters (paper section 4.2 compares the two); causal=False makes the
@@ -186,7 +186,7 @@ class TransformerLayer(nnx.Module):
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm
-        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
+        self.sp = sp  # sequence parallelism: None, "gather", "p2p" or "overlap" (mtx/parallel/layers.py)
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         """keys_B: one dropout key per sequence of the microbatch (None: no dropout). With sequence parallelism x is

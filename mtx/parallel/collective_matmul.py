@@ -18,6 +18,11 @@ holding the rows of rank (r - j) % tp (chunk 0 is this rank's own), and each op 
                            The running sum's transfer runs beside the next chunk's matmul.
   ring_rows(a):            a replicated per-row value (attention mask, dropout keys) cut into the same chunks.
 
+The same ring steps without the overlap (--tp-comm-p2p): `all_gather_by_ring` / `reduce_scatter_by_ring` are
+sequence parallelism's all-gather / reduce-scatter built from them, rows in rank order, so the layer computes on whole
+tensors as with NCCL's collectives; XLA runs a `ppermute` between GPUs of one process as a copy-engine peer copy with
+XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true, which takes no SMs from the matmuls.
+
 Autodiff gives the backward: ppermutes the other way beside the transposed matmuls. All run in the local view inside
 shard_map; with tp = 1 they are the identity on one chunk.
 """
@@ -64,3 +69,22 @@ def ring_rows(a_B, tp: int) -> list:
     rows = a_B.shape[0] // tp
     rank, a_B = model_rank(), vary(a_B, [MODEL])
     return [jax.lax.dynamic_slice_in_dim(a_B, ((rank - j) % tp) * rows, rows, axis=0) for j in range(tp)]
+
+
+def all_gather_by_ring(x_BSD):
+    """all_gather(x, axis 0, tiled) from ring steps: this rank's rows (B / tp, S, D) -> all rows (B, S, D) in rank
+    order; the backward is the ring reduce-scatter of the rows' gradients (autodiff of the steps)."""
+    tp, rows = model_size(), x_BSD.shape[0]
+    out = jax.lax.empty((tp * rows, *x_BSD.shape[1:]), x_BSD.dtype)  # every row is written below: no zero-fill
+    for j, chunk in enumerate(ring_gather(x_BSD)):  # chunk j: the rows of rank (r - j) % tp
+        out = jax.lax.dynamic_update_slice_in_dim(out, chunk, ((model_rank() - j) % tp) * rows, axis=0)
+    return out
+
+
+def reduce_scatter_by_ring(x_BSD):
+    """psum_scatter(x, axis 0, tiled) from ring steps: per-rank partial sums (B, S, D) -> this rank's rows
+    (B / tp, S, D) of their sum."""
+    tp = model_size()
+    rows = x_BSD.shape[0] // tp
+    return ring_reduce_scatter([jax.lax.dynamic_slice_in_dim(x_BSD, ((model_rank() - j) % tp) * rows, rows, axis=0)
+                                for j in range(tp)])
