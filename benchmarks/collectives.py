@@ -2,14 +2,15 @@
 inside `jax.shard_map`, on bf16 activations of the shapes a layer sees (nccl-tests' busbw convention).
 
     python benchmarks/collectives.py                           # 8 simulated CPU devices, small sizes (CI)
-    NCCL_PROTO=Simple python benchmarks/collectives.py --sizes-mb 25 50 100 --out ag_simple.json   # on GPUs
+    NCCL_PROTO=Simple python benchmarks/collectives.py --sizes-mb 25 50 100 --out simple.jsonl   # on GPUs
 
 One JSON line per (collective, size): the whole tensor's size, the median time of one call over `--iters` calls queued
 back to back, the algorithm bandwidth (size / time) and the bus bandwidth (algbw x (n - 1) / n for all-gather and
 reduce-scatter, x 2 (n - 1) / n for all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link
 carries. `all_gather_p2p` / `reduce_scatter_p2p` are the same collectives built from ring `ppermute` steps, rows in
 rank order, as `--tp-comm-p2p` does them (mtx/parallel/collective_matmul.py); XLA runs the steps as copy-engine peer
-copies with XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true. Environment variables (NCCL_*) and XLA_FLAGS apply as set, so one setting per process.
+copies with XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true. Environment variables (NCCL_*) and XLA_FLAGS apply as
+set, so one setting per process. Forward only: a backward moves the same bytes the other way.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 def collective_fn(collective: str, mesh):
-    """A jitted function of the whole (rows, width) tensor doing one `collective` over "model", as mtx's layers do:
-    rows split for gather/ppermute (sequence parallelism's residual stream), whole per rank for scatter/reduce (the
-    partial sums out of a row-parallel linear)."""
+    """(a jitted function of the whole (rows, width) tensor doing one `collective` over "model" as mtx's layers do,
+    whether its input is split by rows): split for the gathers and ppermute (sequence parallelism's residual stream),
+    whole on each rank for the scatters and the all-reduce (the partial sums out of a row-parallel linear)."""
     import jax
     from jax.sharding import PartitionSpec as P
 

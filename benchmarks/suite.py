@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
         "matmuls", "--no-scan-layers"]
 SP, OVERLAP, P2P = ["--sequence-parallel"], ["--tp-comm-overlap"], ["--tp-comm-p2p"]
-# The overlapped ring steps as copy-engine transfers (cudaMemcpy between the process's GPUs) instead of NCCL kernels,
-# which take SMs from the matmuls they run beside.
+# Ring steps (--tp-comm-overlap, --tp-comm-p2p) as copy-engine transfers (cudaMemcpy between the process's GPUs)
+# instead of NCCL kernels, which take SMs from the matmuls they run beside.
 P2P_COPY = "--xla_gpu_use_memcpy_local_p2p=true"
 
 
@@ -81,7 +82,7 @@ ROWS = {
     ],
     # NCCL settings for the 25-50 MB gathers/scatters of sequence parallelism (docs/benchmarks.md, 3b: no gain).
     # Run with the 1-GPU row; other settings with --env KEY=VALUE on any row:
-    #   python benchmarks/suite.py --rows 1gpu 2gpu-nccl --only "1.2B, 1 GPU" "TP 2" --skip "mb 24"
+    #   python benchmarks/suite.py --rows 1gpu 2gpu-nccl --only "1.2B, 1 GPU" "TP 2" --skip "mb 24" scanned
     "2gpu-nccl": [
         mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
         mtx("1.2B, TP 2 (strong), sequence parallel, NCCL_PROTO=Simple", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP,
@@ -93,7 +94,7 @@ ROWS = {
     # copy-engine peer copies with P2P_COPY (docs/benchmarks.md, 3b). First the collectives alone, then the rows:
     #   XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true python benchmarks/collectives.py --devices 2 --sizes-mb 25 50 \
     #       --collectives all_gather all_gather_p2p reduce_scatter reduce_scatter_p2p ppermute
-    #   python benchmarks/suite.py --rows 1gpu 2gpu-p2p --only "1.2B, 1 GPU" "TP 2" --skip "mb 24"
+    #   python benchmarks/suite.py --rows 1gpu 2gpu-p2p --only "1.2B, 1 GPU" "TP 2" --skip "mb 24" scanned
     "2gpu-p2p": [
         mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
         mtx("1.2B, TP 2 (strong), sequence parallel, p2p", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP, *P2P),
@@ -123,10 +124,12 @@ ROWS = {
 
 
 def run_row(row, steps, warmup, timeout) -> dict:
+    # The row's own settings: its XLA flags, then its environment (XLA_FLAGS there add to the row's flags).
+    settings = {"XLA_FLAGS": row["xla_flags"]} if row.get("xla_flags") else {}
+    for key, value in (row.get("env") or {}).items():
+        settings[key] = f"{settings[key]} {value}" if key == "XLA_FLAGS" and key in settings else value
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(map(str, range(row["gpus"]))))
-    if row.get("xla_flags"):
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + row["xla_flags"]).strip()
-    for key, value in (row.get("env") or {}).items():  # XLA_FLAGS add to the row's flags, the rest replace
+    for key, value in settings.items():
         env[key] = f"{env[key]} {value}" if key == "XLA_FLAGS" and env.get(key) else value
     own = ["--steps", str(steps), "--warmup", str(warmup)]
     cmd = [sys.executable, row["script"], *own, *row["args"]]
@@ -138,15 +141,14 @@ def run_row(row, steps, warmup, timeout) -> dict:
     except subprocess.TimeoutExpired:
         result = {"error": f"timed out after {timeout} s"}
     result.pop("profile", None)
-    flags = f"XLA_FLAGS={row['xla_flags']} " if row.get("xla_flags") else ""
-    flags += "".join(f"{k}={v} " for k, v in (row.get("env") or {}).items())
-    return {**row, "command": flags + " ".join(["python", row["script"], *own, *row["args"]]), "result": result}
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in settings.items())
+    return {**row, "command": prefix + " ".join(["python", row["script"], *own, *row["args"]]), "result": result}
 
 
 def table(records) -> str:
     one_gpu = {r["model"]: r["result"] for r in records
                if r["script"] == "benchmarks/bench.py" and r["gpus"] == 1 and "error" not in r["result"]
-               and r["name"].endswith("1 GPU")}
+               and r.get("base_name", r["name"]).endswith("1 GPU")}
     base = one_gpu.get("gpt_1.2b")
     head = ("| row | GPUs | params | global batch | step (s) | tokens/s | TFLOP/s per GPU | MFU | peak mem (GiB) | "
             "scaling |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -198,9 +200,9 @@ def main(argv=None) -> int:
         for row in ROWS[group]:
             if (args.only and not any(s in row["name"] for s in args.only)) or any(s in row["name"] for s in args.skip):
                 continue
-            if extra_env:
+            if extra_env:  # named for the table; the 1-GPU baseline is still found by base_name
                 row = {**row, "name": row["name"] + "".join(f", {k}={v}" for k, v in extra_env.items()),
-                       "env": {**(row.get("env") or {}), **extra_env}}
+                       "base_name": row["name"], "env": {**(row.get("env") or {}), **extra_env}}
             rec = run_row(row, args.steps, args.warmup, args.timeout)
             print(json.dumps({"name": rec["name"], **rec["result"]}), flush=True)
             records.append(rec)

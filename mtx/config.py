@@ -100,7 +100,7 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 2  # TP: devices one layer is split over (the "model" axis)
     sequence_parallel: bool = False  # split the residual stream (LayerNorm, dropout, residual adds) over TP by rows
     tp_comm_overlap: bool = False  # overlap sequence parallelism's all-gathers/reduce-scatters with the matmuls
-    tp_comm_p2p: bool = False  # sequence parallelism's all-gathers/reduce-scatters as ring ppermute steps (copy engines)
+    tp_comm_p2p: bool = False  # sequence parallelism's all-gathers/reduce-scatters as ring ppermute steps
     pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
     data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
     num_layers_in_first_pipeline_stage: int | None = None  # uneven stages: layers of the first stage
@@ -221,7 +221,7 @@ class Config:
         _check(not p.tp_comm_p2p or p.sequence_parallel,
                "--tp-comm-p2p carries sequence parallelism's collectives; pass --sequence-parallel with it.")
         _check(not (p.tp_comm_p2p and p.tp_comm_overlap),
-               "--tp-comm-overlap already moves the rows in ring steps; pass one of --tp-comm-overlap and --tp-comm-p2p.")
+               "--tp-comm-overlap already moves the rows in ring steps; pass one of it and --tp-comm-p2p.")
         _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
                f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
                f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")

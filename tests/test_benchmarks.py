@@ -166,6 +166,12 @@ def test_suite_env_adds_to_every_row(tmp_path, monkeypatch):
     suite.main(["--rows", "test", "--env", "NCCL_PROTO=Simple", "XLA_FLAGS=--b=2", "--out", str(tmp_path / "r.jsonl")])
     assert seen[0]["NCCL_PROTO"] == "Simple" and seen[0]["XLA_FLAGS"].endswith("--a=1 --b=2")
     rec = json.loads((tmp_path / "r.jsonl").read_text())
-    assert rec["name"] == "tiny, TP 2, NCCL_PROTO=Simple, XLA_FLAGS=--b=2" and "NCCL_PROTO=Simple" in rec["command"]
+    assert rec["name"] == "tiny, TP 2, NCCL_PROTO=Simple, XLA_FLAGS=--b=2"
+    assert rec["command"].startswith("XLA_FLAGS='--a=1 --b=2' NCCL_PROTO=Simple python ")  # pastes into a shell
+    # The scaling column still finds the 1-GPU baseline under an added setting.
+    result = {"params": 1e6, "global_batch": 4, "step_s": 1.0, "tflops_per_device": 1.0, "mfu": None, "peak_mem_gib": 1}
+    one, two = ({**rec, "name": f"tiny, {n}, NCCL_PROTO=Simple", "base_name": f"tiny, {n}", "gpus": g,
+                 "result": {**result, "tokens_per_s": t}} for n, g, t in (("1 GPU", 1, 100.0), ("TP 2", 2, 150.0)))
+    assert "strong 1.50x" in suite.table([one, two])
     with pytest.raises(SystemExit):
         suite.main(["--rows", "test", "--env", "NCCL_PROTO"])

@@ -14,7 +14,7 @@ from mtx.parallel.collective_matmul import (all_gather_by_ring, reduce_scatter_b
                                             ring_reduce_scatter, ring_rows)
 from mtx.parallel.mesh import MODEL, make_mesh
 from mtx.parallel.ops import gather_from_model_parallel
-from mtx.step import Trainer
+from mtx.step import Trainer, sequence_parallel_mode
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"))
 
@@ -156,10 +156,21 @@ def test_ring_rows_follow_the_ring():
             np.testing.assert_array_equal(cut[r, j], want)
 
 
+def test_sequence_parallel_mode_follows_the_flags():
+    """The layers' `sp` mode: whole-tensor NCCL collectives, ring-step collectives, or the overlapped ring; none at
+    TP 1."""
+    sp = TINY.replace(sequence_parallel=True, tensor_model_parallel_size=2)
+    assert sequence_parallel_mode(sp) == "gather"
+    assert sequence_parallel_mode(sp.replace(tp_comm_p2p=True)) == "p2p"
+    assert sequence_parallel_mode(sp.replace(tp_comm_overlap=True)) == "overlap"
+    assert sequence_parallel_mode(sp.replace(tensor_model_parallel_size=1, tp_comm_p2p=True)) is None
+    assert sequence_parallel_mode(TINY) is None
+
+
 @pytest.mark.parametrize("flags,needle", [
     (dict(tp_comm_overlap=True), "pass --sequence-parallel"),
     (dict(tp_comm_p2p=True), "pass --sequence-parallel"),
-    (dict(sequence_parallel=True, tp_comm_p2p=True, tp_comm_overlap=True), "one of --tp-comm-overlap and"),
+    (dict(sequence_parallel=True, tp_comm_p2p=True, tp_comm_overlap=True), "pass one of it and --tp-comm-p2p"),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4, micro_batch_size=2), "multiple of 4"),
 ])
 def test_bad_sequence_parallel_flags_are_refused(flags, needle):

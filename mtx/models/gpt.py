@@ -17,6 +17,7 @@ from flax import nnx
 
 from mtx.config import ModelConfig
 from mtx.models.transformer import KVCache, TransformerLayer
+from mtx.parallel.collective_matmul import GATHERED_ROWS
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import PIPELINE
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
@@ -35,12 +36,14 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     The element-wise ops are cheap to recompute (memory-bound, fused into their neighbours), while each saved
     activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an
     all-reduce recomputed would be communication repeated (a row-parallel output is saved after its psum, so the
-    backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers, reduce-scatters and ring
-    steps (the gathered whole-batch inputs of the column-parallel matmuls stay alive for the backward: speed over
-    SP's activation-memory saving, which `full` recomputation keeps). Without cuDNN the attention core's einsums have batch dimensions and are recomputed (as `selective` does).
+    backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers (with --tp-comm-p2p the rows
+    assembled from ring steps), reduce-scatters and ring steps (the gathered whole-batch inputs of the
+    column-parallel matmuls stay alive for the backward: speed over SP's activation-memory saving, which `full`
+    recomputation keeps). Without cuDNN the attention core's einsums have batch dimensions and are recomputed (as
+    `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith(_SAVED_PRIMITIVES))
+            or prim.name.startswith(_SAVED_PRIMITIVES) or (prim.name == "name" and params["name"] == GATHERED_ROWS))
 
 
 

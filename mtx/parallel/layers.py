@@ -37,7 +37,8 @@ def _sp_gather(x, sp):
 
 
 def _sp_reduce_scatter(x, sp):
-    """Sequence parallelism's reduce-scatter into the ranks' rows ("gather": NCCL's collective; "p2p": ring steps)."""
+    """Sequence parallelism's reduce-scatter into the ranks' rows ("p2p": ring steps; otherwise NCCL's collective,
+    also for the embedding under "overlap")."""
     return reduce_scatter_by_ring(x) if sp == "p2p" else reduce_scatter_to_sequence_parallel(x)
 
 
@@ -94,7 +95,7 @@ class ColumnParallelLinear(nnx.Module):
         x = x.astype(self.dtype)
         if sp == "overlap":  # ring steps: each chunk's matmuls run while the next chunk arrives
             # Chunk j holds other rows on every rank, so its columns cannot be gathered across ranks.
-            assert not self.gather_output, "gather_output needs whole rows; use sp=None or 'gather'"
+            assert not self.gather_output, "gather_output needs whole rows; use sp=None, 'gather' or 'p2p'"
             chunks = ring_gather(x)
         else:  # f (replicated input) or the all-gather of the ranks' rows
             chunks = [f(x) if sp is None else _sp_gather(x, sp)]
