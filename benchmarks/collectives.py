@@ -35,9 +35,9 @@ def bus_factor(collective: str, n: int) -> float:
 
 
 def collective_fn(collective: str, mesh):
-    """(a jitted function of the whole (rows, width) tensor doing one `collective` over "model" as mtx's layers do,
-    whether its input is split by rows): split for the gathers and ppermute (sequence parallelism's residual stream),
-    whole on each rank for the scatters and the all-reduce (the partial sums out of a row-parallel linear)."""
+    """`collective` over "model" as mtx's layers issue it, jitted, and whether its (rows, width) input is split by
+    rows: split for the gathers and ppermute (sequence parallelism's residual stream), whole on each rank for the
+    scatters and the all-reduce (the partial sums out of a row-parallel linear)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
