@@ -133,7 +133,8 @@ def test_ring_step_collectives_equal_nccls(tp):
     np.testing.assert_array_equal(gathered, gathered_ref)  # rank order: every rank holds all rows, in order
     np.testing.assert_array_equal(np.asarray(gathered).reshape(tp, 2 * tp, 3, 4)[tp - 1], np.asarray(x))
     np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)  # fp32 sums over ranks in another order
+    # fp32 sums of tp terms in another order: equal to 1e-5 of the gradient's scale (as the MLP test above)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5 * float(np.abs(g_ref).max()))
 
 
 def test_ring_rows_follow_the_ring():

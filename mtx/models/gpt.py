@@ -46,7 +46,6 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
             or prim.name.startswith(_SAVED_PRIMITIVES) or (prim.name == "name" and params["name"] == GATHERED_ROWS))
 
 
-
 @jax.custom_vjp
 def _unstack(a_L):
     """(L, ...) -> L arrays (...), whose gradients are stacked back in one pass.

@@ -11,8 +11,9 @@ forward (g) and one backward (f) per block, two of each per layer (paper Fig. 3)
 
 With sequence parallelism (`sp`, mtx/parallel/layers.py) the layer's input and output are this rank's rows
 (B / tp, S, D) of the residual stream: LayerNorm, dropout and the residual adds run on them only, `f` becomes an
-all-gather and `g` a reduce-scatter (two of each per layer, forward and backward); with sp="overlap" those are ring
-steps beside the matmuls and attention runs once per row chunk (mtx/parallel/collective_matmul.py).
+all-gather and `g` a reduce-scatter (two of each per layer, forward and backward); with sp="p2p" they are built from
+ring steps, and with sp="overlap" those ring steps run beside the matmuls and attention runs once per row chunk
+(mtx/parallel/collective_matmul.py).
 
 Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's heads: the new keys and
 values are written into the cache locally, so decoding adds no collective beyond the same two g's per layer.

@@ -87,9 +87,9 @@ def from_slots(slot_grads, schedule: Schedule):
 
 def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None, mask_MBS=None):
     """Runs this stage's layers over the M microbatches, GPipe style; returns (M, B, S, D) final-layer outputs (B / tp
-    rows each with sequence parallelism),
-    meaningful on the last stage only. `model` is the local (this stage's) model; x0 the embeddings; mask_MBS the
-    padding masks (BERT), which every stage reads for the microbatch it is running."""
+    rows each with sequence parallelism), meaningful on the last stage only. `model` is the local (this stage's)
+    model; x0 the embeddings; mask_MBS the padding masks (BERT), which every stage reads for the microbatch it is
+    running."""
     stage = jax.lax.axis_index(PIPELINE)
     p, m = schedule.stages, schedule.microbatches
     counts = jnp.asarray(schedule.counts)
