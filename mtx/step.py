@@ -54,7 +54,8 @@ def build_model(cfg: Config, *, seed: int | None = None):
     t = cfg.training
     family = BERT if cfg.model.is_bert else GPT
     return lambda: family(cfg.model, dtype=dtype, recompute=t.recompute_granularity, flash=t.use_flash_attn,
-                          scan_layers=t.scan_layers, sp=sequence_parallel_mode(cfg), rngs=nnx.Rngs(seed))
+                          scan_layers=t.scan_layers, sp=sequence_parallel_mode(cfg),
+                          batch_split=cfg.parallel.tp_comm_batch_split, rngs=nnx.Rngs(seed))
 
 
 def sequence_parallel_mode(cfg: Config) -> str | None:
