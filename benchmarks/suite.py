@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # recompute everything but the matmuls, layers unrolled.
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
         "matmuls", "--no-scan-layers"]
-SP, OVERLAP, P2P = ["--sequence-parallel"], ["--tp-comm-overlap"], ["--tp-comm-p2p"]
-# Ring steps (--tp-comm-overlap, --tp-comm-p2p) as copy-engine transfers (cudaMemcpy between the process's GPUs)
-# instead of NCCL kernels, which take SMs from the matmuls they run beside.
+SP, OVERLAP = ["--sequence-parallel"], ["--tp-comm-overlap"]
+# Ring steps (--tp-comm-overlap) as copy-engine transfers (cudaMemcpy between the process's GPUs) instead of NCCL
+# kernels, which take SMs from the matmuls they run beside.
 P2P_COPY = "--xla_gpu_use_memcpy_local_p2p=true"
 
 
@@ -89,19 +89,6 @@ ROWS = {
             env={"NCCL_PROTO": "Simple"}),
         mtx("1.2B, TP 2 (strong), sequence parallel, NCCL_MIN_NCHANNELS=32", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP,
             env={"NCCL_MIN_NCHANNELS": "32"}),
-    ],
-    # Not measured yet: --tp-comm-p2p, sequence parallelism's collectives as ring ppermute steps, which XLA runs as
-    # copy-engine peer copies with P2P_COPY (docs/benchmarks.md, 3b). First the collectives alone, then the rows:
-    #   XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true python benchmarks/collectives.py --devices 2 --sizes-mb 25 50 \
-    #       --collectives all_gather all_gather_p2p reduce_scatter reduce_scatter_p2p ppermute
-    #   python benchmarks/suite.py --rows 1gpu 2gpu-p2p --only "1.2B, 1 GPU" "TP 2" --skip "mb 24" scanned
-    "2gpu-p2p": [
-        mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
-        mtx("1.2B, TP 2 (strong), sequence parallel, p2p", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP, *P2P),
-        mtx("1.2B, TP 2 (strong), sequence parallel, p2p, copy-engine", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP, *P2P,
-            xla_flags=P2P_COPY),
-        mtx("2.5B, TP 2 (weak), sequence parallel, p2p, copy-engine", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP, *P2P,
-            xla_flags=P2P_COPY),
     ],
     "4gpu": [
         mtx("4.2B, TP 4 (weak)", 4, "gpt_4.2b", 1, 1, 4, 16, 16),

@@ -166,7 +166,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  recompute_granularity: str | None = None, vocab_size: int = 50257,
                  pipeline_model_parallel_size: int = 1, num_layers: int | None = None,
                  num_microbatches: int | None = None, num_devices: int | None = None,
-                 sequence_parallel: bool = False, tp_comm_overlap: bool = False, tp_comm_p2p: bool = False) -> Config:
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
@@ -180,7 +180,6 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
         pipeline_model_parallel_size=pp, num_layers=num_layers or 2 * pp,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap,
-        tp_comm_p2p=tp_comm_p2p,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
@@ -321,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-microbatches", type=int, default=None, help="per data rank (default 2 x stages)")
     ap.add_argument("--sequence-parallel", action="store_true", help="split the layer's rows over TP (see train.py)")
     ap.add_argument("--tp-comm-overlap", action="store_true", help="with --sequence-parallel: ring steps")
-    ap.add_argument("--tp-comm-p2p", action="store_true", help="with --sequence-parallel: ring steps, not overlapped")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     a = ap.parse_args(argv)
     # XLA reads the device count when the CPU backend starts (the first device query), not when jax is imported.

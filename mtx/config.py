@@ -100,8 +100,6 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 2  # TP: devices one layer is split over (the "model" axis)
     sequence_parallel: bool = False  # split the residual stream (LayerNorm, dropout, residual adds) over TP by rows
     tp_comm_overlap: bool = False  # overlap sequence parallelism's all-gathers/reduce-scatters with the matmuls
-    tp_comm_p2p: bool = False  # sequence parallelism's all-gathers/reduce-scatters as ring ppermute steps
-    tp_comm_batch_split: int = 1  # run each microbatch through every layer as this many independent row groups
     pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
     data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
     num_layers_in_first_pipeline_stage: int | None = None  # uneven stages: layers of the first stage
@@ -219,18 +217,9 @@ class Config:
                "raise it to at least the sequence length.")
         _check(not p.tp_comm_overlap or p.sequence_parallel,
                "--tp-comm-overlap overlaps sequence parallelism's collectives; pass --sequence-parallel with it.")
-        _check(not p.tp_comm_p2p or p.sequence_parallel,
-               "--tp-comm-p2p carries sequence parallelism's collectives; pass --sequence-parallel with it.")
-        _check(not (p.tp_comm_p2p and p.tp_comm_overlap),
-               "--tp-comm-overlap already moves the rows in ring steps; pass one of it and --tp-comm-p2p.")
         _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
                f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
                f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
-        split = p.tp_comm_batch_split
-        held = t.micro_batch_size // tp if p.sequence_parallel else t.micro_batch_size
-        _check(split >= 1 and held % split == 0,
-               f"--tp-comm-batch-split {split} must divide the {held} sequences of a microbatch each rank holds"
-               + (" with --sequence-parallel" if p.sequence_parallel else "") + "; use a divisor of it (1: off).")
         self.stage_layer_counts()  # refuses layers that do not split over the stages as asked
         _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
         _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),

@@ -26,7 +26,7 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
         # Training choices, off: any checkpoint loads on any mesh.
         fields = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
                       num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,
-                      sequence_parallel=False, tp_comm_overlap=False, tp_comm_p2p=False)
+                      sequence_parallel=False, tp_comm_overlap=False)
         fields.update(overrides)
         cfg = ckpt.saved_config(step).replace(
             tensor_model_parallel_size=tensor_model_parallel_size,

@@ -54,17 +54,16 @@ def build_model(cfg: Config, *, seed: int | None = None):
     t = cfg.training
     family = BERT if cfg.model.is_bert else GPT
     return lambda: family(cfg.model, dtype=dtype, recompute=t.recompute_granularity, flash=t.use_flash_attn,
-                          scan_layers=t.scan_layers, sp=sequence_parallel_mode(cfg),
-                          batch_split=cfg.parallel.tp_comm_batch_split, rngs=nnx.Rngs(seed))
+                          scan_layers=t.scan_layers, sp=sequence_parallel_mode(cfg), rngs=nnx.Rngs(seed))
 
 
 def sequence_parallel_mode(cfg: Config) -> str | None:
-    """The layers' `sp` (mtx/parallel/layers.py): None, "gather", "p2p" or "overlap". With TP 1 there is nothing to
-    split, and sequence parallelism is off (as in Megatron)."""
+    """The layers' `sp` (mtx/parallel/layers.py): None, "gather" or "overlap". With TP 1 there is nothing to split, and
+    sequence parallelism is off (as in Megatron)."""
     p = cfg.parallel
     if not p.sequence_parallel or p.tensor_model_parallel_size == 1:
         return None
-    return "overlap" if p.tp_comm_overlap else "p2p" if p.tp_comm_p2p else "gather"
+    return "overlap" if p.tp_comm_overlap else "gather"
 
 
 def num_microbatches(cfg: Config, mesh) -> int:

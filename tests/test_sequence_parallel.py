@@ -1,6 +1,5 @@
-"""Sequence parallelism (--sequence-parallel), its overlapped collectives (--tp-comm-overlap) and its ring-step
-collectives (--tp-comm-p2p) change where the element-wise work and the communication happen, never the math: loss and
-every gradient equal the paper's layers'."""
+"""Sequence parallelism (--sequence-parallel) and its overlapped collectives (--tp-comm-overlap) change where the
+element-wise work and the communication happen, never the math: loss and every gradient equal the paper's layers'."""
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config, load_preset
-from mtx.parallel.collective_matmul import (all_gather_by_ring, reduce_scatter_by_ring, ring_gather,
-                                            ring_reduce_scatter, ring_rows)
+from mtx.parallel.collective_matmul import ring_gather, ring_reduce_scatter, ring_rows
 from mtx.parallel.mesh import MODEL, make_mesh
 from mtx.parallel.ops import gather_from_model_parallel
 from mtx.step import Trainer, sequence_parallel_mode
@@ -38,14 +36,14 @@ def assert_same(got, want):
 
 def test_sequence_parallel_is_the_same_math():
     """Dropout on (the masks follow the sequences, whichever rank holds them): loss and gradients on (data, pipeline,
-    model) meshes with each microbatch's rows split over "model", plain, overlapped and in ring steps, equal the
-    unsplit run's (BERT's in tests/test_bert_training.py)."""
+    model) meshes with each microbatch's rows split over "model", plain and overlapped, equal the unsplit run's
+    (BERT's in tests/test_bert_training.py)."""
     cfg = TINY.replace(hidden_dropout=0.1, attention_dropout=0.1, global_batch_size=16, micro_batch_size=8)
     reference = loss_and_grads(cfg.replace(tensor_model_parallel_size=1), 1, 1, 1)
-    for dp, pp, tp, comm in [(1, 1, 2, None), (1, 1, 4, "overlap"), (2, 1, 4, None), (1, 2, 2, "overlap"),
-                             (1, 1, 8, "overlap"), (1, 1, 4, "p2p"), (1, 2, 2, "p2p")]:
+    for dp, pp, tp, overlap in [(1, 1, 2, False), (1, 1, 4, True), (2, 1, 4, False), (1, 2, 2, True),
+                                (1, 1, 8, True)]:
         sp = cfg.replace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                         sequence_parallel=True, tp_comm_overlap=comm == "overlap", tp_comm_p2p=comm == "p2p")
+                         sequence_parallel=True, tp_comm_overlap=overlap)
         assert_same(loss_and_grads(sp, dp, pp, tp), reference)
 
 
@@ -59,10 +57,8 @@ def test_sequence_parallel_with_recomputation_and_unrolled_layers():
                          scan_layers=False)
         assert_same(loss_and_grads(sp, 1, 1, 2), reference)
     fast = dict(recompute_granularity="matmuls", scan_layers=False, use_flash_attn=True)
-    fast_reference = loss_and_grads(cfg.replace(**fast), 1, 1, 2)
-    for p2p in (False, True):
-        assert_same(loss_and_grads(cfg.replace(sequence_parallel=True, tp_comm_p2p=p2p, **fast), 1, 1, 2),
-                    fast_reference)
+    assert_same(loss_and_grads(cfg.replace(sequence_parallel=True, **fast), 1, 1, 2),
+                loss_and_grads(cfg.replace(**fast), 1, 1, 2))
 
 
 def test_sequence_parallel_pipeline_with_a_padding_microbatch():
@@ -108,35 +104,6 @@ def test_ring_steps_equal_gather_then_multiply(tp):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
-def test_ring_step_collectives_equal_nccls(tp):
-    """--tp-comm-p2p's all_gather_by_ring / reduce_scatter_by_ring equal all_gather / psum_scatter, rows in rank order,
-    forward and backward."""
-    mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
-    rng = np.random.default_rng(tp)
-    x = jax.device_put(jnp.asarray(rng.normal(size=(2 * tp, 3, 4)), jnp.float32), NamedSharding(mesh, P(MODEL)))
-    w = jnp.asarray(rng.normal(size=(2 * tp, 3, 4)), jnp.float32)  # a different weight per gathered row
-
-    def loss(x, ring):
-        def local(x, w):
-            gathered = all_gather_by_ring(x) if ring else jax.lax.all_gather(x, MODEL, axis=0, tiled=True)
-            partial = jnp.sin(gathered) * w * (1.0 + 0.1 * jax.lax.axis_index(MODEL))  # differs per rank
-            if ring:
-                return gathered, reduce_scatter_by_ring(partial)
-            return gathered, jax.lax.psum_scatter(partial, MODEL, scatter_dimension=0, tiled=True)
-
-        gathered, y = jax.shard_map(local, mesh=mesh, in_specs=(P(MODEL), P()), out_specs=(P(MODEL), P(MODEL)))(x, w)
-        return jnp.sum(jnp.sin(y)), (gathered, y)
-
-    (_, (gathered, y)), g = jax.jit(jax.value_and_grad(lambda x: loss(x, True), has_aux=True))(x)
-    (_, (gathered_ref, y_ref)), g_ref = jax.jit(jax.value_and_grad(lambda x: loss(x, False), has_aux=True))(x)
-    np.testing.assert_array_equal(gathered, gathered_ref)  # rank order: every rank holds all rows, in order
-    np.testing.assert_array_equal(np.asarray(gathered).reshape(tp, 2 * tp, 3, 4)[tp - 1], np.asarray(x))
-    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
-    # fp32 sums of tp terms in another order: equal to 1e-5 of the gradient's scale (as the MLP test above)
-    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5 * float(np.abs(g_ref).max()))
-
-
 def test_ring_rows_follow_the_ring():
     """Chunk j of ring_gather holds the rows of rank (r - j) % tp; ring_rows cuts a replicated array the same way."""
     tp = 4
@@ -158,20 +125,16 @@ def test_ring_rows_follow_the_ring():
 
 
 def test_sequence_parallel_mode_follows_the_flags():
-    """The layers' `sp` mode: whole-tensor NCCL collectives, ring-step collectives, or the overlapped ring; none at
-    TP 1."""
+    """The layers' `sp` mode: whole-tensor collectives or the overlapped ring; none at TP 1."""
     sp = TINY.replace(sequence_parallel=True, tensor_model_parallel_size=2)
     assert sequence_parallel_mode(sp) == "gather"
-    assert sequence_parallel_mode(sp.replace(tp_comm_p2p=True)) == "p2p"
     assert sequence_parallel_mode(sp.replace(tp_comm_overlap=True)) == "overlap"
-    assert sequence_parallel_mode(sp.replace(tensor_model_parallel_size=1, tp_comm_p2p=True)) is None
+    assert sequence_parallel_mode(sp.replace(tensor_model_parallel_size=1, tp_comm_overlap=True)) is None
     assert sequence_parallel_mode(TINY) is None
 
 
 @pytest.mark.parametrize("flags,needle", [
     (dict(tp_comm_overlap=True), "pass --sequence-parallel"),
-    (dict(tp_comm_p2p=True), "pass --sequence-parallel"),
-    (dict(sequence_parallel=True, tp_comm_p2p=True, tp_comm_overlap=True), "pass one of it and --tp-comm-p2p"),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4, micro_batch_size=2), "multiple of 4"),
 ])
 def test_bad_sequence_parallel_flags_are_refused(flags, needle):

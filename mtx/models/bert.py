@@ -46,7 +46,7 @@ class Dense(nnx.Module):
 
 class BERT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, sp: str | None = None, batch_split: int = 1, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sp: str | None = None, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.post_layernorm = cfg.layernorm_placement == "post"
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
@@ -77,8 +77,7 @@ class BERT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute  # GPT.transform's per-layer checkpoint policy
         self.scan_layers = scan_layers
-        self.sp = sp  # sequence parallelism: None, "gather", "p2p" or "overlap" (mtx/parallel/layers.py)
-        self.batch_split = batch_split  # row groups side by side through each layer (GPT.transform)
+        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size
 

@@ -17,11 +17,10 @@ from flax import nnx
 
 from mtx.config import ModelConfig
 from mtx.models.transformer import KVCache, TransformerLayer
-from mtx.parallel.collective_matmul import GATHERED_ROWS
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import PIPELINE
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
-from mtx.parallel.ops import gather_from_model_parallel, model_size, sequence_parallel_rows, vary_like
+from mtx.parallel.ops import gather_from_model_parallel, sequence_parallel_rows, vary_like
 from mtx.parallel.random import dropout, fold
 
 
@@ -36,14 +35,13 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     The element-wise ops are cheap to recompute (memory-bound, fused into their neighbours), while each saved
     activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an
     all-reduce recomputed would be communication repeated (a row-parallel output is saved after its psum, so the
-    backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers (with --tp-comm-p2p the rows
-    assembled from ring steps), reduce-scatters and ring steps (the gathered whole-batch inputs of the
-    column-parallel matmuls stay alive for the backward: speed over SP's activation-memory saving, which `full`
-    recomputation keeps). Without cuDNN the attention core's einsums have batch dimensions and are recomputed (as
-    `selective` does).
+    backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers, reduce-scatters and ring
+    steps (the gathered whole-batch inputs of the column-parallel matmuls stay alive for the backward: speed over
+    SP's activation-memory saving, which `full` recomputation keeps). Without cuDNN the attention core's einsums have
+    batch dimensions and are recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith(_SAVED_PRIMITIVES) or (prim.name == "name" and params["name"] == GATHERED_ROWS))
+            or prim.name.startswith(_SAVED_PRIMITIVES))
 
 
 @jax.custom_vjp
@@ -57,19 +55,9 @@ def _unstack(a_L):
 _unstack.defvjp(lambda a_L: (_unstack(a_L), None), lambda _, grads: (jnp.stack(grads),))
 
 
-def split_rows(a_B, groups: int, owners: int) -> list:
-    """A per-row value of the whole microbatch (attention mask, dropout keys; None stays None) -> its `groups` row
-    groups as `transform` runs them: each of the `owners` ranks splits its own rows into `groups` slices, and group j
-    is slice j of every rank, in rank order (what a sequence-parallel layer gathers). owners = 1: plain slices."""
-    if a_B is None or groups == 1:
-        return [a_B] * groups
-    a = a_B.reshape(owners, groups, a_B.shape[0] // (owners * groups), *a_B.shape[1:])
-    return [a[:, j].reshape(-1, *a_B.shape[1:]) for j in range(groups)]
-
-
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, sp: str | None = None, batch_split: int = 1, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sp: str | None = None, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
@@ -85,8 +73,7 @@ class GPT(nnx.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.recompute = recompute
         self.scan_layers = scan_layers
-        self.sp = sp  # sequence parallelism: None, "gather", "p2p" or "overlap" (mtx/parallel/layers.py)
-        self.batch_split = batch_split  # row groups run side by side through each layer (`transform`)
+        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size  # real ids; the padded ones take no probability in the loss
 
@@ -127,25 +114,16 @@ class GPT(nnx.Module):
 
         first_layer: global index of the first held layer (dropout keys follow the global layer index).
         active_L: optional bool per held layer; an inactive layer (stage padding) passes x through unchanged.
-        With batch_split = k > 1 (--tp-comm-batch-split) the rows run as k independent groups through each layer
-        (`split_rows`): nothing ties one group's collectives to another's matmuls, so XLA overlaps them.
         """
         graphdef, stacked = nnx.split(self.layers)
         num_held = jax.tree.leaves(stacked)[0].shape[0]
         masked = active_L is not None
-        groups = self.batch_split
-        owners = model_size() if self.sp else 1  # ranks whose rows one layer call gathers (1: rows replicated)
-        masks_G, keys_G = split_rows(mask_BS, groups, owners), split_rows(keys_B, groups, owners)
 
-        def body(xs_G, inputs):  # one compiled layer, run once per held layer on each row group
+        def body(x_BSD, inputs):  # one compiled layer, run once per held layer
             layer_state, i, active = inputs
-            layer = nnx.merge(graphdef, layer_state)
-            ys_G = []
-            for x_BSD, mask, keys in zip(xs_G, masks_G, keys_G):
-                layer_keys = None if keys is None else fold(keys, first_layer + i + 1)
-                y_BSD = layer(x_BSD, mask_BS=mask, keys_B=layer_keys)
-                ys_G.append(jnp.where(active, y_BSD, x_BSD) if masked else y_BSD)
-            return tuple(ys_G), None
+            layer_keys = None if keys_B is None else fold(keys_B, first_layer + i + 1)
+            y_BSD = nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys)
+            return (jnp.where(active, y_BSD, x_BSD) if masked else y_BSD), None
 
         if self.recompute == "full":  # keep each layer's input only; recompute its activations in the backward
             body = jax.checkpoint(body)
@@ -153,15 +131,14 @@ class GPT(nnx.Module):
             body = jax.checkpoint(body, policy=save_matmul_outputs)
         active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
         x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
-        xs_G = tuple(jnp.split(x_BSD, groups, axis=0))
         if self.scan_layers:
-            xs_G, _ = jax.lax.scan(body, xs_G, (stacked, jnp.arange(num_held), active_L))
+            x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))
         else:  # unrolled: each layer's saved activations are buffers of their own, not slices of a stacked one
             per_layer = jax.tree.map(_unstack, stacked)
             for i in range(num_held):
-                xs_G, _ = body(xs_G, (jax.tree.map(lambda parts: parts[i], per_layer,
-                                                   is_leaf=lambda x: isinstance(x, tuple)), i, active_L[i]))
-        return xs_G[0] if groups == 1 else jnp.concatenate(xs_G, axis=0)
+                x_BSD, _ = body(x_BSD, (jax.tree.map(lambda parts: parts[i], per_layer,
+                                                     is_leaf=lambda x: isinstance(x, tuple)), i, active_L[i]))
+        return x_BSD
 
     def transform_cached(self, x_BTD, cache: KVCache, start_B, *, active_L=None, write=None):
         """Inference through the held layers with their KV caches: (B, T, D) new tokens at positions start_B + t,

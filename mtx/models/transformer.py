@@ -11,9 +11,8 @@ forward (g) and one backward (f) per block, two of each per layer (paper Fig. 3)
 
 With sequence parallelism (`sp`, mtx/parallel/layers.py) the layer's input and output are this rank's rows
 (B / tp, S, D) of the residual stream: LayerNorm, dropout and the residual adds run on them only, `f` becomes an
-all-gather and `g` a reduce-scatter (two of each per layer, forward and backward); with sp="p2p" they are built from
-ring steps, and with sp="overlap" those ring steps run beside the matmuls and attention runs once per row chunk
-(mtx/parallel/collective_matmul.py).
+all-gather and `g` a reduce-scatter (two of each per layer, forward and backward); with sp="overlap" those are ring
+steps beside the matmuls and attention runs once per row chunk (mtx/parallel/collective_matmul.py).
 
 Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's heads: the new keys and
 values are written into the cache locally, so decoding adds no collective beyond the same two g's per layer.
@@ -171,7 +170,7 @@ class ParallelMLP(nnx.Module):
 
 class TransformerLayer(nnx.Module):
     """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))); the residual stream is replicated, or split
-    by rows with `sp` ("gather", "p2p" or "overlap", see mtx/parallel/layers.py).
+    by rows with `sp` ("gather" or "overlap", see mtx/parallel/layers.py).
 
     post_layernorm=True gives the original BERT/Transformer block instead, LN(x + drop(attn(x))) then
     LN(x + drop(mlp(x))), with the same parameters (paper section 4.2 compares the two); causal=False makes the
@@ -187,7 +186,7 @@ class TransformerLayer(nnx.Module):
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm
-        self.sp = sp  # sequence parallelism: None, "gather", "p2p" or "overlap" (mtx/parallel/layers.py)
+        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         """keys_B: one dropout key per sequence of the microbatch (None: no dropout). With sequence parallelism x is

@@ -18,11 +18,6 @@ holding the rows of rank (r - j) % tp (chunk 0 is this rank's own), and each op 
                            The running sum's transfer runs beside the next chunk's matmul.
   ring_rows(a):            a replicated per-row value (attention mask, dropout keys) cut into the same chunks.
 
-The same ring steps without the overlap (--tp-comm-p2p): `all_gather_by_ring` / `reduce_scatter_by_ring` are
-sequence parallelism's all-gather / reduce-scatter built from them, rows in rank order, so the layer computes on whole
-tensors as with NCCL's collectives; XLA runs a `ppermute` between GPUs of one process as a copy-engine peer copy with
-XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true, which takes no SMs from the matmuls.
-
 Autodiff gives the backward: ppermutes the other way beside the transposed matmuls. All run in the local view inside
 shard_map; with tp = 1 they are the identity on one chunk.
 """
@@ -30,10 +25,9 @@ shard_map; with tp = 1 they are the identity on one chunk.
 from __future__ import annotations
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from mtx.parallel.mesh import MODEL
-from mtx.parallel.ops import model_rank, model_size, vary, varying_axes
+from mtx.parallel.ops import model_rank, model_size, vary
 
 
 def _next_rank(tp: int):
@@ -70,48 +64,3 @@ def ring_rows(a_B, tp: int) -> list:
     rows = a_B.shape[0] // tp
     rank, a_B = model_rank(), vary(a_B, [MODEL])
     return [jax.lax.dynamic_slice_in_dim(a_B, ((rank - j) % tp) * rows, rows, axis=0) for j in range(tp)]
-
-
-def _gather_rows(x_BSD):
-    tp, rows = model_size(), x_BSD.shape[0]
-    # Every row is written below, so no zero-fill (on GPU; CPU fills anyway). Typed like x, not left to the update.
-    out = vary(jax.lax.empty((tp * rows, *x_BSD.shape[1:]), x_BSD.dtype), varying_axes(x_BSD))
-    for j, chunk in enumerate(ring_gather(x_BSD)):  # chunk j: the rows of rank (r - j) % tp
-        out = jax.lax.dynamic_update_slice_in_dim(out, chunk, ((model_rank() - j) % tp) * rows, axis=0)
-    return out
-
-
-def _scatter_rows(x_BSD):
-    tp = model_size()
-    rows = x_BSD.shape[0] // tp
-    return ring_reduce_scatter([jax.lax.dynamic_slice_in_dim(x_BSD, ((model_rank() - j) % tp) * rows, rows, axis=0)
-                                for j in range(tp)])
-
-
-# The name under which the `matmuls` remat policy keeps all_gather_by_ring's output, as it keeps an all_gather's
-# (otherwise the backward would write the rows into rank order again).
-GATHERED_ROWS = "all_gather_by_ring"
-
-
-def all_gather_by_ring(x_BSD):
-    """all_gather(x, axis 0, tiled) from ring steps: this rank's rows (B / tp, S, D) -> all rows (B, S, D) in rank
-    order. Backward: reduce_scatter_by_ring of the gradient."""
-    return checkpoint_name(_all_gather_by_ring(x_BSD), GATHERED_ROWS)
-
-
-# Each is the other's transpose (as all_gather and psum_scatter are). Stated, not derived: autodiff of the rank-order
-# writes and slices would add zero-filled whole-batch buffers to the backward.
-@jax.custom_vjp
-def _all_gather_by_ring(x_BSD):
-    return _gather_rows(x_BSD)
-
-
-@jax.custom_vjp
-def reduce_scatter_by_ring(x_BSD):
-    """psum_scatter(x, axis 0, tiled) from ring steps: per-rank partial sums (B, S, D) -> this rank's rows
-    (B / tp, S, D) of their sum. Backward: all_gather_by_ring of the gradient."""
-    return _scatter_rows(x_BSD)
-
-
-_all_gather_by_ring.defvjp(lambda x: (_gather_rows(x), None), lambda _, ct: (_scatter_rows(ct),))
-reduce_scatter_by_ring.defvjp(lambda x: (_scatter_rows(x), None), lambda _, ct: (_gather_rows(ct),))

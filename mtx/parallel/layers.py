@@ -9,8 +9,6 @@ shape and `out_sharding` says how the mesh splits it. Inside `jax.shard_map` a l
               the row-parallel one.
   "gather"    --sequence-parallel: this rank's rows (B / tp, S, D) in and out; all-gather before the column-parallel
               matmul, reduce-scatter after the row-parallel one (mtx/parallel/ops.py).
-  "p2p"       --tp-comm-p2p: as "gather", each all-gather / reduce-scatter built from ring `ppermute` steps
-              (copy-engine transfers on GPU with XLA's memcpy p2p flag; mtx/parallel/collective_matmul.py).
   "overlap"   --tp-comm-overlap: the same, each collective cut into ring steps beside the matmuls; between the two
               linears activations are lists of row chunks in ring order (mtx/parallel/collective_matmul.py).
 """
@@ -21,25 +19,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtx.parallel.collective_matmul import all_gather_by_ring, reduce_scatter_by_ring, ring_gather, ring_reduce_scatter
+from mtx.parallel.collective_matmul import ring_gather, ring_reduce_scatter
 from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequence_parallel, model_rank,
                               reduce_scatter_to_sequence_parallel, scatter_to_model_parallel)
 
-SP_MODES = (None, "gather", "p2p", "overlap")
+SP_MODES = (None, "gather", "overlap")
 
 REPLICATED = None
-
-
-def _sp_gather(x, sp):
-    """Sequence parallelism's all-gather of the ranks' rows ("gather": NCCL's collective; "p2p": ring steps)."""
-    return all_gather_by_ring(x) if sp == "p2p" else gather_from_sequence_parallel(x)
-
-
-def _sp_reduce_scatter(x, sp):
-    """Sequence parallelism's reduce-scatter into the ranks' rows ("p2p": ring steps; otherwise NCCL's collective,
-    also for the embedding under "overlap")."""
-    return reduce_scatter_by_ring(x) if sp == "p2p" else reduce_scatter_to_sequence_parallel(x)
 
 
 def param(rngs: nnx.Rngs | None, shape, spec: tuple, *, std: float | None = None, value: float = 0.0) -> nnx.Param:
@@ -95,10 +82,10 @@ class ColumnParallelLinear(nnx.Module):
         x = x.astype(self.dtype)
         if sp == "overlap":  # ring steps: each chunk's matmuls run while the next chunk arrives
             # Chunk j holds other rows on every rank, so its columns cannot be gathered across ranks.
-            assert not self.gather_output, "gather_output needs whole rows; use sp=None, 'gather' or 'p2p'"
+            assert not self.gather_output, "gather_output needs whole rows; use sp=None or 'gather'"
             chunks = ring_gather(x)
         else:  # f (replicated input) or the all-gather of the ranks' rows
-            chunks = [f(x) if sp is None else _sp_gather(x, sp)]
+            chunks = [gather_from_sequence_parallel(x) if sp == "gather" else f(x)]
         outs = []
         for j, kernel in enumerate(kernels):
             ys = [jnp.einsum(spec, c, kernel) for c in chunks]
@@ -136,7 +123,7 @@ class RowParallelLinear(nnx.Module):
             if not self.input_is_parallel:
                 x_BSF = scatter_to_model_parallel(x_BSF)
             y = x_BSF.astype(self.dtype) @ kernel
-            y = g(y) if sp is None else _sp_reduce_scatter(y, sp)
+            y = reduce_scatter_to_sequence_parallel(y) if sp == "gather" else g(y)
         if self.bias is not None:  # replicated, added once after the reduction (to this rank's rows with sp)
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -163,7 +150,7 @@ class VocabParallelEmbedding(nnx.Module):
         x_BSD = jnp.take(table_VD, jnp.where(in_range, local_ids, 0), axis=0)
         x_BSD = jnp.where(in_range[..., None], x_BSD, 0.0)
         # The partial lookups are summed over ranks: all-reduced, or reduce-scattered into the ranks' rows (sp).
-        return (_sp_reduce_scatter(x_BSD, sp) if sp else g(x_BSD)).astype(self.dtype)
+        return (reduce_scatter_to_sequence_parallel(x_BSD) if sp else g(x_BSD)).astype(self.dtype)
 
     def attend(self, x_BSD):
         """(B, S, D) replicated -> (B, S, V / tp) logits of this rank's vocabulary slice (f before the matmul)."""
