@@ -4,13 +4,14 @@ inside `jax.shard_map`, on bf16 activations of the shapes a layer sees (nccl-tes
     python benchmarks/collectives.py                           # 8 simulated CPU devices, small sizes (CI)
     NCCL_PROTO=Simple python benchmarks/collectives.py --sizes-mb 25 50 100 --out simple.jsonl   # on GPUs
 
-One JSON line per (collective, size): the whole tensor's size, the median time of one call over `--iters` calls queued
-back to back, the algorithm bandwidth (size / time) and the bus bandwidth (algbw x (n - 1) / n for all-gather and
-reduce-scatter, x 2 (n - 1) / n for all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link
-carries. `all_gather_p2p` / `reduce_scatter_p2p` are the same collectives built from ring `ppermute` steps, rows in
-rank order, as `--tp-comm-p2p` does them (mtx/parallel/collective_matmul.py); XLA runs the steps as copy-engine peer
-copies with XLA_FLAGS=--xla_gpu_use_memcpy_local_p2p=true. Environment variables (NCCL_*) and XLA_FLAGS apply as
-set, so one setting per process. Forward only: a backward moves the same bytes the other way.
+One JSON line per (collective, size): the whole tensor's size, the time of one collective, the algorithm bandwidth
+(size / time) and the bus bandwidth (algbw x (n - 1) / n for all-gather and reduce-scatter, x 2 (n - 1) / n for
+all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link carries. The time is the median over
+`--repeats` runs of one compiled program of `--iters` collectives, each waiting for the one before (as a layer's
+collectives wait on the kernels before them), divided by `--iters`. One dispatch per run keeps the host's per-call
+launch cost out; each call's time includes the one-element update that ties it to the call before (and the hand-off
+between XLA's compute and collective streams that a layer pays too). Environment variables (NCCL_*) and XLA_FLAGS
+apply as set, so one setting per process. Forward only: a backward moves the same bytes the other way.
 """
 
 from __future__ import annotations
@@ -27,39 +28,44 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute", "all_gather_p2p", "reduce_scatter_p2p")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
 
 
 def bus_factor(collective: str, n: int) -> float:
     return 1.0 if collective == "ppermute" else 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
 
 
-def collective_fn(collective: str, mesh):
-    """`collective` over "model" as mtx's layers issue it, jitted, and whether its (rows, width) input is split by
-    rows: split for the gathers and ppermute (sequence parallelism's residual stream), whole on each rank for the
-    scatters and the all-reduce (the partial sums out of a row-parallel linear)."""
+def collective_fn(collective: str, mesh, iters: int = 1):
+    """`iters` x `collective` over "model" as mtx's layers issue it, one after another in one jitted program, and
+    whether its (rows, width) input is split by rows: split for the gather and ppermute (sequence parallelism's
+    residual stream), whole on each rank for the scatter and the all-reduce (the partial sums out of a row-parallel
+    linear). Each call's input is the previous input with one element replaced from the previous output, so no call
+    can be merged with another or start before the one before it has finished."""
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from mtx.parallel.collective_matmul import all_gather_by_ring, reduce_scatter_by_ring
     from mtx.parallel.mesh import MODEL
 
     n = mesh.shape[MODEL]
-    body = {
+    once = {
         "all_gather": lambda x: jax.lax.all_gather(x, MODEL, axis=0, tiled=True),
         "reduce_scatter": lambda x: jax.lax.psum_scatter(x, MODEL, scatter_dimension=0, tiled=True),
         "all_reduce": lambda x: jax.lax.psum(x, MODEL),
         "ppermute": lambda x: jax.lax.ppermute(x, MODEL, [(i, (i + 1) % n) for i in range(n)]),
-        "all_gather_p2p": all_gather_by_ring,
-        "reduce_scatter_p2p": reduce_scatter_by_ring,
     }[collective]
-    split = collective in ("all_gather", "ppermute", "all_gather_p2p")
+    split = collective in ("all_gather", "ppermute")
+
+    def body(x):
+        if not split:  # each rank holds its own partial sums: the replicated input becomes varying over "model"
+            x = jax.lax.pcast(x, MODEL, to="varying")
+        out = once(x)
+        for _ in range(iters - 1):
+            x = jax.lax.dynamic_update_slice(x, out[:1, :1], (0, 0))
+            out = once(x)
+        return out
+
     in_spec = P(MODEL) if split else P()
     out_spec = P(MODEL)  # every rank's result stays where it is: stacking them moves nothing
-    if not split:
-        # Each rank holds its own partial sums: mark the replicated input as varying over "model" first.
-        inner = body
-        body = lambda x: inner(jax.lax.pcast(x, MODEL, to="varying"))  # noqa: E731
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=True)), split
 
 
@@ -72,14 +78,13 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
 
     n = mesh.shape[MODEL]
     rows = max(n, size_bytes // (2 * width) // n * n)
-    fn, split = collective_fn(collective, mesh)
+    fn, split = collective_fn(collective, mesh, iters)
     x = jax.device_put(jnp.ones((rows, width), jnp.bfloat16), NamedSharding(mesh, P(MODEL) if split else P()))
     jax.block_until_ready(fn(x))  # compile + warm up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        outs = [fn(x) for _ in range(iters)]
-        jax.block_until_ready(outs)
+        jax.block_until_ready(fn(x))
         times.append((time.perf_counter() - t0) / iters)
     t = statistics.median(times)
     nbytes = rows * width * 2 // (n if collective == "ppermute" else 1)  # a ring step moves one shard
