@@ -9,8 +9,8 @@ One JSON line per (collective, size): the whole tensor's size, the time of one c
 all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link carries. The time is the median over
 `--repeats` runs of one compiled program of `--iters` collectives, each waiting for the one before (as a layer's
 collectives wait on the kernels before them), divided by `--iters`. One dispatch per run keeps the host's per-call
-launch cost out; each call's time includes the one-element update that ties it to the call before (and the hand-off
-between XLA's compute and collective streams that a layer pays too). Environment variables (NCCL_*) and XLA_FLAGS
+launch cost out; each call's time includes the one-element update that ties it to the call before and whatever
+synchronization XLA places between that kernel and the collective (which a layer pays too). Environment variables (NCCL_*) and XLA_FLAGS
 apply as set, so one setting per process. Forward only: a backward moves the same bytes the other way.
 """
 

@@ -110,14 +110,19 @@ ROWS = {
 }
 
 
-def run_row(row, steps, warmup, timeout) -> dict:
-    # The row's own settings: its XLA flags, then its environment (XLA_FLAGS there add to the row's flags).
-    settings = {"XLA_FLAGS": row["xla_flags"]} if row.get("xla_flags") else {}
-    for key, value in (row.get("env") or {}).items():
-        settings[key] = f"{settings[key]} {value}" if key == "XLA_FLAGS" and key in settings else value
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=",".join(map(str, range(row["gpus"]))))
+def _add_settings(env: dict, settings: dict) -> dict:
+    """env with `settings` set in it; XLA_FLAGS are appended to any already there, other keys replaced."""
+    env = dict(env)
     for key, value in settings.items():
         env[key] = f"{env[key]} {value}" if key == "XLA_FLAGS" and env.get(key) else value
+    return env
+
+
+def run_row(row, steps, warmup, timeout) -> dict:
+    # The row's own settings: its XLA flags, then its environment (XLA_FLAGS there add to the row's flags).
+    settings = _add_settings({"XLA_FLAGS": row["xla_flags"]} if row.get("xla_flags") else {}, row.get("env") or {})
+    env = _add_settings(dict(os.environ, PYTHONPATH=str(ROOT),
+                             CUDA_VISIBLE_DEVICES=",".join(map(str, range(row["gpus"])))), settings)
     own = ["--steps", str(steps), "--warmup", str(warmup)]
     cmd = [sys.executable, row["script"], *own, *row["args"]]
     try:
