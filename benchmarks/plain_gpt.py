@@ -11,12 +11,23 @@ tied output layer, LayerNorm, softmax and loss in fp32, bf16 compute with fp32 m
 layers (or, with --no-scan-layers, a Python loop over per-layer parameters) with the same recomputation policy,
 cuDNN flash attention where mtx uses it, optax AdamW (no decay on biases and LayerNorm) with global-norm clipping,
 donated state. The output JSON line has bench.py's fields.
+
+With --gspmd, the same program runs tensor-parallel over --tensor-model-parallel-size devices the way MaxText does it:
+no shard_map, only sharding annotations (Megatron's layout: QKV and fc1 split by columns, the attention projection
+and fc2 by rows, heads and the vocabulary split; with --sequence-parallel the residual stream split by rows) from
+which XLA's SPMD partitioner inserts the collectives. That is the baseline for mtx's TP rows, and the program on which
+XLA's own collective matmuls (windowed einsum: XLA_FLAGS=--xla_gpu_threshold_for_windowed_einsum_mib=0) apply.
+
+    python benchmarks/plain_gpt.py --gspmd --config configs/gpt_1.2b.toml --tensor-model-parallel-size 2 \
+        --sequence-parallel --micro-batch-size 16 --global-batch-size 16
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
 import statistics
 import sys
 
@@ -26,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.bench import run_cli, time_steps
 
@@ -63,24 +75,66 @@ def save_matmuls(prim, *args, **params) -> bool:
             or prim.name.startswith("dot_product_attention_fwd"))
 
 
-def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size):
+class Layout:
+    """Megatron's tensor-parallel layout as GSPMD sharding annotations over a one-axis ("model") mesh."""
+
+    COLUMNS = ("qkv_kernel", "qkv_bias", "fc1_kernel", "fc1_bias")  # split along the last (output) dimension
+    ROWS = ("out_kernel", "fc2_kernel")  # split along the input dimension
+
+    def __init__(self, mesh, sequence_parallel: bool):
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+
+    def param_spec(self, name: str, ndim: int) -> P:
+        """Per-layer arrays may carry a leading layer dimension (scanned layers): the split counts from the end."""
+        if name in self.COLUMNS:
+            return P(*[None] * (ndim - 1), "model")
+        if name in self.ROWS:
+            return P(*[None] * (ndim - 2), "model", None)
+        return P("model", None) if name == "wte" else P()
+
+    def shardings(self, tree):
+        """Shardings for parameters or optimizer state (whose moments repeat the parameters' names), by leaf name."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, a: NamedSharding(self.mesh, self.param_spec(getattr(path[-1], "key", None), a.ndim)), tree)
+
+    def __call__(self, x, kind: str):
+        """kind: "residual" (B, S, D): split by rows under sequence parallelism, else whole; "last" (..., F): split
+        along the last dimension (column-parallel outputs, the vocabulary); "heads" (B, S, H, Dh)."""
+        spec = {"residual": P(None, "model", None) if self.sequence_parallel else P(),
+                "last": P(*[None] * (x.ndim - 1), "model"), "heads": P(None, None, "model", None)}[kind]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def vocab_parallel_cross_entropy(logits, targets):
+    """Mean cross-entropy from fp32 logits as reductions over the vocabulary only (a max, a sum of exponentials, the
+    target's logit), so that with the vocabulary split GSPMD communicates (B, S) scalars, not the logits."""
+    m = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+    lse = jnp.log(jnp.exp(logits - m).sum(-1)) + m[..., 0]
+    target_logit = jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0).sum(-1)
+    return (lse - target_logit).mean()
+
+
+def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size, layout=None):
     """Mean next-token cross-entropy of a (B, S + 1) batch. params["layers"] is one dict of (L, ...) arrays (run as a
-    scan) or a list of L per-layer dicts (unrolled)."""
+    scan) or a list of L per-layer dicts (unrolled). `layout` (a Layout, or None on one device) annotates the
+    activations for GSPMD."""
     inputs, targets = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     b, s = inputs.shape
     cast = lambda w: w.astype(dtype)
-    x = (params["wte"][inputs] + params["wpe"][:s]).astype(dtype)
+    shard = layout or (lambda x, kind: x)
+    x = shard((params["wte"][inputs] + params["wpe"][:s]).astype(dtype), "residual")
 
     def block(x, p):
         d = x.shape[-1]
-        h = cast(layer_norm(x, p["ln1_scale"], p["ln1_bias"]))
-        qkv = (h @ cast(p["qkv_kernel"]) + cast(p["qkv_bias"])).reshape(b, s, heads, 3, d // heads)
-        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        h = shard(cast(layer_norm(x, p["ln1_scale"], p["ln1_bias"])), "residual")  # gathered in bf16 for the matmul
+        qkv = shard(h @ cast(p["qkv_kernel"]) + cast(p["qkv_bias"]), "last").reshape(b, s, heads, 3, d // heads)
+        q, k, v = (shard(qkv[..., i, :], "heads") for i in range(3))
         ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn" if flash else None)
-        x = x + ctx.reshape(b, s, d) @ cast(p["out_kernel"]) + cast(p["out_bias"])
-        h = cast(layer_norm(x, p["ln2_scale"], p["ln2_bias"]))
-        h = jax.nn.gelu(h @ cast(p["fc1_kernel"]) + cast(p["fc1_bias"]), approximate=True)
-        return x + h @ cast(p["fc2_kernel"]) + cast(p["fc2_bias"]), None
+        ctx = shard(shard(ctx, "heads").reshape(b, s, d), "last")
+        x = x + shard(ctx @ cast(p["out_kernel"]), "residual") + cast(p["out_bias"])
+        h = shard(cast(layer_norm(x, p["ln2_scale"], p["ln2_bias"])), "residual")
+        h = jax.nn.gelu(shard(h @ cast(p["fc1_kernel"]) + cast(p["fc1_bias"]), "last"), approximate=True)
+        return x + shard(h @ cast(p["fc2_kernel"]), "residual") + cast(p["fc2_bias"]), None
 
     if recompute == "full":
         block = jax.checkpoint(block)
@@ -91,18 +145,35 @@ def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size):
             x, _ = block(x, layer)
     else:
         x, _ = jax.lax.scan(block, x, params["layers"])
-    x = cast(layer_norm(x, params["lnf_scale"], params["lnf_bias"]))
-    logits = (x @ cast(params["wte"]).T).astype(jnp.float32)
+    x = shard(cast(layer_norm(x, params["lnf_scale"], params["lnf_bias"])), "residual")
+    logits = shard(x @ cast(params["wte"]).T, "last").astype(jnp.float32)
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)  # padded ids: no probability
+    if layout is not None:
+        return vocab_parallel_cross_entropy(logits, targets)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def make_step(cfg):
+def make_layout(cfg) -> Layout:
+    """--gspmd: a ("model",) mesh of the first --tensor-model-parallel-size devices."""
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    if pp != 1 or cfg.parallel.data_parallel_size not in (-1, 1):
+        raise SystemExit("--gspmd splits layers only (tensor parallelism): pass --pipeline-model-parallel-size 1 "
+                         "--data-parallel-size 1")
+    if not 1 <= tp <= jax.device_count():
+        raise SystemExit(f"--gspmd: --tensor-model-parallel-size {tp} needs 1 to {jax.device_count()} devices; "
+                         "pass a size within that range")
+    if cfg.model.num_attention_heads % tp or cfg.model.seq_length % tp:
+        raise SystemExit(f"--gspmd: heads ({cfg.model.num_attention_heads}) and sequence length "
+                         f"({cfg.model.seq_length}) must divide by --tensor-model-parallel-size {tp}")
+    return Layout(jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("model",)), cfg.parallel.sequence_parallel)
+
+
+def make_step(cfg, layout: Layout | None = None):
     m, t, o = cfg.model, cfg.training, cfg.optimizer
     dtype = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[t.compute_dtype]
     flash = t.use_flash_attn and jax.default_backend() == "gpu" and dtype != jnp.float32
     loss = lambda p, tok: loss_fn(p, tok, heads=m.num_attention_heads, dtype=dtype, flash=flash,
-                                  recompute=t.recompute_granularity, vocab_size=m.vocab_size)
+                                  recompute=t.recompute_granularity, vocab_size=m.vocab_size, layout=layout)
     decay = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: not jax.tree_util.keystr(path).endswith(("bias']", "scale']")), params)
     optimizer = optax.chain(optax.clip_by_global_norm(o.clip_grad),
@@ -132,19 +203,37 @@ def make_step(cfg):
         if not t.scan_layers:  # one dict per layer, so nothing is sliced out of a stack inside the step
             params["layers"] = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(m.num_layers)]
         return params
-    return init, optimizer, jax.jit(step, donate_argnums=(0, 1))
+    if layout is None:
+        return init, optimizer, jax.jit(step, donate_argnums=(0, 1))
+    # pinned shardings: left to propagation, a step's outputs come back laid out differently from its inputs
+    params = jax.eval_shape(init, jax.random.key(0))
+    state = (layout.shardings(params), layout.shardings(jax.eval_shape(optimizer.init, params)))
+    replicated = NamedSharding(layout.mesh, P())
+    step = jax.jit(step, in_shardings=(*state, replicated), out_shardings=(*state, replicated), donate_argnums=(0, 1))
+    return init, optimizer, step
 
 
-def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None) -> dict:
+def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None, gspmd: bool = False) -> dict:
     from mtx.metrics import peak_flops_per_device
 
     cfg.validate()
     m, t = cfg.model, cfg.training
-    init, optimizer, step = make_step(cfg)
+    layout = make_layout(cfg) if gspmd else None
+    init, optimizer, step = make_step(cfg, layout)
     params = jax.jit(init)(jax.random.key(t.seed))
-    opt_state = jax.jit(optimizer.init)(params)
+    if layout is not None:  # drawn whole, then split: the same weights as the one-device run
+        params = jax.device_put(params, layout.shardings(params))
+    opt_state = jax.jit(optimizer.init, out_shardings=layout and layout.shardings(
+        jax.eval_shape(optimizer.init, params)))(params)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (t.global_batch_size, m.seq_length + 1)),
                          jnp.int32)
+    collectives = None
+    if layout is not None:
+        tokens = jax.device_put(tokens, NamedSharding(layout.mesh, P()))
+        hlo = step.lower(params, opt_state, tokens).compile().as_text()
+        collectives = {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
+                       for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")}
+
     def run_step():
         nonlocal params, opt_state, loss
         params, opt_state, loss = step(params, opt_state, tokens)
@@ -154,22 +243,26 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     times, summary = time_steps(run_step, steps=steps, warmup=warmup, profile=profile)
     step_s = statistics.median(times)
     tokens_per_s = t.global_batch_size * m.seq_length / step_s
-    flops = tokens_per_s * m.flops_per_token()
+    devices = layout.mesh.size if layout else 1
+    flops = tokens_per_s * m.flops_per_token() / devices
     peak = peak_flops_per_device()
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = [d.memory_stats() or {} for d in jax.devices()[:devices]]
     return {
-        "impl": "plain-jax", "device": jax.devices()[0].device_kind, "layers": m.num_layers, "hidden": m.hidden_size,
+        "impl": "plain-jax-gspmd" if layout else "plain-jax", "device": jax.devices()[0].device_kind,
+        "devices": devices, "sequence_parallel": bool(layout and layout.sequence_parallel),
+        "layers": m.num_layers, "hidden": m.hidden_size,
         "heads": m.num_attention_heads, "seq": m.seq_length, "params": m.num_params(),
         "micro_batch": t.micro_batch_size, "global_batch": t.global_batch_size, "dtype": t.compute_dtype,
         "recompute": t.recompute_granularity, "flash": t.use_flash_attn, "step_s": step_s, "step_s_min": min(times),
         "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
-        "peak_mem_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "loss": float(loss),
-        "profile": summary,
+        "peak_mem_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30, "loss": float(loss),
+        "collectives": collectives, "xla_flags": os.environ.get("XLA_FLAGS", ""), "profile": summary,
     }
 
 
 def main(argv=None) -> int:
-    return run_cli(measure, argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return run_cli(functools.partial(measure, gspmd="--gspmd" in argv), [a for a in argv if a != "--gspmd"])
 
 
 if __name__ == "__main__":

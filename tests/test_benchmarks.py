@@ -63,6 +63,28 @@ def test_plain_baseline_is_the_same_model(tp):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_gspmd_baseline_splits_the_same_program(sequence_parallel):
+    """plain_gpt --gspmd runs the one-device program over 2 devices from sharding annotations alone: the same loss
+    after the same steps (fp32), the state keeps its layout from step to step (the jitted step pins it), and the
+    collectives are Megatron's: all-reduces without sequence parallelism, all-gathers of the residual stream with it."""
+    cfg = TINY.replace(vocab_size=300, global_batch_size=4, micro_batch_size=4, data_parallel_size=1, bf16=False,
+                       tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, scan_layers=False,
+                       recompute_granularity="matmuls")
+    one = plain_gpt.measure(cfg, steps=2, warmup=1)
+    two = plain_gpt.measure(cfg, steps=2, warmup=1, gspmd=True)
+    assert (one["devices"], two["devices"], two["impl"]) == (1, 2, "plain-jax-gspmd")
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
+    gathers, reduces = two["collectives"]["all-gather"], two["collectives"]["all-reduce"]
+    layers = cfg.model.num_layers
+    if sequence_parallel:  # each layer gathers its LayerNorm outputs before the QKV and fc1 matmuls
+        assert gathers >= 2 * layers
+    else:  # each layer's attention and MLP outputs are summed (forward) and their input gradients (backward)
+        assert gathers == 0 and reduces >= 4 * layers
+    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size 1"):
+        plain_gpt.measure(cfg.replace(pipeline_model_parallel_size=2), gspmd=True)
+
+
 def test_bench_and_plain_baseline_run_on_cpu(tmp_path):
     cfg = TINY.replace(global_batch_size=8, micro_batch_size=2, tensor_model_parallel_size=2,
                        recompute_granularity="matmuls")
