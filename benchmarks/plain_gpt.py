@@ -261,6 +261,8 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
 
 
 def main(argv=None) -> int:
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # --gspmd on CPU: 8 devices
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     argv = sys.argv[1:] if argv is None else argv
     return run_cli(functools.partial(measure, gspmd="--gspmd" in argv), [a for a in argv if a != "--gspmd"])
 

@@ -31,6 +31,9 @@ SP, OVERLAP = ["--sequence-parallel"], ["--tp-comm-overlap"]
 # Ring steps (--tp-comm-overlap) as copy-engine transfers (cudaMemcpy between the process's GPUs) instead of NCCL
 # kernels, which take SMs from the matmuls they run beside.
 P2P_COPY = "--xla_gpu_use_memcpy_local_p2p=true"
+# XLA's collective matmuls for GSPMD-partitioned dots: each all-gather / reduce-scatter + matmul pair as a loop of
+# partial matmuls and peer transfers on separate streams, whatever the size
+WINDOWED_EINSUM = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
 
 
 def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, xla_flags=None, env=None):
@@ -42,11 +45,14 @@ def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, x
             "xla_flags": xla_flags, "env": env}
 
 
-def plain(name, preset, mb, *extra):
-    """The plain-JAX baseline with scanned layers (its unrolled variant compiled past the row timeout on H200)."""
+def plain(name, preset, mb, *extra, gpus=1, xla_flags=None):
+    """The plain-JAX baseline with scanned layers (its unrolled variant compiled past the row timeout on H200); on
+    more than one GPU, tensor-parallel over all of them from GSPMD sharding annotations (plain_gpt.py --gspmd)."""
+    split = ["--gspmd", "--data-parallel-size", "1", "--tensor-model-parallel-size", str(gpus)] if gpus > 1 else []
     args = ["--config", f"configs/{preset}.toml", "--micro-batch-size", str(mb), "--global-batch-size", str(mb),
-            *[a for a in FAST if a != "--no-scan-layers"], *extra]
-    return {"name": name, "gpus": 1, "script": "benchmarks/plain_gpt.py", "args": args, "model": preset}
+            *[a for a in FAST if a != "--no-scan-layers"], *split, *extra]
+    return {"name": name, "gpus": gpus, "script": "benchmarks/plain_gpt.py", "args": args, "model": preset,
+            "xla_flags": xla_flags}
 
 
 def torch_row(name, mb, layers=40, hidden=1536, heads=16, model="gpt_1.2b"):
@@ -89,6 +95,17 @@ ROWS = {
             env={"NCCL_PROTO": "Simple"}),
         mtx("1.2B, TP 2 (strong), sequence parallel, NCCL_MIN_NCHANNELS=32", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP,
             env={"NCCL_MIN_NCHANNELS": "32"}),
+    ],
+    # mtx's shard_map TP against the same model split by GSPMD, with and without XLA's collective matmuls (windowed
+    # einsum, which only GSPMD-partitioned matmuls get); docs/benchmarks.md 3d. The GSPMD rows have compiled for
+    # longer than 240 s on H200, hence the longer limit:
+    #   python benchmarks/suite.py --rows 1gpu 2gpu-gspmd --only "1.2B, 1 GPU" "TP 2" --skip "mb 24" scanned \
+    #       --timeout 600
+    "2gpu-gspmd": [
+        mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
+        plain("1.2B, TP 2 (strong), plain JAX GSPMD, sequence parallel", "gpt_1.2b", 16, *SP, gpus=2),
+        plain("1.2B, TP 2 (strong), plain JAX GSPMD, sequence parallel, windowed einsum", "gpt_1.2b", 16, *SP,
+              gpus=2, xla_flags=WINDOWED_EINSUM),
     ],
     "4gpu": [
         mtx("4.2B, TP 4 (weak)", 4, "gpt_4.2b", 1, 1, 4, 16, 16),
@@ -151,7 +168,7 @@ def table(records) -> str:
             out.append(f"| {r['name']} | {r['gpus']} | | | | {x['error'][:80]} | | | | |")
             continue
         scaling = ""
-        if r["script"] == "benchmarks/bench.py" and r["gpus"] > 1:
+        if r["gpus"] > 1:  # mtx's and GSPMD's rows against mtx's 1-GPU row
             same = one_gpu.get(r["model"])
             if "weak" in r["name"] and base:
                 scaling = f"weak {x['tflops_per_device'] / base['tflops_per_device']:.0%}"

@@ -127,13 +127,16 @@ def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
 
     rows = [suite.mtx("tiny, 1 GPU", 1, "tiny", 1, 1, 1, 2, 4, fast=False),
             suite.mtx("tiny, TP 2 (strong)", 2, "tiny", 1, 1, 2, 2, 4, fast=False),
-            suite.mtx("tiny, bad", 1, "tiny", 1, 1, 3, 2, 4, fast=False)]  # 8 heads on TP 3: refused
+            suite.mtx("tiny, bad", 1, "tiny", 1, 1, 3, 2, 4, fast=False),  # 8 heads on TP 3: refused
+            suite.plain("tiny, TP 2 (strong), GSPMD", "tiny", 4, *suite.SP, gpus=2)]
     records = [suite.run_row(r, steps=2, warmup=1, timeout=300) for r in rows]
-    ok, strong, bad = (r["result"] for r in records)
+    ok, strong, bad, gspmd = (r["result"] for r in records)
     assert ok["mesh"] == {"data": 1, "pipeline": 1, "model": 1} and strong["mesh"]["model"] == 2
     assert "--tensor-model-parallel-size" in bad["error"]
+    assert (gspmd["impl"], gspmd["devices"], gspmd["sequence_parallel"]) == ("plain-jax-gspmd", 2, True)
     text = suite.table(records)
-    assert f"strong {strong['tokens_per_s'] / ok['tokens_per_s']:.2f}x" in text
+    for row in (strong, gspmd):
+        assert f"strong {row['tokens_per_s'] / ok['tokens_per_s']:.2f}x" in text
     assert text.count("\n") == 2 + len(rows) - 1 and "| tiny, bad | 1 |" in text
 
 
@@ -146,7 +149,7 @@ def test_every_suite_row_is_a_valid_run_on_its_gpu_count(group):
     for row in suite.ROWS[group]:
         if row["script"] == "benchmarks/torch_gpt.py":
             continue
-        cfg = parse_config(row["args"]).validate(row["gpus"])
+        cfg = parse_config([a for a in row["args"] if a != "--gspmd"]).validate(row["gpus"])  # plain_gpt's own flag
         p = cfg.parallel
         dp = cfg.data_parallel_size(row["gpus"])
         assert dp * p.pipeline_model_parallel_size * p.tensor_model_parallel_size == row["gpus"], row["name"]
