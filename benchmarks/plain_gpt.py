@@ -24,6 +24,7 @@ XLA's own collective matmuls (windowed einsum: XLA_FLAGS=--xla_gpu_threshold_for
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import os
@@ -80,17 +81,24 @@ class Layout:
 
     COLUMNS = ("qkv_kernel", "qkv_bias", "fc1_kernel", "fc1_bias")  # split along the last (output) dimension
     ROWS = ("out_kernel", "fc2_kernel")  # split along the input dimension
+    WHOLE = ("wpe", "ln1_scale", "ln1_bias", "out_bias", "ln2_scale", "ln2_bias", "fc2_bias", "lnf_scale", "lnf_bias")
 
     def __init__(self, mesh, sequence_parallel: bool):
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
 
-    def param_spec(self, name: str, ndim: int) -> P:
-        """Per-layer arrays may carry a leading layer dimension (scanned layers): the split counts from the end."""
+    def param_spec(self, name: str | None, ndim: int) -> P:
+        """Per-layer arrays may carry a leading layer dimension (scanned layers): the split counts from the end.
+        name None: an optimizer's own counter. A parameter init_params gains must be listed here, not replicated
+        by default."""
         if name in self.COLUMNS:
             return P(*[None] * (ndim - 1), "model")
         if name in self.ROWS:
             return P(*[None] * (ndim - 2), "model", None)
-        return P("model", None) if name == "wte" else P()
+        if name == "wte":  # split by vocabulary rows
+            return P("model", None)
+        if name in self.WHOLE or name is None:
+            return P()
+        raise ValueError(f"no tensor-parallel layout for parameter {name!r}: add it to plain_gpt.Layout")
 
     def shardings(self, tree):
         """Shardings for parameters or optimizer state (whose moments repeat the parameters' names), by leaf name."""
@@ -99,7 +107,7 @@ class Layout:
 
     def __call__(self, x, kind: str):
         """kind: "residual" (B, S, D): split by rows under sequence parallelism, else whole; "last" (..., F): split
-        along the last dimension (column-parallel outputs, the vocabulary); "heads" (B, S, H, Dh)."""
+        along the last dimension (column-parallel outputs, the vocabulary); "heads" (B, S, N, H)."""
         spec = {"residual": P(None, "model", None) if self.sequence_parallel else P(),
                 "last": P(*[None] * (x.ndim - 1), "model"), "heads": P(None, None, "model", None)}[kind]
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -162,9 +170,9 @@ def make_layout(cfg) -> Layout:
     if not 1 <= tp <= jax.device_count():
         raise SystemExit(f"--gspmd: --tensor-model-parallel-size {tp} needs 1 to {jax.device_count()} devices; "
                          "pass a size within that range")
-    if cfg.model.num_attention_heads % tp or cfg.model.seq_length % tp:
-        raise SystemExit(f"--gspmd: heads ({cfg.model.num_attention_heads}) and sequence length "
-                         f"({cfg.model.seq_length}) must divide by --tensor-model-parallel-size {tp}")
+    if cfg.parallel.sequence_parallel and cfg.model.seq_length % tp:  # (heads: cfg.validate() checks them)
+        raise SystemExit(f"--gspmd --sequence-parallel: the sequence length ({cfg.model.seq_length}) must divide by "
+                         f"--tensor-model-parallel-size {tp}")
     return Layout(jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("model",)), cfg.parallel.sequence_parallel)
 
 
@@ -213,6 +221,13 @@ def make_step(cfg, layout: Layout | None = None):
     return init, optimizer, step
 
 
+def count_collectives(hlo: str) -> dict:
+    """Collective instructions in a compiled program's text, by kind: per program, not per step (a scanned layer's
+    appear once, in the loop body; windowed einsum turns gathers and scatters into collective-permutes in loops)."""
+    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
+            for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")}
+
+
 def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None, gspmd: bool = False) -> dict:
     from mtx.metrics import peak_flops_per_device
 
@@ -230,9 +245,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     collectives = None
     if layout is not None:
         tokens = jax.device_put(tokens, NamedSharding(layout.mesh, P()))
-        hlo = step.lower(params, opt_state, tokens).compile().as_text()
-        collectives = {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
-                       for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")}
+        collectives = count_collectives(step.lower(params, opt_state, tokens).compile().as_text())
 
     def run_step():
         nonlocal params, opt_state, loss
@@ -256,15 +269,18 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         "recompute": t.recompute_granularity, "flash": t.use_flash_attn, "step_s": step_s, "step_s_min": min(times),
         "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
         "peak_mem_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30, "loss": float(loss),
-        "collectives": collectives, "xla_flags": os.environ.get("XLA_FLAGS", ""), "profile": summary,
+        "collectives": collectives, "profile": summary,
     }
 
 
 def main(argv=None) -> int:
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # --gspmd on CPU: 8 devices
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-    argv = sys.argv[1:] if argv is None else argv
-    return run_cli(functools.partial(measure, gspmd="--gspmd" in argv), [a for a in argv if a != "--gspmd"])
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--gspmd", action="store_true",
+                    help="split the model over --tensor-model-parallel-size devices by sharding annotations")
+    own, rest = ap.parse_known_args(argv)
+    return run_cli(functools.partial(measure, gspmd=own.gspmd), rest)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Rows are named groups (ROWS below): mtx rows run `benchmarks/bench.py`, the base
 (plain JAX, no shard_map) and `benchmarks/torch_gpt.py` (torch.compile nanoGPT). Each row runs in its own process
 on the first `gpus` devices (CUDA_VISIBLE_DEVICES), so rows never share a GPU and a failing row (out of memory)
 costs only itself. The table reports, besides bench.py's fields, each mtx row's scaling against the 1-GPU mtx row of
-the same model: weak-scaling efficiency = per-GPU tokens/s of the larger model and mesh / per-GPU tokens/s of 1.2B on
+the same model (a GSPMD row's against the 1-GPU plain-JAX row): weak-scaling efficiency = per-GPU tokens/s of the larger model and mesh / per-GPU tokens/s of 1.2B on
 1 GPU, in model FLOPs (the paper's Figure 5 uses FLOP/s: the models differ), and strong-scaling speedup = tokens/s on
 n GPUs / tokens/s on 1 GPU for the same model and global batch (paper Table 8).
 """
@@ -99,8 +99,8 @@ ROWS = {
     # mtx's shard_map TP against the same model split by GSPMD, with and without XLA's collective matmuls (windowed
     # einsum, which only GSPMD-partitioned matmuls get); docs/benchmarks.md 3d. The GSPMD rows have compiled for
     # longer than 240 s on H200, hence the longer limit:
-    #   python benchmarks/suite.py --rows 1gpu 2gpu-gspmd --only "1.2B, 1 GPU" "TP 2" --skip "mb 24" scanned \
-    #       --timeout 600
+    #   python benchmarks/suite.py --rows 1gpu 2gpu-gspmd --only "1.2B, 1 GPU" "1.2B, plain JAX" "TP 2" \
+    #       --skip "mb 24" "1 GPU, scanned" --timeout 600
     "2gpu-gspmd": [
         mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
         plain("1.2B, TP 2 (strong), plain JAX GSPMD, sequence parallel", "gpt_1.2b", 16, *SP, gpus=2),
@@ -158,6 +158,8 @@ def table(records) -> str:
     one_gpu = {r["model"]: r["result"] for r in records
                if r["script"] == "benchmarks/bench.py" and r["gpus"] == 1 and "error" not in r["result"]
                and r.get("base_name", r["name"]).endswith("1 GPU")}
+    plain_one_gpu = {r["model"]: r["result"] for r in records
+                     if r["script"] == "benchmarks/plain_gpt.py" and r["gpus"] == 1 and "error" not in r["result"]}
     base = one_gpu.get("gpt_1.2b")
     head = ("| row | GPUs | params | global batch | step (s) | tokens/s | TFLOP/s per GPU | MFU | peak mem (GiB) | "
             "scaling |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -168,8 +170,8 @@ def table(records) -> str:
             out.append(f"| {r['name']} | {r['gpus']} | | | | {x['error'][:80]} | | | | |")
             continue
         scaling = ""
-        if r["gpus"] > 1:  # mtx's and GSPMD's rows against mtx's 1-GPU row
-            same = one_gpu.get(r["model"])
+        if r["gpus"] > 1:  # mtx's rows against mtx's 1-GPU row, GSPMD's (scanned layers) against plain JAX's
+            same = (plain_one_gpu if r["script"] == "benchmarks/plain_gpt.py" else one_gpu).get(r["model"])
             if "weak" in r["name"] and base:
                 scaling = f"weak {x['tflops_per_device'] / base['tflops_per_device']:.0%}"
             elif same and x["global_batch"] == same["global_batch"]:

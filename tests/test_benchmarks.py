@@ -63,26 +63,49 @@ def test_plain_baseline_is_the_same_model(tp):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_gspmd_baseline_splits_the_same_program(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,scan", [(False, False), (True, False), (True, True)])
+def test_gspmd_baseline_splits_the_same_program(sequence_parallel, scan):
     """plain_gpt --gspmd runs the one-device program over 2 devices from sharding annotations alone: the same loss
-    after the same steps (fp32), the state keeps its layout from step to step (the jitted step pins it), and the
-    collectives are Megatron's: all-reduces without sequence parallelism, all-gathers of the residual stream with it."""
+    after the same steps (fp32); the step hands back its state laid out as it took it; and the layout is Megatron's:
+    only activations (rows of width D) and token ids are ever gathered, never a weight or the logits, no all-to-all
+    reshuffles heads, and a sum over the model axis carries a layer's (B, S, D) activations or (B, S) loss scalars,
+    never the vocabulary."""
     cfg = TINY.replace(vocab_size=300, global_batch_size=4, micro_batch_size=4, data_parallel_size=1, bf16=False,
-                       tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, scan_layers=False,
+                       tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, scan_layers=scan,
                        recompute_granularity="matmuls")
     one = plain_gpt.measure(cfg, steps=2, warmup=1)
     two = plain_gpt.measure(cfg, steps=2, warmup=1, gspmd=True)
     assert (one["devices"], two["devices"], two["impl"]) == (1, 2, "plain-jax-gspmd")
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
-    gathers, reduces = two["collectives"]["all-gather"], two["collectives"]["all-reduce"]
-    layers = cfg.model.num_layers
-    if sequence_parallel:  # each layer gathers its LayerNorm outputs before the QKV and fc1 matmuls
-        assert gathers >= 2 * layers
-    else:  # each layer's attention and MLP outputs are summed (forward) and their input gradients (backward)
-        assert gathers == 0 and reduces >= 4 * layers
-    with pytest.raises(SystemExit, match="--pipeline-model-parallel-size 1"):
-        plain_gpt.measure(cfg.replace(pipeline_model_parallel_size=2), gspmd=True)
+
+    layout = plain_gpt.make_layout(cfg)
+    init, optimizer, step = plain_gpt.make_step(cfg, layout)
+    params = jax.device_put(jax.jit(init)(jax.random.key(0)), layout.shardings(jax.eval_shape(init, jax.random.key(0))))
+    opt_state = jax.jit(optimizer.init, out_shardings=layout.shardings(jax.eval_shape(optimizer.init, params)))(params)
+    tokens = jnp.zeros((4, cfg.model.seq_length + 1), jnp.int32)
+    hlo = step.lower(params, opt_state, tokens).compile().as_text()
+    new_params, new_opt_state, _ = step(params, opt_state, tokens)
+    for before, after in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((new_params, new_opt_state))):
+        assert after.sharding.is_equivalent_to(before.sharding, after.ndim)
+    b, seq, d, v = 4, cfg.model.seq_length, cfg.model.hidden_size, cfg.model.padded_vocab_size
+    assert len({seq, d, v}) == 3  # so that a shape tells what it holds
+    counts = plain_gpt.count_collectives(hlo)
+    assert counts["all-to-all"] == 0
+    assert (counts["all-gather"] >= 2) == sequence_parallel  # the LayerNorm outputs before QKV and fc1
+    for op, arrays in _collective_shapes(hlo):
+        for dims in arrays:
+            assert v not in dims, (op, dims)
+            if op == "all-gather":  # activations, their position-embedding gradient (S, D), or token ids
+                assert dims in [(b, seq, d), (seq, d), (b, seq, 1), (b, seq)], dims
+
+
+def _collective_shapes(hlo: str):
+    """(op, [dims of each array it produces]) for every all-gather, all-reduce and reduce-scatter in HLO text."""
+    for line in hlo.splitlines():
+        m = re.search(r"=\s+(.+?)\s+(all-gather|all-reduce|reduce-scatter)(?:-start)?\(", line)
+        if m:
+            yield m.group(2), [tuple(int(x) for x in dims.split(",") if x)
+                               for dims in re.findall(r"\[([\d,]*)\]", m.group(1))]
 
 
 def test_bench_and_plain_baseline_run_on_cpu(tmp_path):
@@ -128,15 +151,16 @@ def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
     rows = [suite.mtx("tiny, 1 GPU", 1, "tiny", 1, 1, 1, 2, 4, fast=False),
             suite.mtx("tiny, TP 2 (strong)", 2, "tiny", 1, 1, 2, 2, 4, fast=False),
             suite.mtx("tiny, bad", 1, "tiny", 1, 1, 3, 2, 4, fast=False),  # 8 heads on TP 3: refused
+            suite.plain("tiny, plain JAX", "tiny", 4),
             suite.plain("tiny, TP 2 (strong), GSPMD", "tiny", 4, *suite.SP, gpus=2)]
     records = [suite.run_row(r, steps=2, warmup=1, timeout=300) for r in rows]
-    ok, strong, bad, gspmd = (r["result"] for r in records)
+    ok, strong, bad, plain, gspmd = (r["result"] for r in records)
     assert ok["mesh"] == {"data": 1, "pipeline": 1, "model": 1} and strong["mesh"]["model"] == 2
     assert "--tensor-model-parallel-size" in bad["error"]
     assert (gspmd["impl"], gspmd["devices"], gspmd["sequence_parallel"]) == ("plain-jax-gspmd", 2, True)
     text = suite.table(records)
-    for row in (strong, gspmd):
-        assert f"strong {row['tokens_per_s'] / ok['tokens_per_s']:.2f}x" in text
+    assert f"strong {strong['tokens_per_s'] / ok['tokens_per_s']:.2f}x" in text
+    assert f"strong {gspmd['tokens_per_s'] / plain['tokens_per_s']:.2f}x" in text  # GSPMD against plain JAX
     assert text.count("\n") == 2 + len(rows) - 1 and "| tiny, bad | 1 |" in text
 
 
