@@ -31,6 +31,7 @@ import os
 import re
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -235,17 +236,23 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     m, t = cfg.model, cfg.training
     layout = make_layout(cfg) if gspmd else None
     init, optimizer, step = make_step(cfg, layout)
+    start = time.perf_counter()
     params = jax.jit(init)(jax.random.key(t.seed))
     if layout is not None:  # drawn whole, then split: the same weights as the one-device run
         params = jax.device_put(params, layout.shardings(params))
     opt_state = jax.jit(optimizer.init, out_shardings=layout and layout.shardings(
         jax.eval_shape(optimizer.init, params)))(params)
+    jax.block_until_ready(opt_state)
+    # on stderr as they happen: a row that runs out of time still shows how far it got
+    print(f"plain_gpt: state initialized in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (t.global_batch_size, m.seq_length + 1)),
                          jnp.int32)
     collectives = None
     if layout is not None:
+        start = time.perf_counter()
         tokens = jax.device_put(tokens, NamedSharding(layout.mesh, P()))
         collectives = count_collectives(step.lower(params, opt_state, tokens).compile().as_text())
+        print(f"plain_gpt: step compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
     def run_step():
         nonlocal params, opt_state, loss

@@ -147,8 +147,10 @@ def run_row(row, steps, warmup, timeout) -> dict:
         lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
         result = json.loads(lines[-1]) if p.returncode == 0 and lines else {
             "error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-    except subprocess.TimeoutExpired:
-        result = {"error": f"timed out after {timeout} s"}
+    except subprocess.TimeoutExpired as e:  # with how far the row got (plain_gpt.py reports its phases)
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        last = [l for l in err.splitlines() if l.strip(" *")][-1:]
+        result = {"error": f"timed out after {timeout} s" + (f"; last: {last[0][:200]}" if last else "")}
     result.pop("profile", None)
     prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in settings.items())
     return {**row, "command": prefix + " ".join(["python", row["script"], *own, *row["args"]]), "result": result}

@@ -3,6 +3,7 @@
 import gzip
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -162,6 +163,17 @@ def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
     assert f"strong {strong['tokens_per_s'] / ok['tokens_per_s']:.2f}x" in text
     assert f"strong {gspmd['tokens_per_s'] / plain['tokens_per_s']:.2f}x" in text  # GSPMD against plain JAX
     assert text.count("\n") == 2 + len(rows) - 1 and "| tiny, bad | 1 |" in text
+
+
+def test_suite_row_that_times_out_says_how_far_it_got(monkeypatch):
+    from benchmarks import suite
+
+    def slow(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"], stderr=b"plain_gpt: state initialized in 95 s\n***\n")
+
+    monkeypatch.setattr(suite.subprocess, "run", slow)
+    record = suite.run_row(suite.plain("tiny, plain JAX", "tiny", 4), steps=2, warmup=1, timeout=7)
+    assert record["result"]["error"] == "timed out after 7 s; last: plain_gpt: state initialized in 95 s"
 
 
 @pytest.mark.parametrize("group", sorted(__import__("benchmarks.suite", fromlist=["ROWS"]).ROWS))
