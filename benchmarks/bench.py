@@ -101,9 +101,14 @@ def run_cli(measure_fn, argv=None) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def simulate_cpu_devices(n: int = 8) -> None:
+    """Without an accelerator, n simulated CPU devices (before JAX starts its backends; no effect on GPUs)."""
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}")
+
+
+def main(argv=None) -> int:
+    simulate_cpu_devices()
     return run_cli(measure, argv)
 
 

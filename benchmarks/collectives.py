@@ -10,8 +10,8 @@ all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link car
 `--repeats` runs of one compiled program of `--iters` collectives, each waiting for the one before (as a layer's
 collectives wait on the kernels before them), divided by `--iters`. One dispatch per run keeps the host's per-call
 launch cost out; each call's time includes the one-element update that ties it to the call before and whatever
-synchronization XLA places between that kernel and the collective (which a layer pays too). Environment variables (NCCL_*) and XLA_FLAGS
-apply as set, so one setting per process. Forward only: a backward moves the same bytes the other way.
+synchronization XLA places between that kernel and the collective (which a layer pays too). Environment variables
+(NCCL_*) and XLA_FLAGS apply as set, so one setting per process. Forward only: a backward moves the same bytes the other way.
 """
 
 from __future__ import annotations

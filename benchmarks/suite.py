@@ -7,9 +7,10 @@ Rows are named groups (ROWS below): mtx rows run `benchmarks/bench.py`, the base
 (plain JAX, no shard_map) and `benchmarks/torch_gpt.py` (torch.compile nanoGPT). Each row runs in its own process
 on the first `gpus` devices (CUDA_VISIBLE_DEVICES), so rows never share a GPU and a failing row (out of memory)
 costs only itself. The table reports, besides bench.py's fields, each mtx row's scaling against the 1-GPU mtx row of
-the same model (a GSPMD row's against the 1-GPU plain-JAX row): weak-scaling efficiency = per-GPU tokens/s of the larger model and mesh / per-GPU tokens/s of 1.2B on
-1 GPU, in model FLOPs (the paper's Figure 5 uses FLOP/s: the models differ), and strong-scaling speedup = tokens/s on
-n GPUs / tokens/s on 1 GPU for the same model and global batch (paper Table 8).
+the same model (a GSPMD row's against the 1-GPU plain-JAX row): weak-scaling efficiency = per-GPU tokens/s of the
+larger model and mesh / per-GPU tokens/s of 1.2B on 1 GPU, in model FLOPs (the paper's Figure 5 uses FLOP/s: the
+models differ), and strong-scaling speedup = tokens/s on n GPUs / tokens/s on 1 GPU for the same model and global
+batch (paper Table 8).
 """
 
 from __future__ import annotations

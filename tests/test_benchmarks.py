@@ -69,8 +69,7 @@ def test_gspmd_baseline_splits_the_same_program(sequence_parallel, scan):
     """plain_gpt --gspmd runs the one-device program over 2 devices from sharding annotations alone: the same loss
     after the same steps (fp32); the step hands back its state laid out as it took it; and the layout is Megatron's:
     only activations (rows of width D) and token ids are ever gathered, never a weight or the logits, no all-to-all
-    reshuffles heads, and a sum over the model axis carries a layer's (B, S, D) activations or (B, S) loss scalars,
-    never the vocabulary."""
+    reshuffles heads, and no collective carries the vocabulary dimension (the loss sums (B, S) scalars)."""
     cfg = TINY.replace(vocab_size=300, global_batch_size=4, micro_batch_size=4, data_parallel_size=1, bf16=False,
                        tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, scan_layers=scan,
                        recompute_granularity="matmuls")
@@ -81,8 +80,7 @@ def test_gspmd_baseline_splits_the_same_program(sequence_parallel, scan):
 
     layout = plain_gpt.make_layout(cfg)
     init, optimizer, step = plain_gpt.make_step(cfg, layout)
-    params = jax.device_put(jax.jit(init)(jax.random.key(0)), layout.shardings(jax.eval_shape(init, jax.random.key(0))))
-    opt_state = jax.jit(optimizer.init, out_shardings=layout.shardings(jax.eval_shape(optimizer.init, params)))(params)
+    params, opt_state = plain_gpt.init_state(init, optimizer, layout, seed=0)
     tokens = jnp.zeros((4, cfg.model.seq_length + 1), jnp.int32)
     hlo = step.lower(params, opt_state, tokens).compile().as_text()
     new_params, new_opt_state, _ = step(params, opt_state, tokens)
