@@ -207,9 +207,11 @@ def make_step(cfg, layout: Layout | None = None):
         return optax.apply_updates(params, updates), opt_state, l / accumulation
 
     def init(key):
-        params = init_params(key, vocab=m.padded_vocab_size, positions=m.max_positions, layers=m.num_layers,
-                             d=m.hidden_size, f=m.ffn_size, std=m.init_method_std)
-        if not t.scan_layers:  # one dict per layer, so nothing is sliced out of a stack inside the step
+        params = jax.jit(functools.partial(init_params, vocab=m.padded_vocab_size, positions=m.max_positions,
+                                           layers=m.num_layers, d=m.hidden_size, f=m.ffn_size,
+                                           std=m.init_method_std))(key)
+        if not t.scan_layers:  # one dict per layer, so nothing is sliced out of a stack inside the step; sliced
+            # here, outside the jitted draw (with the 480 slices inside it, XLA took minutes to compile it on GPU)
             params["layers"] = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(m.num_layers)]
         return params
     if layout is None:
@@ -225,7 +227,7 @@ def make_step(cfg, layout: Layout | None = None):
 def init_state(init, optimizer, layout: Layout | None, seed: int):
     """(parameters, optimizer state), laid out by `layout` where there is one. The parameters are drawn whole, then
     split: the same weights as the one-device run."""
-    params = jax.jit(init)(jax.random.key(seed))
+    params = init(jax.random.key(seed))
     if layout is None:
         return params, jax.jit(optimizer.init)(params)
     params = jax.device_put(params, layout.shardings(params))

@@ -38,7 +38,7 @@ WINDOWED_EINSUM = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi
 
 
 def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, xla_flags=None, env=None):
-    fast_flags = [a for a in FAST if not (scan and a == "--no-scan-layers")] if fast else []
+    fast_flags = [("--scan-layers" if scan and a == "--no-scan-layers" else a) for a in FAST] if fast else []
     args = ["--config", f"configs/{preset}.toml", "--data-parallel-size", str(dp), "--pipeline-model-parallel-size",
             str(pp), "--tensor-model-parallel-size", str(tp), "--micro-batch-size", str(mb), "--global-batch-size",
             str(gb), *fast_flags, *extra]
@@ -47,11 +47,11 @@ def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, x
 
 
 def plain(name, preset, mb, *extra, gpus=1, xla_flags=None):
-    """The plain-JAX baseline with scanned layers (its unrolled variant compiled past the row timeout on H200); on
-    more than one GPU, tensor-parallel over all of them from GSPMD sharding annotations (plain_gpt.py --gspmd)."""
+    """The plain-JAX baseline with scanned layers (beside mtx's scanned rows); on more than one GPU, tensor-parallel
+    over all of them from GSPMD sharding annotations (plain_gpt.py --gspmd)."""
     split = ["--gspmd", "--data-parallel-size", "1", "--tensor-model-parallel-size", str(gpus)] if gpus > 1 else []
     args = ["--config", f"configs/{preset}.toml", "--micro-batch-size", str(mb), "--global-batch-size", str(mb),
-            *[a for a in FAST if a != "--no-scan-layers"], *split, *extra]
+            *[("--scan-layers" if a == "--no-scan-layers" else a) for a in FAST], *split, *extra]
     return {"name": name, "gpus": gpus, "script": "benchmarks/plain_gpt.py", "args": args, "model": preset,
             "xla_flags": xla_flags}
 
@@ -98,12 +98,11 @@ ROWS = {
             env={"NCCL_MIN_NCHANNELS": "32"}),
     ],
     # mtx's shard_map TP against the same model split by GSPMD, with and without XLA's collective matmuls (windowed
-    # einsum, which only GSPMD-partitioned matmuls get); docs/benchmarks.md 3d. The GSPMD rows have compiled for
-    # longer than 240 s on H200, hence the longer limit:
-    #   python benchmarks/suite.py --rows 1gpu 2gpu-gspmd --only "1.2B, 1 GPU" "1.2B, plain JAX" "TP 2" \
-    #       --skip "mb 24" "1 GPU, scanned" --timeout 600
+    # einsum, which only GSPMD-partitioned matmuls get); docs/benchmarks.md 3d. Layers scanned in all three, as in
+    # the 1-GPU rows they are compared with:
+    #   python benchmarks/suite.py --rows 1gpu 2gpu-gspmd --only scanned "1.2B, plain JAX" "TP 2"
     "2gpu-gspmd": [
-        mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
+        mtx("1.2B, TP 2 (strong), sequence parallel, scanned layers", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP, scan=True),
         plain("1.2B, TP 2 (strong), plain JAX GSPMD, sequence parallel", "gpt_1.2b", 16, *SP, gpus=2),
         plain("1.2B, TP 2 (strong), plain JAX GSPMD, sequence parallel, windowed einsum", "gpt_1.2b", 16, *SP,
               gpus=2, xla_flags=WINDOWED_EINSUM),
@@ -158,12 +157,14 @@ def run_row(row, steps, warmup, timeout) -> dict:
 
 
 def table(records) -> str:
-    one_gpu = {r["model"]: r["result"] for r in records
+    # mtx's 1-GPU rows by model and layers scanned or not ("1.2B, 1 GPU", "1.2B, 1 GPU, scanned layers")
+    scanned = lambda r: r.get("base_name", r["name"]).endswith("scanned layers")
+    one_gpu = {(r["model"], scanned(r)): r["result"] for r in records
                if r["script"] == "benchmarks/bench.py" and r["gpus"] == 1 and "error" not in r["result"]
-               and r.get("base_name", r["name"]).endswith("1 GPU")}
+               and r.get("base_name", r["name"]).removesuffix(", scanned layers").endswith("1 GPU")}
     plain_one_gpu = {r["model"]: r["result"] for r in records
                      if r["script"] == "benchmarks/plain_gpt.py" and r["gpus"] == 1 and "error" not in r["result"]}
-    base = one_gpu.get("gpt_1.2b")
+    base = one_gpu.get(("gpt_1.2b", False))
     head = ("| row | GPUs | params | global batch | step (s) | tokens/s | TFLOP/s per GPU | MFU | peak mem (GiB) | "
             "scaling |\n|---|---|---|---|---|---|---|---|---|---|")
     out = [head]
@@ -173,8 +174,10 @@ def table(records) -> str:
             out.append(f"| {r['name']} | {r['gpus']} | | | | {x['error'][:80]} | | | | |")
             continue
         scaling = ""
-        if r["gpus"] > 1:  # mtx's rows against mtx's 1-GPU row, GSPMD's (scanned layers) against plain JAX's
-            same = (plain_one_gpu if r["script"] == "benchmarks/plain_gpt.py" else one_gpu).get(r["model"])
+        if r["gpus"] > 1:  # mtx's rows against mtx's 1-GPU row (scanned against scanned if there is one), GSPMD's
+            # (scanned layers) against plain JAX's
+            same = (plain_one_gpu.get(r["model"]) if r["script"] == "benchmarks/plain_gpt.py" else
+                    one_gpu.get((r["model"], scanned(r)), one_gpu.get((r["model"], False))))
             if "weak" in r["name"] and base:
                 scaling = f"weak {x['tflops_per_device'] / base['tflops_per_device']:.0%}"
             elif same and x["global_batch"] == same["global_batch"]:

@@ -85,3 +85,19 @@ def test_help_lists_every_flag():
     text = build_parser().format_help()
     for flag in ("--mask-prob", "--sequence-parallel", "--tp-comm-overlap", "--no-scan-layers", "--bert-no-binary-head"):
         assert flag in text
+
+
+def test_boolean_flags_undo_a_preset(tmp_path):
+    """Every boolean field takes a flag each way, so a preset's setting can be undone on the command line (the 1.2B
+    preset unrolls its layers; a benchmark row meant to scan them once could not, and silently ran unrolled)."""
+    from mtx.cli import parse_config
+
+    preset = tmp_path / "p.toml"
+    preset.write_text("scan_layers = false\nsequence_parallel = true\nbert_binary_head = false\n")
+    cfg = parse_config(["--config", str(preset)])
+    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.model.bert_binary_head) == (False, True, False)
+    cfg = parse_config(["--config", str(preset), "--scan-layers", "--no-sequence-parallel", "--bert-binary-head"])
+    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.model.bert_binary_head) == (True, False, True)
+    cfg = parse_config(["--no-scan-layers", "--sequence-parallel", "--bert-no-binary-head"])  # the defaults' flags
+    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.model.bert_binary_head) == (False, True, False)
+    assert parse_config(["--sequence-parallel", "--no-sequence-parallel"]).parallel.sequence_parallel is False  # last wins
