@@ -38,7 +38,9 @@ WINDOWED_EINSUM = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi
 
 
 def mtx(name, gpus, preset, dp, pp, tp, mb, gb, *extra, fast=True, scan=False, xla_flags=None, env=None):
-    fast_flags = [("--scan-layers" if scan and a == "--no-scan-layers" else a) for a in FAST] if fast else []
+    fast_flags = [a for a in FAST if a != "--no-scan-layers"] if fast else []
+    if fast or scan:  # said either way, whatever the preset says
+        fast_flags.append("--scan-layers" if scan else "--no-scan-layers")
     args = ["--config", f"configs/{preset}.toml", "--data-parallel-size", str(dp), "--pipeline-model-parallel-size",
             str(pp), "--tensor-model-parallel-size", str(tp), "--micro-batch-size", str(mb), "--global-batch-size",
             str(gb), *fast_flags, *extra]
@@ -157,8 +159,9 @@ def run_row(row, steps, warmup, timeout) -> dict:
 
 
 def table(records) -> str:
-    # mtx's 1-GPU rows by model and layers scanned or not ("1.2B, 1 GPU", "1.2B, 1 GPU, scanned layers")
-    scanned = lambda r: r.get("base_name", r["name"]).endswith("scanned layers")
+    # mtx's 1-GPU rows by model and layers scanned or not ("1.2B, 1 GPU", "1.2B, 1 GPU, scanned layers"); scanned
+    # by the row's flags, not its name (records from before --scan-layers existed were named scanned and were not)
+    scanned = lambda r: "--scan-layers" in r.get("args", ())
     one_gpu = {(r["model"], scanned(r)): r["result"] for r in records
                if r["script"] == "benchmarks/bench.py" and r["gpus"] == 1 and "error" not in r["result"]
                and r.get("base_name", r["name"]).removesuffix(", scanned layers").endswith("1 GPU")}
@@ -174,10 +177,10 @@ def table(records) -> str:
             out.append(f"| {r['name']} | {r['gpus']} | | | | {x['error'][:80]} | | | | |")
             continue
         scaling = ""
-        if r["gpus"] > 1:  # mtx's rows against mtx's 1-GPU row (scanned against scanned if there is one), GSPMD's
-            # (scanned layers) against plain JAX's
+        if r["gpus"] > 1:  # mtx's rows against mtx's 1-GPU row of the same program (scanned or unrolled layers),
+            # GSPMD's (scanned layers) against plain JAX's
             same = (plain_one_gpu.get(r["model"]) if r["script"] == "benchmarks/plain_gpt.py" else
-                    one_gpu.get((r["model"], scanned(r)), one_gpu.get((r["model"], False))))
+                    one_gpu.get((r["model"], scanned(r))))
             if "weak" in r["name"] and base:
                 scaling = f"weak {x['tflops_per_device'] / base['tflops_per_device']:.0%}"
             elif same and x["global_batch"] == same["global_batch"]:

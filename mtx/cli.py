@@ -16,8 +16,8 @@ import typing
 from mtx import config as config_lib
 from mtx.config import SECTIONS, Config, load_preset
 
-# Boolean fields take a flag each way, so a preset's setting can be undone: --name and --no-name, or Megatron's
-# spelling of the off flag where it has one.
+# Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
+# Megatron's spelling of the off flag, where it has one) off.
 _OFF_FLAGS = {"bert_binary_head": "--bert-no-binary-head"}
 
 
@@ -41,12 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
             kind = _scalar_type(hints[f.name])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%"))
-            if kind is bool:  # the flag that changes the default first, with the help text
+            if kind is bool:  # --name turns it on (the field's help), the off flag turns it off
                 off = _OFF_FLAGS.get(f.name, "--no-" + f.name.replace("_", "-"))
-                first, second = (off, flag) if default else (flag, off)
-                group.add_argument(first, action="store_const", const=not default, **kw)
-                group.add_argument(second, action="store_const", const=default, dest=f.name, default=argparse.SUPPRESS,
-                                   help=f"the opposite of {first} (to undo a preset's)")
+                group.add_argument(flag, action="store_true", **kw)
+                group.add_argument(off, action="store_false", dest=f.name, default=argparse.SUPPRESS,
+                                   help=f"turn {flag} off")
             elif f.name == "data_path":
                 group.add_argument(flag, nargs="+", metavar="PATH", **kw)
             else:

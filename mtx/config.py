@@ -36,7 +36,7 @@ class ModelConfig:
     model_type: str = "gpt"  # gpt (causal LM) | bert (masked LM + sentence-order prediction, bidirectional)
     layernorm_placement: str = "pre"  # pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)
     num_tokentypes: int = 2  # BERT's token-type (segment A/B) embeddings; 0: none; GPT has none
-    bert_binary_head: bool = True  # BERT's sentence-order-prediction head on [CLS] (flag --bert-no-binary-head)
+    bert_binary_head: bool = True  # BERT's sentence-order-prediction head on [CLS]
 
     @property
     def ffn_size(self) -> int:
