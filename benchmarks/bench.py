@@ -19,6 +19,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mtx.devices import simulate_cpu_devices  # noqa: E402
+
 
 def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None) -> dict:
     import jax
@@ -26,19 +28,21 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
 
     from mtx.metrics import peak_flops_per_device
     from mtx.parallel.mesh import make_mesh
-    from mtx.step import Trainer
+    from mtx.sharded_model import ShardedModel
+    from mtx.step import TrainStep
 
     p = cfg.parallel
     cfg.validate(len(jax.devices()))  # vocab_size as configured (GPT-2's 50,257 by default): tokens are synthetic
     mesh = make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
-    trainer = Trainer(cfg, mesh)
-    state = trainer.init_state()
+    model = ShardedModel(cfg, mesh)
+    train_step = TrainStep(model)
+    state = train_step.init_state()
     t, m = cfg.training, cfg.model
-    tokens = trainer.put_batch(np.random.default_rng(0).integers(
+    tokens = model.put_batch(np.random.default_rng(0).integers(
         0, m.vocab_size, (t.global_batch_size, m.seq_length + 1)).astype(np.int32))
     def run_step():
         nonlocal state, metrics
-        state, metrics = trainer.train_step(state, tokens)
+        state, metrics = train_step(state, tokens)
         jax.block_until_ready(metrics)
 
     metrics = None
@@ -52,13 +56,13 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         "mesh": dict(mesh.shape), "device": jax.devices()[0].device_kind, "layers": m.num_layers,
         "hidden": m.hidden_size, "heads": m.num_attention_heads, "seq": m.seq_length,
         "params": m.num_params(), "micro_batch": t.micro_batch_size, "global_batch": t.global_batch_size,
-        "microbatches": trainer.num_microbatches, "dtype": t.compute_dtype,
+        "microbatches": model.num_microbatches, "dtype": t.compute_dtype,
         "recompute": t.recompute_granularity, "step_s": step_s, "step_s_min": min(times),
         "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
         "peak_mem_gib": max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) / 2**30,
         "loss": float(metrics["loss"]), "profile": summary,
-        "pipeline": None if trainer.pipeline is None else {
-            "stages": trainer.pipeline.stages, "ideal_bubble": trainer.pipeline.bubble},
+        "pipeline": None if model.pipeline is None else {
+            "stages": model.pipeline.stages, "ideal_bubble": model.pipeline.bubble},
     }
 
 
@@ -99,12 +103,6 @@ def run_cli(measure_fn, argv=None) -> int:
         with open(own.json, "a") as fh:
             fh.write(line + "\n")
     return 0
-
-
-def simulate_cpu_devices(n: int = 8) -> None:
-    """Without an accelerator, n simulated CPU devices (before JAX starts its backends; no effect on GPUs)."""
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}")
 
 
 def main(argv=None) -> int:

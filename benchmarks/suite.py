@@ -28,10 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # recompute everything but the matmuls, layers unrolled.
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
         "matmuls", "--no-scan-layers"]
-SP, OVERLAP = ["--sequence-parallel"], ["--tp-comm-overlap"]
-# Ring steps (--tp-comm-overlap) as copy-engine transfers (cudaMemcpy between the process's GPUs) instead of NCCL
-# kernels, which take SMs from the matmuls they run beside.
-P2P_COPY = "--xla_gpu_use_memcpy_local_p2p=true"
+SP = ["--sequence-parallel"]
 # XLA's collective matmuls for GSPMD-partitioned dots: each all-gather / reduce-scatter + matmul pair as a loop of
 # partial matmuls and peer transfers on separate streams, whatever the size
 WINDOWED_EINSUM = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
@@ -76,14 +73,8 @@ ROWS = {
     "2gpu": [
         mtx("2.5B, TP 2 (weak)", 2, "gpt_2.5b", 1, 1, 2, 16, 16),
         mtx("2.5B, TP 2 (weak), sequence parallel", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP),
-        mtx("2.5B, TP 2 (weak), sequence parallel + overlap", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP, *OVERLAP),
-        mtx("2.5B, TP 2 (weak), sequence parallel + overlap, copy-engine p2p", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP,
-            *OVERLAP, xla_flags=P2P_COPY),
         mtx("1.2B, TP 2 (strong)", 2, "gpt_1.2b", 1, 1, 2, 16, 16),
         mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
-        mtx("1.2B, TP 2 (strong), sequence parallel + overlap", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP, *OVERLAP),
-        mtx("1.2B, TP 2 (strong), sequence parallel + overlap, copy-engine p2p", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP,
-            *OVERLAP, xla_flags=P2P_COPY),
         mtx("1.2B, TP 2 (strong), latency-hiding scheduler", 2, "gpt_1.2b", 1, 1, 2, 16, 16,
             xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),

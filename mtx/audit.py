@@ -45,13 +45,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtx.config import Config, ModelConfig, ParallelConfig, TrainingConfig
-from mtx.models.gpt import save_matmul_outputs
+from mtx.config import Config
+from mtx.models.stack import save_matmul_outputs
 from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
 from mtx.parallel.sharded import named_shardings, partition_specs
-from mtx.step import sequence_parallel_mode
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"%(?P<name>\S+) = (?P<shape>.+?) (?P<kind>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\("
@@ -166,7 +165,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  recompute_granularity: str | None = None, vocab_size: int = 50257,
                  pipeline_model_parallel_size: int = 1, num_layers: int | None = None,
                  num_microbatches: int | None = None, num_devices: int | None = None,
-                 sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> Config:
+                 sequence_parallel: bool = False) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
@@ -179,7 +178,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
         tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
         pipeline_model_parallel_size=pp, num_layers=num_layers or 2 * pp,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
-        hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap,
+        hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
@@ -200,10 +199,10 @@ def audit_layer(cfg: Config) -> dict:
     "model" by rows with sequence parallelism)."""
     mesh = _mesh(cfg)
     recompute = cfg.training.recompute_granularity
-    sp = sequence_parallel_mode(cfg)
+    sp = cfg.sequence_parallel
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
         cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective",
-        sp=sp)))
+        sequence_parallel=sp)))
     specs = partition_specs(abstract)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, named_shardings(abstract, mesh))
@@ -228,7 +227,7 @@ def audit_layer(cfg: Config) -> dict:
 
     def forward_backward(p, x_BSD, dy_BSD):
         # No all-reduce per layer over "data", nor (sequence parallelism) of the replicated LayerNorm/bias gradients
-        # over "model": the training step sums both once per step (Trainer._gradient_axes).
+        # over "model": the training step sums both once per step (mtx/step.py, gradient_axes).
         p = jax.tree.map(lambda v, axes: jax.lax.pcast(v, axes, to="varying"), p, grad_axes)
         loss, (dp, dx) = jax.value_and_grad(lambda p, x: jnp.sum(layer(p, x) * dy_BSD), argnums=(0, 1))(p, x_BSD)
         return loss[None], jax.tree.map(lambda g: g[None], dp), dx
@@ -269,16 +268,18 @@ def audit_pipeline(cfg: Config) -> dict:
     """Collectives of a whole pipelined training step's loss and gradients (mtx/step.py), with the pipeline's
     activation shifts counted per step: the collective-permute sits in the body of the tick scan, which runs
     M + P - 1 times forward and again backward."""
-    from mtx.step import Trainer  # the step imports this module's neighbours; keep the audit importable alone
+    from mtx.sharded_model import ShardedModel
+    from mtx.step import TrainStep
 
     mesh = _mesh(cfg, pipeline=True)
-    trainer = Trainer(cfg, mesh)
-    state = trainer.abstract_state()
+    model = ShardedModel(cfg, mesh)
+    train_step = TrainStep(model)
+    state = train_step.abstract_state()
     t, m = cfg.training, cfg.model
-    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), jnp.int32, sharding=trainer.batch_sharding)
-    forward = lambda p, x, step: trainer.loss_and_grads(p, x, step)[0]  # the backward is dead code here
-    report = _audit(mesh, forward, trainer.loss_and_grads, (state.params, tokens, state.step))
-    schedule = trainer.pipeline
+    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), jnp.int32, sharding=model.batch_sharding)
+    forward = lambda p, x, step: train_step.loss_and_grads(p, x, step)[0]  # the backward is dead code here
+    report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step))
+    schedule = model.pipeline
     permutes = {phase: [op for op in report["ops"][phase]
                         if op["kind"] == "collective-permute" and op["axes"] == "pipeline"]
                 for phase in ("forward", "backward")}
@@ -303,31 +304,26 @@ def _table(title: str, report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mtx.cli import add_config_flags
+    from mtx.devices import simulate_cpu_devices
+
     ap = argparse.ArgumentParser(prog="python -m mtx.audit", description=__doc__.split("\n\n")[0])
-    m, tp, t = ModelConfig, ParallelConfig, TrainingConfig  # defaults: the config schema's
-    ap.add_argument("--hidden-size", type=int, default=m.hidden_size)
-    ap.add_argument("--num-attention-heads", type=int, default=m.num_attention_heads)
-    ap.add_argument("--seq-length", type=int, default=m.seq_length)
-    ap.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size)
-    ap.add_argument("--tensor-model-parallel-size", type=int, default=tp.tensor_model_parallel_size)
-    ap.add_argument("--data-parallel-size", type=int, default=1)
-    ap.add_argument("--ffn-hidden-size", type=int, default=None)
-    ap.add_argument("--recompute-granularity", default=None, help="full | selective")
-    ap.add_argument("--vocab-size", type=int, default=50257, help="before padding (ModelConfig.padded_vocab_size)")
-    ap.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                    help="> 1 also audits a whole pipelined step (its activation ppermutes per step)")
-    ap.add_argument("--num-layers", type=int, default=None, help="layers of the pipelined step (default 2 x stages)")
-    ap.add_argument("--num-microbatches", type=int, default=None, help="per data rank (default 2 x stages)")
-    ap.add_argument("--sequence-parallel", action="store_true", help="split the layer's rows over TP (see train.py)")
-    ap.add_argument("--tp-comm-overlap", action="store_true", help="with --sequence-parallel: ring steps")
+    # The model and mesh flags of train.py (mtx/cli.py), with the audit's own defaults: one data rank, and a layer
+    # count that follows the pipeline stages.
+    fields = ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tensor_model_parallel_size",
+              "data_parallel_size", "ffn_hidden_size", "recompute_granularity", "vocab_size",
+              "pipeline_model_parallel_size", "num_layers")
+    helps = {"pipeline_model_parallel_size": "PP; > 1 also audits a whole pipelined step (its activation ppermutes)",
+             "num_layers": "layers of the pipelined step; None: 2 x stages"}
+    add_config_flags(ap, fields, defaults={"data_parallel_size": 1, "num_layers": None}, helps=helps)
+    ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
+    add_config_flags(ap, ("sequence_parallel",), defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     a = ap.parse_args(argv)
-    # XLA reads the device count when the CPU backend starts (the first device query), not when jax is imported.
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in xla_flags:
-        n = max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1) * max(
-            a.pipeline_model_parallel_size, 1)
-        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={n}".strip()
+    # Simulated CPU devices, one per mesh position (unless XLA_FLAGS sets a count): XLA reads the count when the CPU
+    # backend starts (the first device query below), not when jax is imported.
+    if simulate_cpu_devices(max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
+                            * max(a.pipeline_model_parallel_size, 1)):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = {k: v for k, v in vars(a).items() if k != "json"}
     try:
@@ -347,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(f"TransformerLayer  D={m.hidden_size} N={m.num_attention_heads} F={m.ffn_size} S={m.seq_length} "
                      f"b={cfg.training.micro_batch_size} tp={flags['tensor_model_parallel_size']} "
                      f"dp={flags['data_parallel_size']} fp32 recompute={flags['recompute_granularity'] or 'none'} "
-                     f"sequence-parallel={sequence_parallel_mode(cfg) or 'off'}",
+                     f"sequence-parallel={'on' if cfg.sequence_parallel else 'off'}",
                      report))
         print(_table(f"vocab-parallel cross-entropy  V={m.padded_vocab_size}", report["loss"]))
         if "pipeline" in report:

@@ -99,7 +99,6 @@ def _num_params(m: ModelConfig, vocab: int) -> int:
 class ParallelConfig:
     tensor_model_parallel_size: int = 2  # TP: devices one layer is split over (the "model" axis)
     sequence_parallel: bool = False  # split the residual stream (LayerNorm, dropout, residual adds) over TP by rows
-    tp_comm_overlap: bool = False  # overlap sequence parallelism's all-gathers/reduce-scatters with the matmuls
     pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
     data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
     num_layers_in_first_pipeline_stage: int | None = None  # uneven stages: layers of the first stage
@@ -179,6 +178,12 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the layers split the residual stream by rows over "model": --sequence-parallel with TP > 1 (with
+        one model rank there is nothing to split, as in Megatron). The one switch every layer reads."""
+        return self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1
+
     def replace(self, **flat: Any) -> "Config":
         """Returns a copy with fields set by their (unique) names, e.g. `cfg.replace(hidden_size=64)`."""
         parts = {name: {} for name in SECTIONS}
@@ -195,7 +200,9 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, dict[str, Any]]) -> "Config":
-        return cls().replace(**{k: _coerce(k, v) for section in d.values() for k, v in section.items()})
+        """A saved config.json -> Config; fields of removed features (which never changed the model) are dropped."""
+        return cls().replace(**{k: _coerce(k, v) for section in d.values() for k, v in section.items()
+                                if k not in _REMOVED_FIELDS})
 
     def validate(self, num_devices: int | None = None) -> "Config":
         """Refuses a bad combination with one sentence naming the flag and the fix; returns self."""
@@ -215,8 +222,6 @@ class Config:
         _check(m.max_positions >= m.seq_length,
                f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
                "raise it to at least the sequence length.")
-        _check(not p.tp_comm_overlap or p.sequence_parallel,
-               "--tp-comm-overlap overlaps sequence parallelism's collectives; pass --sequence-parallel with it.")
         _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
                f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
                f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
@@ -280,6 +285,10 @@ class Config:
         return resolve_sizes(p.data_parallel_size, p.pipeline_model_parallel_size,
                              p.tensor_model_parallel_size, num_devices)[0]
 
+
+# Fields that older mtx versions saved in config.json, for features measured slower and removed (docs/design.md);
+# none of them changed parameters or losses, so their checkpoints load unchanged.
+_REMOVED_FIELDS = frozenset({"tp_comm_overlap", "tp_comm_p2p", "tp_comm_batch_split"})
 
 FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 

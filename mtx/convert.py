@@ -166,27 +166,20 @@ def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     return hf, tensors
 
 
-def _state_with_params(trainer, flat: dict[str, np.ndarray]):
+def _state_with_params(model, flat: dict[str, np.ndarray]):
     """A step-0 TrainState holding `flat` params, a fresh optimizer state and loss scale, in the mesh's shardings."""
     import jax
-    import jax.numpy as jnp
 
-    from mtx.optim import LossScale
-    from mtx.step import TrainState
+    from mtx.state import state_with_params
 
-    target = trainer.abstract_state()
-
-    def place(path, leaf):
+    def place(path, leaf, sharding):
         name = _param_name(path)
         _check(flat[name].shape == leaf.shape, f"tensor {name} has shape {flat[name].shape} but the config "
                f"expects {leaf.shape}; check config.json against the weights.")
-        return jax.device_put(flat[name].astype(leaf.dtype), leaf.sharding)
+        return jax.device_put(flat[name].astype(leaf.dtype), sharding)
 
-    params = jax.tree_util.tree_map_with_path(place, target.params)
-    opt_state = jax.jit(trainer.optimizer.init, out_shardings=jax.tree.map(lambda s: s.sharding,
-                                                                          target.opt_state))(params)
-    loss_scale = jax.device_put(LossScale.create(trainer.cfg.training), target.loss_scale.scale.sharding)
-    return TrainState(jax.device_put(jnp.asarray(0, jnp.int32), target.step.sharding), params, opt_state, loss_scale)
+    params = jax.tree_util.tree_map_with_path(place, model.abstract_params, model.param_shardings)
+    return state_with_params(model, params)
 
 
 def _param_name(path) -> str:
@@ -200,16 +193,16 @@ def from_hf(hf_dir: str | Path, save: str | Path, *, seed: int | None = None) ->
 
     from mtx.checkpoint import Checkpointer
     from mtx.parallel.mesh import make_mesh
-    from mtx.step import Trainer
+    from mtx.sharded_model import ShardedModel
 
     _check_fresh(save, "--save", "checkpoint")
     hf, tensors = read_hf(hf_dir)
     cfg = config_from_hf(hf, seed=seed)
     flat = params_from_hf(tensors, cfg.model)
-    trainer = Trainer(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    model = ShardedModel(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     ckpt = Checkpointer(save)
     try:
-        ckpt.save(_state_with_params(trainer, flat), cfg)
+        ckpt.save(_state_with_params(model, flat), cfg)
         ckpt.wait()
     finally:
         ckpt.close()
@@ -227,7 +220,7 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     _check_fresh(hf_dir, "--hf-dir", "model directory")
     _check(is_checkpoint_dir(load), f"--load {load} holds no checkpoint; pass a directory written by --save or "
            "by from-hf.")
-    trainer, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=ckpt_step)
+    _, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=ckpt_step)
     ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
     try:
         model_cfg = ckpt.saved_config(ckpt_step if ckpt_step is not None else ckpt.latest_step()).model

@@ -1,10 +1,11 @@
 """Zero-shot evaluation (Megatron-LM paper, appendix E): WikiText perplexity and LAMBADA accuracy, on any mesh.
 
-The core is one scoring function built from a Trainer: inside a single shard_map over the (data, pipeline, model)
-mesh it maps (B, S) input ids, targets and a 0/1 mask to per-token NLL and "target is the argmax" flags. Logits stay
-split over "model" (B, S, V / tp): the loss is the vocab-parallel cross-entropy of training, and the argmax is found
-from two B*S reductions (pmax, then pmin of the lowest id reaching it), never by gathering B*S*V logits. Batches are
-split over "data" and always have one fixed (B, S) shape, so the program compiles once per task.
+The core is one scoring function built from a ShardedModel (mtx/sharded_model.py): inside a single shard_map over
+the (data, pipeline, model) mesh it maps (B, S) input ids, targets and a 0/1 mask to per-token NLL and "target is the
+argmax" flags. Logits stay split over "model" (B, S, V / tp): the loss is the vocab-parallel cross-entropy of
+training, and the argmax is found from two B*S reductions (pmax, then pmin of the lowest id reaching it), never by
+gathering B*S*V logits. Batches are split over "data" and always have one fixed (B, S) shape, so the program compiles
+once per task.
 
 The tasks are host-side arithmetic over that function: which tokens each window or example scores.
 """
@@ -19,7 +20,6 @@ from typing import Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -47,44 +47,44 @@ def vocab_parallel_argmax(logits_BSV, vocab_size: int):
     return jax.lax.pmin(first_BS, MODEL)
 
 
-def make_scorer(trainer):
+def make_scorer(model):
     """jitted (params, inputs_BS, targets_BS, mask_BS) -> (nll_BS float32, correct_BS bool), split over "data".
 
-    params are the trainer's global (stored) parameters. Masked positions give 0 and False. The model is causal and
+    params are the model's global (stored) parameters. Masked positions give 0 and False. The model is causal and
     batches are right-padded, so padding never changes a real position and the model needs no attention mask.
     """
-    vocab_size = trainer.cfg.model.vocab_size
+    vocab_size = model.cfg.model.vocab_size
 
     def local(params, inputs_BS, targets_BS, mask_BS):
-        hidden_BSD = trainer.local_final_hidden(params, inputs_BS)
-        logits_BSV = nnx.merge(trainer.graphdef, params).embedding.attend(hidden_BSD)  # this rank's vocab slice
+        hidden_BSD = model.local_final_hidden(params, inputs_BS)
+        logits_BSV = model.merge(params).embedding.attend(hidden_BSD)  # this rank's vocab slice
         nll_BS = vocab_parallel_cross_entropy(logits_BSV, targets_BS, vocab_size=vocab_size)
         correct_BS = vocab_parallel_argmax(logits_BSV, vocab_size) == targets_BS
         real_BS = mask_BS > 0
         return jnp.where(real_BS, nll_BS, 0.0), correct_BS & real_BS
 
-    sharded = jax.shard_map(local, mesh=trainer.mesh, in_specs=(trainer.param_specs, P(DATA), P(DATA), P(DATA)),
+    sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA), P(DATA), P(DATA)),
                             out_specs=(P(DATA), P(DATA)), check_vma=True)
-    return jax.jit(lambda params, inputs, targets, mask: sharded(trainer.stage_params(params), inputs, targets, mask))
+    return jax.jit(lambda params, inputs, targets, mask: sharded(model.stage_params(params), inputs, targets, mask))
 
 
 class Scorer:
     """Host batches of up to `batch_size` rows -> numpy (nll, correct); pads the rows to the one compiled shape."""
 
-    def __init__(self, trainer, params, batch_size: int | None = None):
-        dp = trainer.mesh.shape[DATA]
-        size = batch_size or trainer.cfg.training.micro_batch_size * dp
+    def __init__(self, model, params, batch_size: int | None = None):
+        dp = model.mesh.shape[DATA]
+        size = batch_size or model.cfg.training.micro_batch_size * dp
         # Every data rank gets the same number of rows, which sequence parallelism splits over the model ranks.
-        rows = dp * (trainer.mesh.shape[MODEL] if trainer.cfg.parallel.sequence_parallel else 1)
+        rows = dp * (model.mesh.shape[MODEL] if model.cfg.sequence_parallel else 1)
         self.batch_size = math.ceil(size / rows) * rows
-        self.trainer, self.params, self._fn = trainer, params, make_scorer(trainer)
+        self.model, self.params, self._fn = model, params, make_scorer(model)
 
     def __call__(self, inputs_BS, targets_BS, mask_BS):
         n = inputs_BS.shape[0]
         if n > self.batch_size:
             raise ValueError(f"{n} rows exceed the scorer's batch size {self.batch_size}.")
         pad = [(0, self.batch_size - n), (0, 0)]
-        arrays = [self.trainer.put_batch(np.pad(np.asarray(a, np.int32), pad))
+        arrays = [self.model.put_batch(np.pad(np.asarray(a, np.int32), pad))
                   for a in (inputs_BS, targets_BS, mask_BS)]
         nll, correct = jax.device_get(self._fn(self.params, *arrays))
         return np.asarray(nll)[:n], np.asarray(correct)[:n]
@@ -188,7 +188,7 @@ def lambada_accuracy(score: ScoreFn, batch_size: int, tokenizer, texts: Sequence
 # ---- reading the data ----
 def read_wikitext(path: str | Path, tokenizer, *, detokenize: bool = True) -> tuple[list[int], int]:
     """(tokens, T_o) of a WikiText file: T_o counted on the raw text, tokens after detokenization."""
-    from mtx.detokenize import count_original_tokens, wikitext_detokenize
+    from mtx.data.detokenize import count_original_tokens, wikitext_detokenize
 
     text = _read_text(path)
     original = count_original_tokens(text)

@@ -2,8 +2,8 @@
 
 - Cache: per layer, K and V of shape (B, S_max, n_local, H) on each rank, S_max = the model's max positions (the
   learned position table). Heads split over "model" exactly like the QKV columns that produce them, rows over
-  "data", the stacked layer axis over "pipeline" like the layer parameters: the global spec is
-  (pipeline, data, None, model, None), read from the QKV kernel's declared layout, never retyped.
+  "data", the stacked layer axis over "pipeline" like the layer parameters: the global spec (pipeline, data, None,
+  model, None) is declared once, beside the layer stack (`KV_CACHE_SPEC`, mtx/models/stack.py).
 - Prefill: the prompts, right-padded to (B, S_max), run once. Causal attention alone keeps real tokens from seeing
   the padding (it comes after them); every layer writes its K/V into the cache, and row b's next-token logits come
   from position len_b - 1.
@@ -12,9 +12,12 @@
 - Logits: only the last position's hidden vector goes through the tied output layer (this rank's vocab slice);
   the (B, V / tp) slices are gathered over "model" into (B, V) floats, never B*S*V. Padded vocab ids are masked,
   then temperature, top-k and top-p (nucleus) sampling run on the global (B, V) array (greedy at temperature 0).
-- Pipeline (P > 1): each prefill or decode is P ticks. At tick t stage t runs its layers with its own cache slice
-  and ppermutes the activation to stage t + 1; the other stages run the same program but leave their cache alone.
-  The last stage's output is shared over "pipeline" (psum of a masked value) for the output layer.
+- Pipeline (P > 1): each prefill or decode is one microbatch through the pipeline's tick loop (P ticks,
+  `pipelined_decode` in mtx/parallel/pipeline.py). At tick t stage t runs its layers with its own cache slice and
+  ppermutes the activation to stage t + 1; the other stages run the same program but leave their cache alone. The
+  last stage's output is shared over "pipeline" for the output layer.
+- Sequence parallelism: decoding runs whole rows, so it uses the model built with it off (`for_decoding`); the
+  parameters are the same.
 - Window: a prompt longer than S_max keeps its last S_max tokens (the returned ids still start with the whole
   prompt). Positions are learned only up to S_max, so when a row's cache is full the batch is prefilled again,
   each full row keeping its last S_max // 2 tokens (slide by half): generation goes on past the window at the cost
@@ -31,13 +34,13 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtx.models.transformer import KVCache
-from mtx.parallel.mesh import DATA, MODEL, PIPELINE
-from mtx.parallel.ops import gather_from_model_parallel, vary
+from mtx.models.stack import KV_CACHE_SPEC
+from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.ops import gather_from_model_parallel
+from mtx.parallel.pipeline import pipelined_decode
 
 _EOD_CHECK_EVERY = 8  # tokens between early-exit checks (each one waits for the device)
 
@@ -73,7 +76,7 @@ def sample_logits(logits_BV, key, *, vocab_size: int, temperature: float = 1.0, 
 
 
 class CachedDecoder:
-    """The compiled prefill and decode steps of one Trainer (its config and mesh).
+    """The compiled prefill and decode steps of one ShardedModel (its config and mesh).
 
     prefill(params, tokens_BS, lengths_B) -> (logits_BV, cache): tokens right-padded to (B, S_max).
     decode(params, cache, tokens_B, positions_B) -> (logits_BV, cache): one token per row at its position (the
@@ -81,51 +84,45 @@ class CachedDecoder:
     B must be a multiple of the data-parallel size; logits are float32 over the padded vocabulary.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        cfg = trainer.cfg.model
-        self.window, self.head_dim = cfg.max_positions, cfg.head_dim
-        self.batch_multiple = trainer.mesh.shape[DATA]
-        self.rows = NamedSharding(trainer.mesh, P(DATA))
-        qkv_spec = trainer.param_specs["layers"]["attention"]["qkv"]["kernel"]  # (layers, D, heads * 3 * H)
-        cache_spec = P(qkv_spec[0], DATA, None, qkv_spec[-1], None)  # (layers, B, S_max, heads, H)
-        self.cache_specs = KVCache(cache_spec, cache_spec)
-        specs, mesh = trainer.param_specs, trainer.mesh
-        out_specs = (P(DATA, None), self.cache_specs)
+    def __init__(self, model):
+        self.model = model = model.for_decoding
+        cfg = model.cfg.model
+        self.window = cfg.max_positions
+        self.batch_multiple = model.mesh.shape[DATA]
+        self.rows = NamedSharding(model.mesh, P(DATA))
+        specs, mesh = model.param_specs, model.mesh
+        out_specs = (P(DATA, None), KV_CACHE_SPEC)
         prefill = jax.shard_map(self._local_prefill, mesh=mesh, in_specs=(specs, P(DATA), P(DATA)),
                                 out_specs=out_specs)
-        decode = jax.shard_map(self._local_decode, mesh=mesh, in_specs=(specs, self.cache_specs, P(DATA), P(DATA)),
+        decode = jax.shard_map(self._local_decode, mesh=mesh, in_specs=(specs, KV_CACHE_SPEC, P(DATA), P(DATA)),
                                out_specs=out_specs)
         put = lambda x: jax.sharding.reshard(x, self.rows)
         self.prefill = jax.jit(lambda params, tokens_BS, lengths_B: prefill(
-            trainer.stage_params(params), put(tokens_BS), put(lengths_B)))
+            model.stage_params(params), put(tokens_BS), put(lengths_B)))
         self.decode = jax.jit(lambda params, cache, tokens_B, positions_B: decode(
-            trainer.stage_params(params), cache, put(tokens_B), put(positions_B)), donate_argnums=1)
+            model.stage_params(params), cache, put(tokens_B), put(positions_B)), donate_argnums=1)
 
     # ---- inside shard_map (local shapes) ----
     def _local_prefill(self, params, tokens_BS, lengths_B):
-        model = nnx.merge(self.trainer.graphdef, params)
-        qkv_kernel = model.layers.attention.qkv.kernel  # local (held layers, D, n_local * 3 * H)
-        held, n_local = qkv_kernel.shape[0], qkv_kernel.shape[-1] // (3 * self.head_dim)
-        zeros = jnp.zeros((held, tokens_BS.shape[0], self.window, n_local, self.head_dim), model.dtype)
-        zeros = vary(zeros, (DATA, PIPELINE, MODEL))  # typed like the cache's spec: it differs on every rank
+        model = self.model.merge(params)
+        cache = model.stack.empty_cache(model.layers, tokens_BS.shape[0], self.window)
         start_B = jnp.zeros_like(lengths_B)
-        return self._forward(model, KVCache(zeros, zeros), tokens_BS, start_B, lengths_B - 1)
+        return self._forward(model, cache, tokens_BS, start_B, lengths_B - 1)
 
     def _local_decode(self, params, cache, tokens_B, positions_B):
-        model = nnx.merge(self.trainer.graphdef, params)
+        model = self.model.merge(params)
         return self._forward(model, cache, tokens_B[:, None], positions_B, jnp.zeros_like(positions_B))
 
     def _forward(self, model, cache, tokens_BT, start_B, last_B):
         """T new tokens per row at positions start_B + t -> (logits (B, V) of token last_B of each row, cache)."""
         positions_BT = jnp.minimum(start_B[:, None] + jnp.arange(tokens_BT.shape[1]), self.window - 1)
         x_BTD = model.embed(tokens_BT, positions_BS=positions_BT)
-        schedule = self.trainer.pipeline
+        schedule = self.model.pipeline
         if schedule is None:  # one stage: the layers vary over the size-1 "pipeline" axis only by type
             x_BTD, cache = model.transform_cached(x_BTD, cache, start_B)
             x_BTD = jax.lax.pmean(x_BTD, PIPELINE)
         else:
-            x_BTD, cache = _pipelined_cached(model, x_BTD, cache, start_B, schedule)
+            x_BTD, cache = pipelined_decode(model, x_BTD, cache, start_B, schedule)
         x_BD = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
         local_BV = model.embedding.attend(model.final_layernorm(x_BD))  # this rank's vocab slice
         return gather_from_model_parallel(local_BV.astype(jnp.float32)), cache
@@ -140,35 +137,17 @@ class CachedDecoder:
         return jax.device_put(tokens, self.rows), jax.device_put(lengths, self.rows)
 
 
-def _pipelined_cached(model, x_BTD, cache, start_B, schedule):
-    """P ticks: at tick t stage t runs its layers (and writes its cache) on what stage t - 1 sent; -> the last
-    stage's output (B, T, D) on every stage, and this stage's cache."""
-    stage, p = jax.lax.axis_index(PIPELINE), schedule.stages
-    active_L = jnp.arange(schedule.slots) < jnp.asarray(schedule.counts)[stage] if schedule.padded else None
-    shift = [(i, (i + 1) % p) for i in range(p)]
-
-    def tick(carry, t):
-        x_recv_BTD, cache = carry
-        x_in_BTD = jnp.where(stage == 0, x_BTD, x_recv_BTD)  # stage 0 starts from the embeddings
-        y_BTD, cache = model.transform_cached(x_in_BTD, cache, start_B, active_L=active_L, write=stage == t)
-        return (jax.lax.ppermute(y_BTD, PIPELINE, shift), cache), y_BTD
-
-    (_, cache), ys_PBTD = jax.lax.scan(tick, (vary(x_BTD, [PIPELINE]), cache), jnp.arange(p))
-    last = stage == p - 1
-    return jax.lax.psum(jnp.where(last, ys_PBTD[p - 1], jnp.zeros((), x_BTD.dtype)), PIPELINE), cache
-
-
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def decoder_for(trainer) -> CachedDecoder:
-    """The CachedDecoder of `trainer`, built (and compiled) once per trainer."""
-    if trainer not in _DECODERS:
-        _DECODERS[trainer] = CachedDecoder(trainer)
-    return _DECODERS[trainer]
+def decoder_for(model) -> CachedDecoder:
+    """The CachedDecoder of a ShardedModel, built (and compiled) once per model."""
+    if model not in _DECODERS:
+        _DECODERS[model] = CachedDecoder(model)
+    return _DECODERS[model]
 
 
-def generate(trainer, params, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+def generate(model, params, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eod: int | None = None) -> list[list[int]]:
     """Each prompt followed by up to `max_new_tokens` sampled ids (fewer if it emits `eod`, which is kept).
 
@@ -176,7 +155,7 @@ def generate(trainer, params, prompts: list[list[int]], max_new_tokens: int, *, 
     The prompts run as one batch (padded to a multiple of the data-parallel size); the same seed gives the same
     samples. See the module docstring for the window (S_max) rules.
     """
-    vocab = trainer.cfg.model.vocab_size
+    vocab = model.cfg.model.vocab_size
     if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
         raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, {top_k}, "
                          f"{top_p}.")
@@ -185,7 +164,7 @@ def generate(trainer, params, prompts: list[list[int]], max_new_tokens: int, *, 
             raise ValueError(f"prompt {i} must be a non-empty list of ids in [0, {vocab}).")
     if max_new_tokens <= 0 or not prompts:
         return [list(p) for p in prompts]
-    dec = decoder_for(trainer)
+    dec = decoder_for(model)
     s_max, n = dec.window, len(prompts)
     histories = [list(p) for p in prompts] + [[0]] * (-n % dec.batch_multiple)  # padding rows, dropped at the end
     starts = np.array([max(0, len(h) - s_max) for h in histories])  # where each row's window begins

@@ -9,12 +9,13 @@ import jax
 from mtx.checkpoint import Checkpointer
 from mtx.config import Config
 from mtx.parallel.mesh import make_mesh
-from mtx.step import Trainer
+from mtx.sharded_model import ShardedModel
+from mtx.state import abstract_state
 
 
 def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                data_parallel_size: int = -1, ckpt_step: int | None = None, **overrides: Any):
-    """(trainer, params) of the checkpoint in `load` (latest step unless ckpt_step), laid out on a fresh mesh of the
+    """(model, params) of the checkpoint in `load` (latest step unless ckpt_step), laid out on a fresh mesh of the
     given sizes. The model is the checkpoint's own; dropout is off; `overrides` may set other fields (e.g.
     micro_batch_size, bf16). One-line ValueError for a missing checkpoint or a mesh that does not fit."""
     ckpt = Checkpointer(load)
@@ -26,7 +27,7 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
         # Training choices, off: any checkpoint loads on any mesh.
         fields = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
                       num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,
-                      sequence_parallel=False, tp_comm_overlap=False)
+                      sequence_parallel=False)
         fields.update(overrides)
         cfg = ckpt.saved_config(step).replace(
             tensor_model_parallel_size=tensor_model_parallel_size,
@@ -34,12 +35,12 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
             load=None, save=None, **fields)
         cfg = _fit_batch(cfg).validate(len(jax.devices()))
         p = cfg.parallel
-        trainer = Trainer(cfg, make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size,
-                                         p.tensor_model_parallel_size))
-        state = ckpt.restore(trainer.abstract_state(), cfg, step=step)
+        model = ShardedModel(cfg, make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size,
+                                            p.tensor_model_parallel_size))
+        state = ckpt.restore(abstract_state(model), cfg, step=step)
     finally:
         ckpt.close()
-    return trainer, state.params
+    return model, state.params
 
 
 def _fit_batch(cfg: Config) -> Config:

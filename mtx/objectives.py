@@ -5,6 +5,7 @@ token array, BERT's a dict of (G, S) / (G,) fields. An objective splits the loss
 needs, so that plain gradient accumulation and the pipeline schedule run any family the same way:
 
   normalizers(batch)          the step's global counts (inside shard_map, from this data rank's share)
+  for_evaluation()            the same objective as evaluation scores it (GPT: no label smoothing)
   embed(model, mb, keys_B)    the first stage: (B, S, D) embeddings of a microbatch
   attention_mask(mb)          (B, S) padding mask that travels with the microbatch through the stages, or None
   head_loss(model, x, mb, n)  the last layer's output -> this microbatch's share of the step's loss (already
@@ -27,12 +28,16 @@ class NextTokenPrediction:
     """GPT: a (B, S + 1) token window per sequence; the loss is the mean next-token cross-entropy over every token
     of the step."""
 
-    def __init__(self, cfg: Config):
-        self.global_batch_size = cfg.training.global_batch_size
-        self.label_smoothing = cfg.model.label_smoothing
+    def __init__(self, cfg: Config, *, label_smoothing: float | None = None):
+        self.label_smoothing = cfg.model.label_smoothing if label_smoothing is None else label_smoothing
+        self._cfg = cfg
+
+    def for_evaluation(self):
+        return NextTokenPrediction(self._cfg, label_smoothing=0.0)
 
     def normalizers(self, tokens):
-        return self.global_batch_size * (tokens.shape[-1] - 1)  # tokens of the step (a static count)
+        """Predicted tokens of the whole batch (a static count: every data rank holds the same number of rows)."""
+        return jax.lax.psum(tokens.shape[0], DATA) * (tokens.shape[-1] - 1)
 
     def embed(self, model, tokens_BS, keys_B):
         return model.embed(tokens_BS[:, :-1], keys_B=keys_B)
@@ -57,6 +62,9 @@ class MaskedLMAndSentenceOrder:
 
     def __init__(self, cfg: Config):
         self.binary_head = cfg.model.bert_binary_head
+
+    def for_evaluation(self):
+        return self
 
     def normalizers(self, batch):
         masked = jax.lax.psum(batch["loss_mask"].astype(jnp.float32).sum(), DATA)

@@ -24,7 +24,8 @@ from mtx.data.prefetch import prefetch
 from mtx.distributed import barrier, is_main_process
 from mtx.metrics import MetricsLogger, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
-from mtx.step import Trainer
+from mtx.sharded_model import ShardedModel
+from mtx.step import TrainStep
 
 
 SAMPLE_PROMPT = "The "
@@ -33,7 +34,7 @@ SAMPLE_PROMPT = "The "
 @dataclass
 class RunResult:
     state: object
-    trainer: Trainer
+    model: ShardedModel
     run_dir: Path
     losses: dict[int, float] = field(default_factory=dict)  # step -> training loss, at every step
     sample: str | None = None
@@ -86,7 +87,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     cfg, dataset, run_dir = plan.cfg, plan.dataset, plan.run_dir
     t, p = cfg.training, cfg.parallel
     mesh = mesh or make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
-    trainer = Trainer(cfg, mesh)
+    model = ShardedModel(cfg, mesh)
+    train_step = TrainStep(model)
     main = is_main_process()
     barrier("mtx: every process checked its input")  # so no process sees files another one just wrote
     if main:
@@ -96,25 +98,25 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     saver = Checkpointer(t.save) if t.save else None
     if t.load:
         loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
-        state = loader.restore(trainer.abstract_state(), cfg, step=t.ckpt_step)
+        state = loader.restore(train_step.abstract_state(), cfg, step=t.ckpt_step)
         if loader is not saver:
             loader.close()
     else:
-        state = trainer.init_state()
+        state = train_step.init_state()
     start = int(jax.device_get(state.step))
     if main:
-        _print_banner(cfg, mesh, trainer, start)
+        _print_banner(cfg, mesh, model, start)
 
     logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main)
-    result = RunResult(state, trainer, run_dir)
+    result = RunResult(state, model, run_dir)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     flops_per_token = cfg.model.flops_per_token()
     bar = _progress_bar(start, t.train_iters, progress and main)
     pending, interval_start, interval_steps = [], time.perf_counter(), 0
-    batches = prefetch(lambda step: trainer.put_batch(dataset.batch("train", step, t.global_batch_size)),
+    batches = prefetch(lambda step: model.put_batch(dataset.batch("train", step, t.global_batch_size)),
                        range(start, t.train_iters), depth=cfg.data.prefetch_depth)
     for step, batch in zip(range(start, t.train_iters), batches):
-        state, metrics = trainer.train_step(state, batch)
+        state, metrics = train_step(state, batch)
         pending.append((step + 1, metrics))
         if step == start:  # the first step compiles: time the interval from its end
             jax.block_until_ready(metrics)
@@ -139,7 +141,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             bar.update(len(fetched))
             pending, interval_steps = [], 0
         if t.eval_interval and ((step + 1) % t.eval_interval == 0 or last) and dataset.num_samples("valid"):
-            val = evaluate(trainer, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
+            val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
             if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
                 logger.log({"step": step + 1, "val_loss": val})
                 if main:
@@ -162,38 +164,38 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     logger.close()
     result.state = state
     if t.generate_tokens and not cfg.model.is_bert:  # BERT is no left-to-right generator
-        result.sample = sample_text(trainer, state.params, dataset, t.generate_tokens, t.seed)
+        result.sample = sample_text(model, state.params, dataset, t.generate_tokens, t.seed)
         if main:
             print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
     return result
 
 
-def evaluate(trainer: Trainer, params, dataset, iters: int, batch_size: int) -> float:
+def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:
     """Mean validation loss over `iters` batches (the same batches at every evaluation)."""
-    losses = [trainer.eval_step(params, trainer.put_batch(dataset.batch("valid", i, batch_size)))
+    losses = [model.eval_loss(params, model.put_batch(dataset.batch("valid", i, batch_size)))
               for i in range(iters)]
     return float(np.mean(jax.device_get(losses)))
 
 
-def sample_text(trainer: Trainer, params, dataset, num_tokens: int, seed: int) -> str:
+def sample_text(model: ShardedModel, params, dataset, num_tokens: int, seed: int) -> str:
     """SAMPLE_PROMPT continued by `num_tokens` ids (KV-cached, temperature 0.8, top-k 40), decoded to text."""
     from mtx.generate import generate
 
     prompt = dataset.tokenizer.encode(SAMPLE_PROMPT)
-    ids = generate(trainer, params, [prompt], num_tokens, temperature=0.8, top_k=40, seed=seed)[0]
+    ids = generate(model, params, [prompt], num_tokens, temperature=0.8, top_k=40, seed=seed)[0]
     return dataset.tokenizer.decode(ids)
 
 
-def _print_banner(cfg: Config, mesh, trainer: Trainer, start: int) -> None:
+def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
     m, t = cfg.model, cfg.training
     family = f"BERT ({m.layernorm_placement}-LN)" if m.is_bert else "GPT"
     print(f"mtx: {family} {m.num_layers} layers x {m.hidden_size} wide, {m.num_attention_heads} heads, "
           f"{cfg.model.num_params() / 1e6:.2f}M parameters (vocab {m.vocab_size} padded to {m.padded_vocab_size})")
     print(f"mtx: mesh data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} model={mesh.shape['model']} on "
-          f"{mesh.size} {jax.devices()[0].platform} device(s); {trainer.num_microbatches} microbatch(es) of "
+          f"{mesh.size} {jax.devices()[0].platform} device(s); {model.num_microbatches} microbatch(es) of "
           f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")
-    if trainer.pipeline is not None:
-        sch = trainer.pipeline
+    if model.pipeline is not None:
+        sch = model.pipeline
         print(f"mtx: pipeline {sch.stages} stages x layers {list(sch.counts)}, {sch.microbatches} microbatches, "
               f"{sch.ticks} ticks (GPipe); ideal bubble (p-1)/(m+p-1) = {sch.bubble:.1%}")
 

@@ -22,16 +22,17 @@
 
 # %%
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-# 8 simulated CPU devices; XLA reads this when the backend starts, so before jax is imported.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import mtx
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "mtx").is_dir())  # repo root: configs/ and mtx/
-os.chdir(ROOT)
-sys.path.insert(0, str(ROOT))
+# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
+# notebook runs from any directory.
+os.chdir(Path(mtx.__file__).resolve().parents[1])
 
 import matplotlib
 
@@ -45,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config, load_preset
 from mtx.parallel.mesh import AXES, make_mesh
-from mtx.step import Trainer
+from mtx.sharded_model import ShardedModel
 
 assert len(jax.devices()) == 8, jax.devices()
 FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"  # figures are rendered, never committed
@@ -95,13 +96,12 @@ for group in ids.reshape(-1, TP):
 # %%
 cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
     data_parallel_size=DP, pipeline_model_parallel_size=PP, tensor_model_parallel_size=TP).validate(8)
-trainer = Trainer(cfg, mesh)
-state = trainer.init_state()
-params = nnx.to_pure_dict(state.params)
+model = ShardedModel(cfg, mesh)
+params = nnx.to_pure_dict(model.init_params())
 is_spec = lambda x: isinstance(x, P)  # noqa: E731
 names = [jax.tree_util.keystr(path, simple=True, separator=".")
          for path, _ in jax.tree_util.tree_leaves_with_path(params)]
-declared = dict(zip(names, jax.tree.leaves(trainer.param_specs, is_leaf=is_spec)))  # as the modules declare them
+declared = dict(zip(names, jax.tree.leaves(model.param_specs, is_leaf=is_spec)))  # as the modules declare them
 
 
 def expected_shard(shape, spec):
@@ -156,13 +156,13 @@ for name, spec in LAYOUTS.items():
 # %% [markdown]
 # ## Parameters are mesh-independent
 #
-# The same seed gives bit-identical global weights on one device and on the 2 x 2 x 2 mesh (DESIGN.md section 2):
+# The same seed gives bit-identical global weights on one device and on the 2 x 2 x 2 mesh (docs/design.md, decision 2):
 # sharding only decides who holds which slice.
 
 # %%
-one = Trainer(cfg.replace(data_parallel_size=1, pipeline_model_parallel_size=1, tensor_model_parallel_size=1),
-              make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-single = nnx.to_pure_dict(one.init_state().params)
+one = ShardedModel(cfg.replace(data_parallel_size=1, pipeline_model_parallel_size=1, tensor_model_parallel_size=1),
+                   make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+single = nnx.to_pure_dict(one.init_params())
 for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(single)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 print("identical global weights on a 1-device mesh and on", dict(mesh.shape))

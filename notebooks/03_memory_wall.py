@@ -34,15 +34,17 @@
 
 # %%
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import mtx
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "mtx").is_dir())
-os.chdir(ROOT)
-sys.path.insert(0, str(ROOT))
+# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
+# notebook runs from any directory.
+os.chdir(Path(mtx.__file__).resolve().parents[1])
 
 import matplotlib
 
@@ -56,7 +58,8 @@ from jax.sharding import PartitionSpec as P
 from mtx.config import Config, load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.parallel.sharded import partition_specs
-from mtx.step import Trainer, build_model
+from mtx.sharded_model import build_model
+from mtx.step import TrainStep
 
 assert len(jax.devices()) == 8
 FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"
@@ -111,7 +114,7 @@ def replicated_params(abstract):
 # %% [markdown]
 # ## Check against the compiler: the train step's argument bytes
 #
-# `jax.jit(trainer._train_step).lower(state, tokens).compile().memory_analysis().argument_size_in_bytes` is what one
+# `jax.jit(train_step._train_step).lower(state, tokens).compile().memory_analysis().argument_size_in_bytes` is what one
 # device must hold as the step's inputs: the train state (weights, m, v and a few scalars) and its share of the
 # token batch. It must equal 12 bytes x the parameters per device counted above, plus the tokens. (The gradients,
 # 4 more bytes per parameter, are temporaries of the step, inside `temp_size_in_bytes` with the activations.)
@@ -123,13 +126,13 @@ checked = []
 for dp, pp, tp in [(1, 1, 1), (2, 2, 2)]:
     cfg = small.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp,
                         tensor_model_parallel_size=tp).validate(8)
-    trainer = Trainer(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[:dp * pp * tp]))
-    state = trainer.abstract_state()
+    train_step = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[:dp * pp * tp]))
+    state = train_step.abstract_state()
     t, m = cfg.training, cfg.model
-    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), np.int32, sharding=trainer.batch_sharding)
-    memory = jax.jit(trainer._train_step).lower(state, tokens).compile().memory_analysis()
+    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), np.int32, sharding=train_step.model.batch_sharding)
+    memory = jax.jit(train_step._train_step).lower(state, tokens).compile().memory_analysis()
     n_dev = params_per_device(abstract_params(cfg), pp, tp)
-    # the counting above agrees with the shards the trainer actually lays out
+    # the counting above agrees with the shards the training step actually lays out
     assert n_dev == sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(state.params))
     token_bytes = t.global_batch_size // dp * (m.seq_length + 1) * 4
     scalars = memory.argument_size_in_bytes - STATE_BYTES_PER_PARAM * n_dev - token_bytes

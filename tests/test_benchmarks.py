@@ -15,7 +15,7 @@ from flax import nnx
 
 from mtx.config import Config, load_preset
 from mtx.parallel.mesh import make_mesh
-from mtx.step import Trainer
+from mtx.step import TrainStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench, plain_gpt, profile_summary  # noqa: E402
@@ -46,10 +46,10 @@ def test_plain_baseline_is_the_same_model(tp):
     """The baseline's loss and gradients equal mtx's (fp32) for the same weights: it measures the same math."""
     cfg = TINY.replace(vocab_size=300, global_batch_size=4, micro_batch_size=4, data_parallel_size=1,
                        tensor_model_parallel_size=tp).validate(tp)
-    trainer = Trainer(cfg, make_mesh(1, 1, tp, devices=jax.devices()[:tp]))
+    trainer = TrainStep.build(cfg, make_mesh(1, 1, tp, devices=jax.devices()[:tp]))
     state = trainer.init_state()
     tokens = np.random.default_rng(0).integers(0, 300, (4, cfg.model.seq_length + 1)).astype(np.int32)
-    loss, grads = trainer.loss_and_grads(state.params, trainer.put_batch(tokens), state.step)
+    loss, grads = trainer.loss_and_grads(state.params, trainer.model.put_batch(tokens), state.step)
 
     plain_loss = lambda p: plain_gpt.loss_fn(p, jnp.asarray(tokens), heads=cfg.model.num_attention_heads,
                                              dtype=jnp.float32, flash=False, recompute=None, vocab_size=300)

@@ -10,7 +10,7 @@ from flax import nnx
 from mtx.cli import parse_config
 from mtx.config import Config, ModelConfig, load_preset
 from mtx.parallel.sharded import partition_specs, split_abstract
-from mtx.step import build_model
+from mtx.sharded_model import build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "bert_tiny_params.txt"
 

@@ -11,7 +11,8 @@ from flax import nnx
 
 from mtx.config import Config, load_preset
 from mtx.parallel import make_mesh
-from mtx.step import Trainer
+from mtx.state import state_shardings
+from mtx.step import TrainStep
 
 VOCAB = 1000  # padded to 1024
 BASE = Config().replace(**load_preset("configs/bert_tiny.toml")).replace(
@@ -86,7 +87,7 @@ def trainer_on(mesh, **flags):
     dp, pp, tp = mesh
     cfg = BASE.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
                        **flags).validate(8)
-    return Trainer(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    return TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
 
 
 def flat(tree):
@@ -97,12 +98,12 @@ def flat(tree):
 @pytest.mark.parametrize("placement,meshes", [("pre", [(1, 1, 1), (1, 1, 2), (2, 1, 4)]), ("post", [(1, 1, 2)])])
 def test_sharded_loss_and_gradients_equal_the_reference(placement, meshes):
     batch = make_batch()
-    initial = None  # built once and placed on each mesh: the state does not depend on the mesh (DESIGN.md 2)
+    initial = None  # built once, placed on each mesh: the state is mesh-independent (docs/design.md, decision 2)
     for mesh in meshes:
         trainer = trainer_on(mesh, layernorm_placement=placement)
         initial = jax.device_get(trainer.init_state()) if initial is None else initial
-        state = jax.device_put(initial, trainer.state_shardings())
-        loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.put_batch(batch), state.step)
+        state = jax.device_put(initial, state_shardings(trainer.model))
+        loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.model.put_batch(batch), state.step)
         if mesh == meshes[0]:  # one reference for all meshes (the same weights)
             params = jax.tree.map(np.asarray, nnx.to_pure_dict(state.params))
             ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)(
@@ -120,22 +121,22 @@ def test_padding_gets_no_attention_and_attention_is_bidirectional():
     state = trainer.init_state()
     loss_fn = jax.jit(lambda p, b: trainer.loss_and_grads(p, b, state.step)[0])
     batch = make_batch(1)
-    base = float(loss_fn(state.params, trainer.put_batch(batch)))
+    base = float(loss_fn(state.params, trainer.model.put_batch(batch)))
     # Padded positions: any token and type there changes nothing.
     noisy = dict(batch)
     pad = batch["padding_mask"] == 0
     assert pad.any()
     noisy["text"] = np.where(pad, np.random.default_rng(2).integers(5, VOCAB, pad.shape), batch["text"]).astype(np.int32)
     noisy["types"] = np.where(pad, 1, batch["types"]).astype(np.int32)
-    assert float(loss_fn(state.params, trainer.put_batch(noisy))) == base
+    assert float(loss_fn(state.params, trainer.model.put_batch(noisy))) == base
     # Without the padding mask those tokens would be attended to: the loss moves.
     unmasked = dict(noisy, padding_mask=np.ones_like(batch["padding_mask"]))
-    assert abs(float(loss_fn(state.params, trainer.put_batch(unmasked))) - base) > 1e-4
+    assert abs(float(loss_fn(state.params, trainer.model.put_batch(unmasked))) - base) > 1e-4
     # Bidirectional: with only position 1 predicted, changing the last real token of each sequence changes its loss.
     only_first = dict(batch, loss_mask=np.zeros_like(batch["loss_mask"]))
     only_first["loss_mask"][:, 1] = 1
     late = dict(only_first, text=only_first["text"].copy())
     last = batch["padding_mask"].sum(1) - 1
     late["text"][np.arange(len(last)), last] = (late["text"][np.arange(len(last)), last] + 7) % VOCAB
-    a = float(loss_fn(state.params, trainer.put_batch(only_first)))
-    assert abs(float(loss_fn(state.params, trainer.put_batch(late))) - a) > 1e-5
+    a = float(loss_fn(state.params, trainer.model.put_batch(only_first)))
+    assert abs(float(loss_fn(state.params, trainer.model.put_batch(late))) - a) > 1e-5

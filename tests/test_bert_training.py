@@ -11,7 +11,8 @@ import pytest
 from mtx.config import Config, load_preset
 from mtx.parallel import make_mesh
 from mtx.run import prepare, train
-from mtx.step import Trainer
+from mtx.state import state_shardings
+from mtx.step import TrainStep
 
 EXACT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -35,20 +36,20 @@ def run(cfg, mesh, tmp_path, name, **flags):
 
 def direct_curve(cfg, mesh, steps=10):
     """The training losses of `steps` steps on `mesh`, the loop of mtx.run without its files. The initial state is
-    built once per config on one device and placed on each mesh: it does not depend on the mesh (DESIGN.md
-    section 2, tests/test_training.py), and building it costs more than a step's compile on CPU."""
+    built once per config on one device and placed on each mesh: it does not depend on the mesh (docs/design.md,
+    decision 2; tests/test_training.py), and building it costs more than a step's compile on CPU."""
     dp, pp, tp = mesh
     plan = prepare(cfg.replace(run_dir="unused", train_iters=steps))
-    trainer = Trainer(plan.cfg.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp,
-                                       tensor_model_parallel_size=tp),
-                      make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    trainer = TrainStep.build(plan.cfg.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp,
+                                               tensor_model_parallel_size=tp),
+                              make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
     if plan.cfg not in _INITIAL:
-        _INITIAL[plan.cfg] = jax.device_get(Trainer(plan.cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-                                            .init_state())
-    state = jax.device_put(_INITIAL[plan.cfg], trainer.state_shardings())
+        _INITIAL[plan.cfg] = jax.device_get(
+            TrainStep.build(plan.cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1])).init_state())
+    state = jax.device_put(_INITIAL[plan.cfg], state_shardings(trainer.model))
     losses = []
     for step in range(steps):
-        state, metrics = trainer.train_step(state, trainer.put_batch(plan.dataset.batch("train", step, 16)))
+        state, metrics = trainer(state, trainer.model.put_batch(plan.dataset.batch("train", step, 16)))
         losses.append(metrics["loss"])
     return np.asarray(jax.device_get(losses))
 
@@ -81,12 +82,11 @@ def test_pre_layernorm_loss_is_the_same_on_every_mesh_and_resumes(tiny, tmp_path
 
 def test_post_layernorm_with_dropout_is_the_same_on_every_mesh(tiny):
     """Dropout masks follow the sequence (and head), not the device, so even with dropout the meshes agree, also with
-    each microbatch's rows split over "model" (sequence parallelism with overlapped ring steps, pipelined)."""
+    each microbatch's rows split over "model" (sequence parallelism, pipelined)."""
     cfg = tiny.replace(layernorm_placement="post", hidden_dropout=0.1, attention_dropout=0.1)
     one, many = direct_curve(cfg, (1, 1, 1)), direct_curve(cfg, (2, 2, 2))
     np.testing.assert_allclose(many, one, rtol=1e-5, err_msg="post-LN with dropout on (2, 2, 2)")
-    sp = direct_curve(cfg.replace(sequence_parallel=True, tp_comm_overlap=True, micro_batch_size=4),
-                      (1, 2, 4))
+    sp = direct_curve(cfg.replace(sequence_parallel=True, micro_batch_size=4), (1, 2, 4))
     np.testing.assert_allclose(sp, one, rtol=1e-5, err_msg="post-LN with dropout, sequence parallel on (1, 2, 4)")
     assert one[-1] < one[0] - 0.1, one
 

@@ -10,7 +10,6 @@ import json
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtx.convert import config_from_hf, from_hf, main, params_from_hf, read_hf, to_hf
@@ -85,14 +84,14 @@ def reference_logits(tensors: dict[str, np.ndarray], ids_BS: np.ndarray, eps: fl
     return ln(x, "ln_f") @ t["wte.weight"].T
 
 
-def mtx_logits(trainer, params, ids_BS) -> np.ndarray:
+def mtx_logits(model, params, ids_BS) -> np.ndarray:
     """Full (B, S, V_padded) logits of the sharded model, vocab slices gathered over "model"."""
     def local(params, ids):
-        hidden = trainer.local_final_hidden(params, ids)
-        return gather_from_model_parallel(nnx.merge(trainer.graphdef, params).embedding.attend(hidden))
+        hidden = model.local_final_hidden(params, ids)
+        return gather_from_model_parallel(model.merge(params).embedding.attend(hidden))
 
-    fn = jax.jit(jax.shard_map(local, mesh=trainer.mesh, in_specs=(trainer.param_specs, P()), out_specs=P()))
-    return np.asarray(fn(trainer.stage_params(params), ids_BS))
+    fn = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P()), out_specs=P()))
+    return np.asarray(fn(model.stage_params(params), ids_BS))
 
 
 def token_ids(vocab: int, b: int = 2, s: int = 16) -> np.ndarray:
@@ -115,11 +114,11 @@ def converted(request, tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_logits_match_gpt2_reference(converted, tp):
     tensors, vocab, root = converted
-    trainer, params = load_model(str(root / "ckpt"), tensor_model_parallel_size=tp)
-    assert trainer.mesh.shape["model"] == tp and trainer.cfg.training.seed == 7
+    model, params = load_model(str(root / "ckpt"), tensor_model_parallel_size=tp)
+    assert model.mesh.shape["model"] == tp and model.cfg.training.seed == 7
     ids = token_ids(vocab)
-    logits = mtx_logits(trainer, params, ids)
-    assert logits.shape[-1] == trainer.cfg.model.padded_vocab_size > vocab
+    logits = mtx_logits(model, params, ids)
+    assert logits.shape[-1] == model.cfg.model.padded_vocab_size > vocab
     np.testing.assert_array_less(np.abs(logits[..., :vocab] - reference_logits(tensors, ids)), 1e-4)
     assert not logits[..., vocab:].any(), "padded vocabulary rows must be zero"
 
@@ -207,8 +206,8 @@ def test_matches_transformers(tmp_path):
     expected = torch_logits(model)
     from_hf(tmp_path / "hf", tmp_path / "ckpt")
     for tp in (1, 2, 4):
-        trainer, params = load_model(str(tmp_path / "ckpt"), tensor_model_parallel_size=tp)
-        np.testing.assert_array_less(np.abs(mtx_logits(trainer, params, ids)[..., :1000] - expected), 1e-4)
+        model, params = load_model(str(tmp_path / "ckpt"), tensor_model_parallel_size=tp)
+        np.testing.assert_array_less(np.abs(mtx_logits(model, params, ids)[..., :1000] - expected), 1e-4)
     to_hf(tmp_path / "ckpt", tmp_path / "back")
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").float().eval()
     np.testing.assert_array_less(np.abs(torch_logits(reloaded) - expected), 1e-5)
@@ -217,9 +216,9 @@ def test_matches_transformers(tmp_path):
 def test_eval_loss_matches_gpt2_reference(converted):
     """Converted weights must give GPT-2's own loss: padded vocabulary columns may not take probability mass."""
     tensors, vocab, root = converted
-    trainer, params = load_model(str(root / "ckpt"), tensor_model_parallel_size=2)
-    tokens = np.random.default_rng(2).integers(0, vocab, (trainer.mesh.shape["data"], 17), dtype=np.int32)
+    model, params = load_model(str(root / "ckpt"), tensor_model_parallel_size=2)
+    tokens = np.random.default_rng(2).integers(0, vocab, (model.mesh.shape["data"], 17), dtype=np.int32)
     logits = reference_logits(tensors, tokens[:, :-1])
     log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     expected = (log_z - np.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0]).mean()
-    assert abs(float(trainer.eval_step(params, trainer.put_batch(tokens))) - expected) < 1e-5
+    assert abs(float(model.eval_loss(params, model.put_batch(tokens))) - expected) < 1e-5

@@ -11,14 +11,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx import evaluation as ev
 from mtx.config import Config, load_preset
 from mtx.data import build_tokenizer
-from mtx.detokenize import count_original_tokens, wikitext_detokenize
+from mtx.data.detokenize import count_original_tokens, wikitext_detokenize
 from mtx.loading import load_model
 from mtx.parallel.mesh import MODEL, make_mesh
 from mtx.run import train
@@ -91,15 +90,15 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _reference(trainer, params, inputs, targets):
+def _reference(model, params, inputs, targets):
     """Plain forward on a 1-device mesh (no collectives to type-check): full logits, log_softmax and argmax over the
     real vocabulary (padded ids are no tokens)."""
     def local(params, inputs):
-        return nnx.merge(trainer.graphdef, params).logits(inputs)
+        return model.merge(params).logits(inputs)
 
-    logits = jax.jit(jax.shard_map(local, mesh=trainer.mesh, in_specs=(trainer.param_specs, P()), out_specs=P(),
+    logits = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P()), out_specs=P(),
                                    check_vma=False))(params, inputs)
-    real = np.asarray(logits, np.float64)[..., : trainer.cfg.model.vocab_size]
+    real = np.asarray(logits, np.float64)[..., : model.cfg.model.vocab_size]
     m = real.max(-1, keepdims=True)
     logp = real - m - np.log(np.exp(real - m).sum(-1, keepdims=True))
     top2 = np.sort(real, -1)[..., -2:]
@@ -110,13 +109,13 @@ def _reference(trainer, params, inputs, targets):
 def scored_batch(checkpoint):
     """A (6, 24) batch (not a multiple of any data-parallel size: the scorer pads it) whose targets are half the
     reference argmax, half random, with 20% of positions masked; and the reference's NLL, argmax and top-2 margin."""
-    ref_trainer, ref_params = load_model(str(checkpoint), data_parallel_size=1)
-    assert ref_trainer.mesh.size == 1
+    ref_model, ref_params = load_model(str(checkpoint), data_parallel_size=1)
+    assert ref_model.mesh.size == 1
     rng = np.random.default_rng(0)
     inputs = rng.integers(0, 257, (6, 24)).astype(np.int32)
-    _, argmax_ref, margin = _reference(ref_trainer, ref_params, inputs, inputs)
+    _, argmax_ref, margin = _reference(ref_model, ref_params, inputs, inputs)
     targets = np.where(rng.random(inputs.shape) < 0.5, argmax_ref, rng.integers(0, 257, inputs.shape)).astype(np.int32)
-    nll_ref = _reference(ref_trainer, ref_params, inputs, targets)[0]
+    nll_ref = _reference(ref_model, ref_params, inputs, targets)[0]
     mask = (rng.random(inputs.shape) < 0.8).astype(np.int32)
     return inputs, targets, mask, nll_ref, argmax_ref, margin
 
@@ -124,10 +123,10 @@ def scored_batch(checkpoint):
 @pytest.mark.parametrize("tp, pp, sp", [(1, 1, False), (2, 1, False), (2, 2, False), (1, 2, False), (2, 2, True)])
 def test_scorer_matches_a_plain_forward(checkpoint, scored_batch, tp, pp, sp):
     inputs, targets, mask, nll_ref, argmax_ref, margin = scored_batch
-    trainer, params = load_model(str(checkpoint), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    model, params = load_model(str(checkpoint), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  sequence_parallel=sp)
     # With sequence parallelism each data rank's rows split over TP: 6 rows round up to 8 (DP 2 x TP 2).
-    scorer = ev.Scorer(trainer, params, batch_size=6 if sp else 8)
+    scorer = ev.Scorer(model, params, batch_size=6 if sp else 8)
     assert scorer.batch_size == 8
     nll, correct = scorer(inputs, targets, mask)
     scorer(inputs[:3], targets[:3], mask[:3])

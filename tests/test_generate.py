@@ -14,7 +14,8 @@ from mtx.generate import decoder_for, generate, sample_logits, top_p_filter
 from mtx.parallel import make_mesh
 from mtx.parallel.mesh import DATA
 from mtx.parallel.ops import gather_from_model_parallel
-from mtx.step import Trainer
+from mtx.sharded_model import ShardedModel
+from mtx.state import init_state
 
 VOCAB, S = 257, 32
 TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(vocab_size=VOCAB, hidden_dropout=0.0,
@@ -23,7 +24,7 @@ TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(vocab_size=V
 
 @functools.cache
 def setup(mesh, num_layers=2):
-    """(trainer, randomly initialised params) of the tiny model on a (data, pipeline, model) mesh. Parameters do not
+    """(model, randomly initialised params) of the tiny model on a (data, pipeline, model) mesh. Parameters do not
     depend on the mesh, so they are initialised once per model on one device and laid out on the others."""
     dp, pp, tp = mesh
     uneven = {"num_layers_in_first_pipeline_stage": num_layers - (num_layers // pp) * (pp - 1)} if num_layers % pp \
@@ -31,42 +32,42 @@ def setup(mesh, num_layers=2):
     cfg = TINY.replace(num_layers=num_layers, data_parallel_size=dp, pipeline_model_parallel_size=pp,
                        tensor_model_parallel_size=tp, micro_batch_size=1, global_batch_size=dp * pp,
                        **uneven).validate(8)
-    trainer = Trainer(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    model = ShardedModel(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
     if mesh != (1, 1, 1):
-        return trainer, jax.device_put(setup((1, 1, 1), num_layers)[1], trainer.state_shardings().params)
+        return model, jax.device_put(setup((1, 1, 1), num_layers)[1], model.param_shardings)
     if num_layers == 2:
-        return trainer, trainer.init_state().params
+        return model, init_state(model).params
     # The training init's parameters without compiling the optimizer's init.
-    return trainer, jax.jit(lambda: nnx.state(trainer.make_model()), out_shardings=trainer.state_shardings().params)()
+    return model, model.init_params()
 
 
 @functools.cache
-def _full_forward(trainer):
+def _full_forward(model):
     def local(params, tokens_BS):  # test-only: gathers all B*S*V logits
-        hidden_BSD = trainer.local_final_hidden(params, tokens_BS)
-        logits_BSV = nnx.merge(trainer.graphdef, params).embedding.attend(hidden_BSD)
+        hidden_BSD = model.local_final_hidden(params, tokens_BS)
+        logits_BSV = model.merge(params).embedding.attend(hidden_BSD)
         return gather_from_model_parallel(logits_BSV.astype(jnp.float32))
 
-    sharded = jax.shard_map(local, mesh=trainer.mesh, in_specs=(trainer.param_specs, P(DATA)), out_specs=P(DATA))
-    return jax.jit(lambda params, tokens: sharded(trainer.stage_params(params), tokens))
+    sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA)), out_specs=P(DATA))
+    return jax.jit(lambda params, tokens: sharded(model.stage_params(params), tokens))
 
 
-def full_logits(trainer, params, rows):
+def full_logits(model, params, rows):
     """Uncached reference: (B, S, V) logits of the whole window, rows right-padded to S."""
     tokens = np.zeros((len(rows), S), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = row
-    return np.asarray(_full_forward(trainer)(params, jax.device_put(tokens, trainer.batch_sharding)))
+    return np.asarray(_full_forward(model)(params, jax.device_put(tokens, model.batch_sharding)))
 
 
-def uncached_greedy(trainer, params, prompt, n):
+def uncached_greedy(model, params, prompt, n):
     """Greedy decoding by one full forward per token, with generate's window rule (keep S, slide by S // 2)."""
     ids, start = list(prompt), max(0, len(prompt) - S)
     for _ in range(n):
         if len(ids) - start > S:
             start = len(ids) - S // 2
         window = ids[start:]
-        logits = full_logits(trainer, params, [window])[0, len(window) - 1, :VOCAB]
+        logits = full_logits(model, params, [window])[0, len(window) - 1, :VOCAB]
         ids.append(int(np.argmax(logits)))
     return ids
 
@@ -76,11 +77,11 @@ def uncached_greedy(trainer, params, prompt, n):
 def test_cached_logits_equal_the_full_forward_at_every_step(mesh, num_layers):
     """Prefill two prompts of different lengths, then teacher-force the rest of a random sequence token by token:
     every step's (B, V) logits equal the uncached forward's at that position ((1, 2, 1) x 3 layers: uneven stages)."""
-    trainer, params = setup(mesh, num_layers)
+    model, params = setup(mesh, num_layers)
     seq = np.random.default_rng(0).integers(0, VOCAB, (2, S)).astype(np.int32)
-    ref = full_logits(trainer, params, seq.tolist())
+    ref = full_logits(model, params, seq.tolist())
     tol = 1e-5 * np.abs(ref).max()
-    dec = decoder_for(trainer)
+    dec = decoder_for(model)
     lengths = np.array([5, 9], np.int32)
     logits, cache = dec.prefill(params, *dec.windows([seq[b, : lengths[b]].tolist() for b in range(2)]))
     np.testing.assert_allclose(np.asarray(logits), ref[[0, 1], lengths - 1], rtol=0, atol=tol)
@@ -94,48 +95,48 @@ def test_cached_logits_equal_the_full_forward_at_every_step(mesh, num_layers):
 
 
 def test_greedy_generation_is_the_argmax_of_the_full_forward_step_by_step():
-    trainer, params = setup((1, 1, 1))
+    model, params = setup((1, 1, 1))
     prompts = [[5, 17, 200], [9, 8, 7, 6, 5, 4, 3]]
-    out = generate(trainer, params, prompts, 12, temperature=0.0)
-    assert out == [uncached_greedy(trainer, params, p, 12) for p in prompts]
+    out = generate(model, params, prompts, 12, temperature=0.0)
+    assert out == [uncached_greedy(model, params, p, 12) for p in prompts]
 
 
 def test_generation_slides_the_window_past_max_positions():
     """A 40-token prompt keeps its last 32; the full window then slides by 16, as the uncached reference does."""
-    trainer, params = setup((1, 1, 1))
+    model, params = setup((1, 1, 1))
     prompt = np.random.default_rng(1).integers(0, VOCAB, 40).tolist()
-    out = generate(trainer, params, [prompt, [1, 2]], 20, temperature=0.0)
+    out = generate(model, params, [prompt, [1, 2]], 20, temperature=0.0)
     assert out[0][:40] == prompt and len(out[0]) == 60
-    assert out[0] == uncached_greedy(trainer, params, prompt, 20)
-    assert out[1] == uncached_greedy(trainer, params, [1, 2], 20)
+    assert out[0] == uncached_greedy(model, params, prompt, 20)
+    assert out[1] == uncached_greedy(model, params, [1, 2], 20)
 
 
 def test_batched_prompts_of_different_lengths_continue_as_if_alone():
     """On (2, 1, 4): three prompts (padded to four rows over two data ranks) against each prompt alone."""
-    trainer, params = setup((2, 1, 4))
+    model, params = setup((2, 1, 4))
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3], [5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]]
-    batched = generate(trainer, params, prompts, 10, temperature=0.0)
-    assert batched == [generate(trainer, params, [p], 10, temperature=0.0)[0] for p in prompts]
+    batched = generate(model, params, prompts, 10, temperature=0.0)
+    assert batched == [generate(model, params, [p], 10, temperature=0.0)[0] for p in prompts]
     assert [len(r) for r in batched] == [len(p) + 10 for p in prompts]
 
 
 def test_top_k_1_is_greedy_and_the_same_seed_gives_the_same_samples():
-    trainer, params = setup((1, 1, 1))
+    model, params = setup((1, 1, 1))
     prompts = [[5, 17, 200], [9, 8, 7, 6, 5, 4, 3]]
-    greedy = generate(trainer, params, prompts, 10, temperature=0.0)
-    assert generate(trainer, params, prompts, 10, temperature=1.0, top_k=1, seed=7) == greedy
-    a = generate(trainer, params, prompts, 10, temperature=1.0, top_p=0.9, seed=3)
-    assert a == generate(trainer, params, prompts, 10, temperature=1.0, top_p=0.9, seed=3)
-    assert a != generate(trainer, params, prompts, 10, temperature=1.0, top_p=0.9, seed=4)
+    greedy = generate(model, params, prompts, 10, temperature=0.0)
+    assert generate(model, params, prompts, 10, temperature=1.0, top_k=1, seed=7) == greedy
+    a = generate(model, params, prompts, 10, temperature=1.0, top_p=0.9, seed=3)
+    assert a == generate(model, params, prompts, 10, temperature=1.0, top_p=0.9, seed=3)
+    assert a != generate(model, params, prompts, 10, temperature=1.0, top_p=0.9, seed=4)
     assert a != greedy  # near-uniform random-init logits: sampling does not collapse onto the argmax
 
 
 def test_eod_stops_a_sequence_and_keeps_the_eod_token():
-    trainer, params = setup((1, 1, 1))
+    model, params = setup((1, 1, 1))
     prompts = [[5, 17, 200], [9, 8, 7, 6, 5, 4, 3]]
-    free = generate(trainer, params, prompts, 12, temperature=0.0)
+    free = generate(model, params, prompts, 12, temperature=0.0)
     eod = free[0][3]  # row 0's first new id: row 0 stops at once, row 1 where (if) it emits it
-    stopped = generate(trainer, params, prompts, 12, temperature=0.0, eod=eod)
+    stopped = generate(model, params, prompts, 12, temperature=0.0, eod=eod)
     for full, got, prompt in zip(free, stopped, prompts):
         new = full[len(prompt):]
         expected = full[: len(prompt) + new.index(eod) + 1] if eod in new else full

@@ -12,7 +12,7 @@ from flax import nnx
 
 from mtx.config import Config, load_preset
 from mtx.parallel.sharded import partition_specs, split_abstract
-from mtx.step import build_model
+from mtx.sharded_model import build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_tiny_params.txt"
 

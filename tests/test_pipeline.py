@@ -9,7 +9,7 @@ from mtx.config import Config, load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.layout import parse_layout, stage_layer_counts
 from mtx.run import train
-from mtx.step import Trainer
+from mtx.step import TrainStep
 
 # The tiny preset deepened to 8 layers, exact (fp32, no dropout).
 DEEP = Config().replace(**load_preset("configs/tiny.toml")).replace(num_layers=8, hidden_dropout=0.0,
@@ -46,9 +46,9 @@ def test_pipelined_losses_match_on_every_mesh_and_layout(tmp_path):
 def grads_on(mesh, layout, tokens):
     cfg = cfg_for(mesh, layout, vocab_size=257).validate(8)
     dp, pp, tp = mesh
-    trainer = Trainer(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    trainer = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
     state = trainer.init_state()
-    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.put_batch(tokens), state.step)
+    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.model.put_batch(tokens), state.step)
     return float(loss), {jax.tree_util.keystr(p): np.asarray(g)
                          for p, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads))}
 
@@ -81,9 +81,9 @@ def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path):
 def stage_argument_bytes(pp):
     cfg = DEEP.replace(vocab_size=257, pipeline_model_parallel_size=pp, tensor_model_parallel_size=1,
                        data_parallel_size=1, num_layers=8, hidden_size=128).validate(8)
-    trainer = Trainer(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
+    trainer = TrainStep.build(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
     state = trainer.abstract_state()
-    tokens = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=trainer.batch_sharding)
+    tokens = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=trainer.model.batch_sharding)
     compiled = jax.jit(trainer._train_step).lower(state, tokens).compile()
     layer_share = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(state.params)["layers"]))
     total = sum(x.size for x in jax.tree.leaves(state.params))
@@ -146,8 +146,8 @@ def test_recomputation_bounds_pipelined_activation_memory():
     def temp_bytes(recompute):
         cfg = DEEP.replace(vocab_size=257, pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
                            data_parallel_size=1, seq_length=128, recompute_granularity=recompute).validate(8)
-        trainer = Trainer(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
-        tokens = jax.ShapeDtypeStruct((16, 129), np.int32, sharding=trainer.batch_sharding)
+        trainer = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+        tokens = jax.ShapeDtypeStruct((16, 129), np.int32, sharding=trainer.model.batch_sharding)
         compiled = jax.jit(trainer._train_step).lower(trainer.abstract_state(), tokens).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -162,9 +162,9 @@ def test_microbatches_not_divisible_by_stages():
     def loss_on(pp):
         cfg = DEEP.replace(vocab_size=257, global_batch_size=12, data_parallel_size=1, tensor_model_parallel_size=1,
                            pipeline_model_parallel_size=pp).validate(8)
-        trainer = Trainer(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
+        trainer = TrainStep.build(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
         state = trainer.init_state()
-        assert trainer.num_microbatches == 6
-        return float(jax.jit(trainer.loss_and_grads)(state.params, trainer.put_batch(tokens), state.step)[0])
+        assert trainer.model.num_microbatches == 6
+        return float(jax.jit(trainer.loss_and_grads)(state.params, trainer.model.put_batch(tokens), state.step)[0])
 
     assert loss_on(4) == pytest.approx(loss_on(1), rel=1e-6)

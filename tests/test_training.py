@@ -14,7 +14,7 @@ from mtx.config import Config, load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.parallel.sharded import init_sharded
 from mtx.run import train
-from mtx.step import build_model
+from mtx.sharded_model import build_model
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"))
 EXACT = dict(hidden_dropout=0.0, attention_dropout=0.0)  # fp32 is the default compute dtype

@@ -1,7 +1,8 @@
 """BERT (paper section 4.2): the GPT machinery with bidirectional attention, token types, and two heads.
 
 Embeddings: vocab-parallel token embedding (as GPT) + learned positions + token types (segment A = 0, B = 1).
-Layers: the same scanned tensor-parallel TransformerLayer, bidirectional, with padded keys masked out. Two placements
+Layers: the same layer stack as GPT (ParallelTransformer, mtx/models/stack.py), bidirectional, with padded keys
+masked out. Two placements
 of LayerNorm (`--layernorm-placement`):
   pre  (the paper's): x + f(LN(x)) in every block, a final LayerNorm after the stack, no embedding LayerNorm;
   post (original BERT): LN(x + f(x)) in every block, a LayerNorm on the embeddings, no final LayerNorm.
@@ -23,11 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
-from mtx.models.gpt import GPT
-from mtx.models.transformer import TransformerLayer
+from mtx.models.stack import ParallelTransformer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.layers import REPLICATED, LayerNorm, VocabParallelEmbedding, param
-from mtx.parallel.mesh import MODEL, PIPELINE
+from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import gather_from_model_parallel, sequence_parallel_rows
 from mtx.parallel.random import dropout, fold
 
@@ -46,23 +46,20 @@ class Dense(nnx.Module):
 
 class BERT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, sp: str | None = None, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sequence_parallel: bool = False, rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.post_layernorm = cfg.layernorm_placement == "post"
-        self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std, dtype=dtype, rngs=rngs)
+        self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std,
+                                                sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
         self.tokentype_embeddings = (param(rngs, (cfg.tokentypes, d), (REPLICATED, REPLICATED), std=std)
                                      if cfg.tokentypes else None)
         self.embedding_layernorm = (LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
                                     if self.post_layernorm else None)
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
-        def make_layers(rngs):  # stacked like GPT's: a leading L axis, split into pipeline stages
-            return TransformerLayer(cfg, dtype=dtype, rngs=rngs, selective_recompute=recompute == "selective",
-                                    flash=flash, causal=False, post_layernorm=self.post_layernorm, sp=sp)
-
-        self.layers = make_layers(rngs)
+        self.stack = ParallelTransformer(cfg, dtype=dtype, recompute=recompute, flash=flash, scan_layers=scan_layers,
+                                         sequence_parallel=sequence_parallel, causal=False,
+                                         post_layernorm=self.post_layernorm)
+        self.layers = self.stack.build(rngs)  # stacked like GPT's: (L, ...) each, split into pipeline stages
         self.final_layernorm = (None if self.post_layernorm
                                 else LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype))
         # MLM head (Megatron's BertLMHead): dense + GeLU + LayerNorm, then the tied logits plus a vocab-split bias.
@@ -75,9 +72,7 @@ class BERT(nnx.Module):
         else:
             self.pooler = self.sop_head = None
         self.hidden_dropout = cfg.hidden_dropout
-        self.recompute = recompute  # GPT.transform's per-layer checkpoint policy
-        self.scan_layers = scan_layers
-        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
+        self.sequence_parallel = sequence_parallel
         self.dtype = dtype
         self.vocab_size = cfg.vocab_size
 
@@ -86,24 +81,26 @@ class BERT(nnx.Module):
         sequence parallelism this rank's rows (B / tp, S, D)."""
         s = tokens_BS.shape[1]
         types_BS = jnp.zeros_like(tokens_BS) if types_BS is None else types_BS
-        if self.sp:  # this rank's rows
+        if self.sequence_parallel:  # this rank's rows
             types_BS = sequence_parallel_rows(types_BS)
             keys_B = None if keys_B is None else sequence_parallel_rows(keys_B)
-        x_BSD = self.embedding(tokens_BS, sp=self.sp) + self.position_embeddings[:s].astype(self.dtype)
+        x_BSD = self.embedding(tokens_BS) + self.position_embeddings[:s].astype(self.dtype)
         if self.tokentype_embeddings is not None:
             x_BSD = x_BSD + jnp.take(self.tokentype_embeddings[...], types_BS, axis=0).astype(self.dtype)
         if self.embedding_layernorm is not None:
             x_BSD = self.embedding_layernorm(x_BSD)
         return dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
 
-    # The same scanned layer stack as GPT (layers, recomputation, pipeline stage slots, dropout keys by layer).
-    transform = GPT.transform
+    def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
+        """Runs the held layers on (B, S, D): see ParallelTransformer.__call__."""
+        return self.stack(self.layers, x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=first_layer,
+                          active_L=active_L)
 
     def final_hidden(self, x_BSD):
         """Output of the layer stack -> the final hidden states, replicated over "model" (the final LayerNorm of
         pre-LN, post-LN ends in one; sequence-parallel rows gathered)."""
         h_BSD = x_BSD if self.final_layernorm is None else self.final_layernorm(x_BSD)
-        return gather_from_model_parallel(h_BSD, axis=0) if self.sp else h_BSD
+        return gather_from_model_parallel(h_BSD, axis=0) if self.sequence_parallel else h_BSD
 
     def __call__(self, tokens_BS, types_BS=None, *, mask_BS=None, keys_B=None):
         """(B, S) ids -> (B, S, D) final hidden states, replicated over "model"."""

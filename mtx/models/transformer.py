@@ -9,10 +9,9 @@ Communication of one layer, read top to bottom: the attention's QKV projection s
 projection ends with `g`; the MLP's first linear starts with `f` and its second ends with `g`. That is one all-reduce
 forward (g) and one backward (f) per block, two of each per layer (paper Fig. 3).
 
-With sequence parallelism (`sp`, mtx/parallel/layers.py) the layer's input and output are this rank's rows
-(B / tp, S, D) of the residual stream: LayerNorm, dropout and the residual adds run on them only, `f` becomes an
-all-gather and `g` a reduce-scatter (two of each per layer, forward and backward); with sp="overlap" those are ring
-steps beside the matmuls and attention runs once per row chunk (mtx/parallel/collective_matmul.py).
+With sequence parallelism (`sequence_parallel`, mtx/parallel/layers.py) the layer's input and output are this rank's
+rows (B / tp, S, D) of the residual stream: LayerNorm, dropout and the residual adds run on them only, `f` becomes an
+all-gather and `g` a reduce-scatter (two of each per layer, forward and backward).
 
 Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's heads: the new keys and
 values are written into the cache locally, so decoding adds no collective beyond the same two g's per layer.
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
-from mtx.parallel.collective_matmul import ring_rows
 from mtx.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
 from mtx.parallel.ops import sequence_parallel_rows
 from mtx.parallel.random import dropout, fold, model_parallel_keys
@@ -108,26 +106,23 @@ class ParallelSelfAttention(nnx.Module):
     """Fused QKV (column-parallel, so each rank owns whole heads), attention core, row-parallel output."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
-                 flash: bool = False, causal: bool = True):
+                 flash: bool = False, causal: bool = True, sequence_parallel: bool = False):
         d, std = cfg.hidden_size, cfg.init_method_std
         # Columns are ordered (N, 3, H): a contiguous split over ranks gives each rank the q, k and v of its heads.
-        self.qkv = ColumnParallelLinear(d, 3 * d, std=std, dtype=dtype, rngs=rngs)
-        self.proj = RowParallelLinear(d, d, std=std / math.sqrt(2 * cfg.num_layers), dtype=dtype, rngs=rngs)
+        self.qkv = ColumnParallelLinear(d, 3 * d, std=std, sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+        self.proj = RowParallelLinear(d, d, std=std / math.sqrt(2 * cfg.num_layers),
+                                      sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
         self.head_dim = cfg.head_dim
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
         self.flash = flash  # fused attention (--use-flash-attn); never with attention dropout (Config.validate)
         self.causal = causal  # False: every token attends to every (unpadded) token, as in BERT
 
-    def __call__(self, x_BSD, *, mask_BS=None, keys_B=None, sp=None):
-        """(B, S, D) -> (B, S, D), or this rank's rows (B / tp, S, D) with `sp`; attention sees whole rows. mask_BS and
-        keys_B cover the whole microbatch."""
-        q, k, v = self.qkv.split_call(x_BSD, 3, self.head_dim, sp=sp)  # (B, S, n_local, H) each
-        if sp == "overlap":  # lists of row chunks in ring order: attention runs per chunk (it is row-wise)
-            tp = len(q)
-            chunks = zip(q, k, v, ring_rows(mask_BS, tp), ring_rows(keys_B, tp))
-            return self.proj([self._attend(*chunk) for chunk in chunks], sp=sp)
-        return self.proj(self._attend(q, k, v, mask_BS, keys_B), sp=sp)
+    def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
+        """(B, S, D) -> (B, S, D), or this rank's rows (B / tp, S, D) with sequence parallelism; attention sees whole
+        rows. mask_BS and keys_B cover the whole microbatch."""
+        q, k, v = self.qkv.split_call(x_BSD, 3, self.head_dim)  # (B, S, n_local, H) each
+        return self.proj(self._attend(q, k, v, mask_BS, keys_B))
 
     def _attend(self, q, k, v, mask_BS, keys_B):
         """(B, S, n_local, H) q, k, v -> (B, S, n_local * H) context of this rank's heads."""
@@ -158,19 +153,19 @@ class ParallelMLP(nnx.Module):
     Column split first: GeLU is element-wise, so it commutes with the split and needs no all-reduce in between.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, sequence_parallel: bool = False):
         d, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_method_std
-        self.fc1 = ColumnParallelLinear(d, f, std=std, dtype=dtype, rngs=rngs)
-        self.fc2 = RowParallelLinear(f, d, std=std / math.sqrt(2 * cfg.num_layers), dtype=dtype, rngs=rngs)
+        self.fc1 = ColumnParallelLinear(d, f, std=std, sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+        self.fc2 = RowParallelLinear(f, d, std=std / math.sqrt(2 * cfg.num_layers),
+                                     sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BSD, *, sp=None):
-        h = self.fc1(x_BSD, sp=sp)  # with sp="overlap" a list of row chunks: GeLU maps over it
-        return self.fc2(jax.tree.map(lambda a: jax.nn.gelu(a, approximate=True), h), sp=sp)
+    def __call__(self, x_BSD):
+        return self.fc2(jax.nn.gelu(self.fc1(x_BSD), approximate=True))
 
 
 class TransformerLayer(nnx.Module):
     """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x))); the residual stream is replicated, or split
-    by rows with `sp` ("gather" or "overlap", see mtx/parallel/layers.py).
+    by rows with sequence parallelism (mtx/parallel/layers.py).
 
     post_layernorm=True gives the original BERT/Transformer block instead, LN(x + drop(attn(x))) then
     LN(x + drop(mlp(x))), with the same parameters (paper section 4.2 compares the two); causal=False makes the
@@ -178,15 +173,16 @@ class TransformerLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
-                 flash: bool = False, causal: bool = True, post_layernorm: bool = False, sp: str | None = None):
+                 flash: bool = False, causal: bool = True, post_layernorm: bool = False,
+                 sequence_parallel: bool = False):
         self.ln1 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
         self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
-                                               flash=flash, causal=causal)
+                                               flash=flash, causal=causal, sequence_parallel=sequence_parallel)
         self.ln2 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
-        self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs, sequence_parallel=sequence_parallel)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm
-        self.sp = sp  # sequence parallelism: None, "gather" or "overlap" (mtx/parallel/layers.py)
+        self.sequence_parallel = sequence_parallel
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         """keys_B: one dropout key per sequence of the microbatch (None: no dropout). With sequence parallelism x is
@@ -195,15 +191,14 @@ class TransformerLayer(nnx.Module):
         if keys_B is not None:
             # Residual-branch dropout acts on the residual stream: the same mask on every rank that holds the
             # sequence (all of them, or with sp the one holding its row); attention dropout on whole rows.
-            own_B = sequence_parallel_rows(keys_B) if self.sp else keys_B
+            own_B = sequence_parallel_rows(keys_B) if self.sequence_parallel else keys_B
             k_attn, k_res1, k_res2 = fold(keys_B, 0), fold(own_B, 1), fold(own_B, 2)
-        attention = functools.partial(self.attention, mask_BS=mask_BS, keys_B=k_attn, sp=self.sp)
-        mlp = functools.partial(self.mlp, sp=self.sp)
+        attention = functools.partial(self.attention, mask_BS=mask_BS, keys_B=k_attn)
         if self.post_layernorm:
             x_BSD = self.ln1(x_BSD + dropout(attention(x_BSD), self.dropout_rate, k_res1))
-            return self.ln2(x_BSD + dropout(mlp(x_BSD), self.dropout_rate, k_res2))
+            return self.ln2(x_BSD + dropout(self.mlp(x_BSD), self.dropout_rate, k_res2))
         x_BSD = x_BSD + dropout(attention(self.ln1(x_BSD)), self.dropout_rate, k_res1)
-        return x_BSD + dropout(mlp(self.ln2(x_BSD)), self.dropout_rate, k_res2)
+        return x_BSD + dropout(self.mlp(self.ln2(x_BSD)), self.dropout_rate, k_res2)
 
     def decode(self, x_BTD, cache: KVCache, start_B, *, write=None):
         """The same block for inference with this layer's KV cache (see ParallelSelfAttention.decode); no dropout."""

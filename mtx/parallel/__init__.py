@@ -1,7 +1,6 @@
 """Tensor parallelism: the mesh, Megatron's f/g operators (and sequence parallelism's), parallel layers, vocab-parallel
 loss, dropout RNG."""
 
-from mtx.parallel.collective_matmul import ring_gather, ring_reduce_scatter
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
 from mtx.parallel.mesh import AXES, DATA, MODEL, PIPELINE, make_mesh
@@ -11,5 +10,5 @@ from mtx.parallel.random import dropout
 
 __all__ = ["AXES", "DATA", "MODEL", "PIPELINE", "make_mesh", "f", "g", "gather_from_model_parallel",
            "scatter_to_model_parallel", "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
-           "ring_gather", "ring_reduce_scatter", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "LayerNorm", "vocab_parallel_cross_entropy", "dropout"]

@@ -4,13 +4,11 @@ Every parameter states its layout once, here, where it is declared: the global a
 shape and `out_sharding` says how the mesh splits it. Inside `jax.shard_map` a layer sees only its local slice, so
 `kernel` of a ColumnParallelLinear is (D, F / tp) there.
 
-`sp` (sequence parallelism, chosen per call by the transformer layer; decoding never uses it):
-  None        the paper's layers: replicated (B, S, D) in and out; `f` before the column-parallel matmul, `g` after
-              the row-parallel one.
-  "gather"    --sequence-parallel: this rank's rows (B / tp, S, D) in and out; all-gather before the column-parallel
-              matmul, reduce-scatter after the row-parallel one (mtx/parallel/ops.py).
-  "overlap"   --tp-comm-overlap: the same, each collective cut into ring steps beside the matmuls; between the two
-              linears activations are lists of row chunks in ring order (mtx/parallel/collective_matmul.py).
+`sequence_parallel` (Megatron's `--sequence-parallel`, `Config.sequence_parallel`), fixed when a layer is built:
+  False  the paper's layers: replicated (B, S, D) in and out; `f` before the column-parallel matmul, `g` after the
+         row-parallel one.
+  True   this rank's rows (B / tp, S, D) in and out; an all-gather before the column-parallel matmul, a
+         reduce-scatter after the row-parallel one (mtx/parallel/ops.py). Decoding builds its model with it off.
 """
 
 from __future__ import annotations
@@ -19,12 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtx.parallel.collective_matmul import ring_gather, ring_reduce_scatter
 from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequence_parallel, model_rank,
                               reduce_scatter_to_sequence_parallel, scatter_to_model_parallel)
-
-SP_MODES = (None, "gather", "overlap")
 
 REPLICATED = None
 
@@ -49,23 +44,24 @@ class ColumnParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
-                 gather_output: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 gather_output: bool = False, sequence_parallel: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         self.kernel = param(rngs, (in_features, out_features), (REPLICATED, MODEL), std=std)
         self.bias = param(None, (out_features,), (MODEL,)) if use_bias else None
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         self.dtype = dtype
 
-    def __call__(self, x_BSD, *, sp: str | None = None):
-        """(B, S, D) replicated (or this rank's rows (B / tp, S, D) with `sp`) -> (B, S, F / tp) on this rank, or
-        (B, S, F) replicated with gather_output; with sp="overlap" a list of row chunks (B / tp, S, F / tp)."""
+    def __call__(self, x_BSD):
+        """(B, S, D) replicated (or this rank's rows (B / tp, S, D) with sequence parallelism) -> (B, S, F / tp) on
+        this rank, or (B, S, F) replicated with gather_output."""
         return self._matmuls(x_BSD, [self.kernel[...].astype(self.dtype)],
-                             None if self.bias is None else [self.bias[...].astype(self.dtype)], sp)[0]
+                             None if self.bias is None else [self.bias[...].astype(self.dtype)])[0]
 
-    def split_call(self, x_BSD, parts: int, part_dim: int, *, sp: str | None = None):
+    def split_call(self, x_BSD, parts: int, part_dim: int):
         """The same Y = X A + b as `parts` matmuls, one per interleaved group of output columns.
 
         This rank's columns are read as (n, parts, part_dim); output j is (B, S, n, part_dim) =
-        f(X) A[:, :, j] + b[:, j] (with sp="overlap" a list of row chunks).
+        f(X) A[:, :, j] + b[:, j].
         For the fused QKV projection (columns ordered (N, 3, H)) the matmuls write q, k and v into buffers of their
         own: no strided split of a (..., 3D / tp) activation forward, no re-interleaving of dq, dk, dv backward. One `f`
         (or one all-gather) serves all parts, so the backward still has one all-reduce (or one reduce-scatter).
@@ -74,26 +70,19 @@ class ColumnParallelLinear(nnx.Module):
         kernel = kernel.reshape(kernel.shape[0], -1, parts, part_dim)
         bias = None if self.bias is None else self.bias[...].astype(self.dtype).reshape(-1, parts, part_dim)
         return tuple(self._matmuls(x_BSD, [kernel[:, :, j] for j in range(parts)],
-                                   None if bias is None else [bias[:, j] for j in range(parts)], sp))
+                                   None if bias is None else [bias[:, j] for j in range(parts)]))
 
-    def _matmuls(self, x, kernels, biases, sp):
-        assert sp in SP_MODES, sp
+    def _matmuls(self, x, kernels, biases):
         spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
         x = x.astype(self.dtype)
-        if sp == "overlap":  # ring steps: each chunk's matmuls run while the next chunk arrives
-            # Chunk j holds other rows on every rank, so its columns cannot be gathered across ranks.
-            assert not self.gather_output, "gather_output needs whole rows; use sp=None or 'gather'"
-            chunks = ring_gather(x)
-        else:  # f (replicated input) or the all-gather of the ranks' rows
-            chunks = [gather_from_sequence_parallel(x) if sp == "gather" else f(x)]
+        # f (replicated input) or, with sequence parallelism, the all-gather of the ranks' rows
+        x = gather_from_sequence_parallel(x) if self.sequence_parallel else f(x)
         outs = []
         for j, kernel in enumerate(kernels):
-            ys = [jnp.einsum(spec, c, kernel) for c in chunks]
+            y = jnp.einsum(spec, x, kernel)
             if biases is not None:
-                ys = [y + biases[j] for y in ys]
-            if self.gather_output:
-                ys = [gather_from_model_parallel(y) for y in ys]
-            outs.append(ys if sp == "overlap" else ys[0])
+                y = y + biases[j]
+            outs.append(gather_from_model_parallel(y) if self.gather_output else y)
         return outs
 
 
@@ -105,26 +94,22 @@ class RowParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
-                 input_is_parallel: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         self.kernel = param(rngs, (in_features, out_features), (MODEL, REPLICATED), std=std)
         self.bias = param(None, (out_features,), (REPLICATED,)) if use_bias else None
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self.dtype = dtype
 
-    def __call__(self, x_BSF, *, sp: str | None = None):
+    def __call__(self, x_BSF):
         """(B, S, F / tp) on this rank (or (B, S, F) replicated without input_is_parallel) -> (B, S, D) replicated,
-        or with `sp` this rank's rows (B / tp, S, D) of it; with sp="overlap" x is a list of row chunks."""
-        assert sp in SP_MODES, sp
-        kernel = self.kernel[...].astype(self.dtype)
-        if sp == "overlap":  # ring steps: each partial sum travels on while the next chunk's matmul runs
-            assert self.input_is_parallel, "sp='overlap' takes the column-parallel layer's chunks"
-            y = ring_reduce_scatter([c.astype(self.dtype) @ kernel for c in x_BSF])
-        else:
-            if not self.input_is_parallel:
-                x_BSF = scatter_to_model_parallel(x_BSF)
-            y = x_BSF.astype(self.dtype) @ kernel
-            y = reduce_scatter_to_sequence_parallel(y) if sp == "gather" else g(y)
-        if self.bias is not None:  # replicated, added once after the reduction (to this rank's rows with sp)
+        or with sequence parallelism this rank's rows (B / tp, S, D) of it."""
+        if not self.input_is_parallel:
+            x_BSF = scatter_to_model_parallel(x_BSF)
+        y = x_BSF.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        y = reduce_scatter_to_sequence_parallel(y) if self.sequence_parallel else g(y)
+        if self.bias is not None:  # replicated, added once after the reduction (to this rank's rows with SP)
             y = y + self.bias[...].astype(self.dtype)
         return y
 
@@ -137,20 +122,24 @@ class VocabParallelEmbedding(nnx.Module):
     of the logits, which are never gathered.
     """
 
-    def __init__(self, num_embeddings: int, features: int, *, std: float, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, num_embeddings: int, features: int, *, std: float, sequence_parallel: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         self.embedding = param(rngs, (num_embeddings, features), (MODEL, REPLICATED), std=std)
+        self.sequence_parallel = sequence_parallel
         self.dtype = dtype
 
-    def __call__(self, ids_BS, *, sp: str | None = None):
-        """(B, S) int ids, replicated -> (B, S, D) replicated, or with `sp` this rank's rows (B / tp, S, D)."""
+    def __call__(self, ids_BS):
+        """(B, S) int ids, replicated -> (B, S, D) replicated, or with sequence parallelism this rank's rows
+        (B / tp, S, D)."""
         table_VD = self.embedding[...]  # local (V / tp, D)
         v_local = table_VD.shape[0]
         local_ids = ids_BS - model_rank() * v_local
         in_range = (local_ids >= 0) & (local_ids < v_local)
         x_BSD = jnp.take(table_VD, jnp.where(in_range, local_ids, 0), axis=0)
         x_BSD = jnp.where(in_range[..., None], x_BSD, 0.0)
-        # The partial lookups are summed over ranks: all-reduced, or reduce-scattered into the ranks' rows (sp).
-        return (reduce_scatter_to_sequence_parallel(x_BSD) if sp else g(x_BSD)).astype(self.dtype)
+        # The partial lookups are summed over ranks: all-reduced, or reduce-scattered into the ranks' rows (SP).
+        x_BSD = reduce_scatter_to_sequence_parallel(x_BSD) if self.sequence_parallel else g(x_BSD)
+        return x_BSD.astype(self.dtype)
 
     def attend(self, x_BSD):
         """(B, S, D) replicated -> (B, S, V / tp) logits of this rank's vocabulary slice (f before the matmul)."""

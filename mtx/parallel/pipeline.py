@@ -1,11 +1,13 @@
 """Pipeline parallelism (GPipe) as one microbatched scan over the "pipeline" mesh axis, inside the step's shard_map.
 
 Stage s holds the layers of its slice of the layer stack (the stack's leading axis is declared "pipeline"). The
-global batch of a data rank is cut into M microbatches; a `lax.scan` over M + P - 1 ticks runs, at tick t, every
-stage s on microbatch t - s (ticks outside 0..M-1 are the bubble: computed, never used), then `ppermute` shifts each
-stage's output to the next stage. The first stage feeds embeddings in, the last stage's outputs are the final hidden
-states. Autodiff through the scan is the GPipe backward; per-layer recomputation (`--recompute-granularity full`)
-keeps one (b, S, D) input per layer and tick.
+global batch of a data rank is cut into M microbatches; `pipeline_ticks`, the one schedule primitive, is a
+`lax.scan` over M + P - 1 ticks that runs, at tick t, every stage s on microbatch t - s (ticks outside 0..M-1 are the
+bubble: computed, never used), then `ppermute` shifts each stage's output to the next stage. The first stage feeds
+embeddings in, the last stage's outputs are the final hidden states. Training (`pipelined_loss`), evaluation
+(`pipelined_final_hidden`) and cached decoding (`pipelined_decode`, M = 1, the KV cache carried through the ticks)
+all run on it. Autodiff through the scan is the GPipe backward; per-layer recomputation (`--recompute-granularity
+full`) keeps one (b, S, D) input per layer and tick.
 
 The loss is not computed on the last stage alone: its M outputs are reduce-scattered over "pipeline", so every stage
 computes the logits and vocab-parallel loss of M / P microbatches (the logits are the costliest single matmul of a
@@ -55,6 +57,10 @@ class Schedule:
         """The ideal idle fraction of GPipe, (P - 1) / (M + P - 1)."""
         return (self.stages - 1) / self.ticks
 
+    def with_microbatches(self, microbatches: int) -> "Schedule":
+        """The same stages running another number of microbatches (evaluation and decoding run one)."""
+        return Schedule(self.counts, microbatches)
+
     @property
     def padded(self) -> bool:
         """True when stages are uneven, so the layer stack must be regathered into per-stage slots."""
@@ -69,6 +75,15 @@ class Schedule:
     def slot_active(self) -> np.ndarray:
         """(P * slots,) True where a slot holds a real layer of its stage."""
         return np.array([i < c for c in self.counts for i in range(self.slots)])
+
+    def local_layers(self):
+        """Inside shard_map: (global index of this stage's first layer, its slots' active flags or None when the
+        stages are even), for ParallelTransformer's first_layer and active_L."""
+        stage = jax.lax.axis_index(PIPELINE)
+        counts = jnp.asarray(self.counts)
+        first_layer = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)[:-1]])[stage]
+        active_L = jnp.arange(self.slots) < counts[stage] if self.padded else None
+        return first_layer, active_L
 
 
 def to_slots(layer_params, schedule: Schedule):
@@ -85,29 +100,50 @@ def from_slots(slot_grads, schedule: Schedule):
     return jax.tree.map(lambda g: g[slot_of_layer], slot_grads)
 
 
+def pipeline_ticks(stage_fn, inputs_M, schedule: Schedule, state=None):
+    """The GPipe tick loop: M + P - 1 ticks; at tick t stage s runs microbatch t - s and sends its output on.
+
+    stage_fn(x, mb, on_tick, state) -> (y, state): this stage's work on input x (stage 0: inputs_M[mb]; the others:
+    what the previous stage sent at the tick before); mb is the microbatch index clamped to 0..M-1 and on_tick False
+    in the bubble, where the result is never used. `state` (e.g. a stage's KV cache) is carried through the ticks.
+    Returns ((M, ...) outputs of the last stage, meaningful on the last stage only; the final state).
+    """
+    stage = jax.lax.axis_index(PIPELINE)
+    p, m = schedule.stages, schedule.microbatches
+    shift = [(i, (i + 1) % p) for i in range(p)]  # stage i -> i + 1; what stage 0 receives is never used
+
+    def tick(carry, t):
+        x_recv, state = carry
+        mb = t - stage
+        x = jnp.where(stage == 0, inputs_M[jnp.clip(t, 0, m - 1)], x_recv)
+        y, state = stage_fn(x, jnp.clip(mb, 0, m - 1), (mb >= 0) & (mb < m), state)
+        return (jax.lax.ppermute(y, PIPELINE, shift), state), y
+
+    init = vary(jnp.zeros_like(inputs_M[0]), [PIPELINE])  # what stage 0 "receives" before tick 0
+    (_, state), ys_T = jax.lax.scan(tick, (init, state), jnp.arange(schedule.ticks))
+    return ys_T[p - 1:], state  # the last stage finishes microbatch t - (P - 1) at tick t
+
+
+def last_stage_to_all(x):
+    """The last stage's value of x on every stage (a psum of x masked to the last stage)."""
+    last = jax.lax.axis_index(PIPELINE) == jax.lax.axis_size(PIPELINE) - 1
+    return jax.lax.psum(jnp.where(last, x, jnp.zeros((), x.dtype)), PIPELINE)
+
+
 def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None, mask_MBS=None):
     """Runs this stage's layers over the M microbatches, GPipe style; returns (M, B, S, D) final-layer outputs (B / tp
     rows each with sequence parallelism), meaningful on the last stage only. `model` is the local (this stage's)
     model; x0 the embeddings; mask_MBS the padding masks (BERT), which every stage reads for the microbatch it is
     running."""
-    stage = jax.lax.axis_index(PIPELINE)
-    p, m = schedule.stages, schedule.microbatches
-    counts = jnp.asarray(schedule.counts)
-    first_layer = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)[:-1]])[stage]
-    active_L = jnp.arange(schedule.slots) < counts[stage] if schedule.padded else None
-    shift = [(i, (i + 1) % p) for i in range(p)]  # stage i -> i + 1; what stage 0 receives is never used
+    first_layer, active_L = schedule.local_layers()
 
-    def tick(x_recv_BSD, t):
-        mb = jnp.clip(t - stage, 0, m - 1)  # this stage's microbatch (clamped in the bubble)
-        x_BSD = jnp.where(stage == 0, x0_MBSD[jnp.clip(t, 0, m - 1)], x_recv_BSD)
+    def stage_fn(x_BSD, mb, on_tick, state):
         keys_B = None if keys_MB is None else keys_MB[mb]
         mask_BS = None if mask_MBS is None else mask_MBS[mb]
-        y_BSD = model.transform(x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=first_layer, active_L=active_L)
-        return jax.lax.ppermute(y_BSD, PIPELINE, shift), y_BSD
+        return model.transform(x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=first_layer,
+                               active_L=active_L), state
 
-    init = vary(jnp.zeros_like(x0_MBSD[0]), [PIPELINE])  # what stage 0 "receives" before tick 0
-    _, ys_TBSD = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-    return ys_TBSD[p - 1:]  # the last stage finishes microbatch t - (P - 1) at tick t
+    return pipeline_ticks(stage_fn, x0_MBSD, schedule)[0]
 
 
 def pipelined_loss(model, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None):
@@ -117,7 +153,7 @@ def pipelined_loss(model, objective, batch_M, schedule: Schedule, counts, *, key
     p, m = schedule.stages, schedule.microbatches
     b = jax.tree.leaves(batch_M)[0].shape[1]
     # With sequence parallelism each model rank embeds its rows of every microbatch: order the rows rank-major.
-    rows = _rank_major if model.sp else (lambda a: a.reshape(-1, *a.shape[2:]))
+    rows = _rank_major if model.sequence_parallel else (lambda a: a.reshape(-1, *a.shape[2:]))
     x0_BSD = objective.embed(model, jax.tree.map(rows, batch_M), None if keys_MB is None else rows(keys_MB))
     s = x0_BSD.shape[1]
     x0_MBSD = x0_BSD.reshape(m, x0_BSD.shape[0] // m, s, -1)  # (M, B / tp, S, D) with sequence parallelism
@@ -150,8 +186,20 @@ def _rank_major(a_MB):
 
 def pipelined_final_hidden(model, tokens_BS, schedule: Schedule):
     """(B, S) ids -> (B, S, D) final hidden states after the final LayerNorm on every stage (no dropout), replicated
-    over "model"; for evaluation and generation, with M = 1."""
-    x0 = model.embed(tokens_BS)[None]
-    hidden = pipelined_hidden(model, x0, schedule)[0]
-    last = jax.lax.axis_index(PIPELINE) == schedule.stages - 1
-    return model.final_hidden(jax.lax.psum(jnp.where(last, hidden, jnp.zeros((), hidden.dtype)), PIPELINE))
+    over "model"; for evaluation, as one microbatch."""
+    hidden_BSD = pipelined_hidden(model, model.embed(tokens_BS)[None], schedule.with_microbatches(1))[0]
+    return model.final_hidden(last_stage_to_all(hidden_BSD))
+
+
+def pipelined_decode(model, x_BTD, cache, start_B, schedule: Schedule):
+    """Cached decoding through the stages, one microbatch in P ticks: stage s runs its layers (and writes its KV
+    cache) at tick s on what stage s - 1 sent; -> the last stage's output (B, T, D) on every stage, this stage's
+    cache."""
+    schedule = schedule.with_microbatches(1)
+    _, active_L = schedule.local_layers()
+
+    def stage_fn(x_in_BTD, mb, on_tick, cache):
+        return model.transform_cached(x_in_BTD, cache, start_B, active_L=active_L, write=on_tick)
+
+    ys_BTD, cache = pipeline_ticks(stage_fn, vary(x_BTD, [PIPELINE])[None], schedule, cache)
+    return last_stage_to_all(ys_BTD[0]), cache

@@ -1,0 +1,155 @@
+"""The layer stack (Megatron's ParallelTransformer): L tensor-parallel layers stored stacked, run scanned or unrolled,
+with a recomputation policy, for training and for cached decoding. GPT and BERT compose it.
+
+The parameters of all L layers are one stacked (L, ...) array per kind, whose leading axis is declared "pipeline": a
+pipeline stage holds its consecutive slice, checkpoints store the whole stack whatever the mesh. The model that
+composes the stack keeps them as its `layers` attribute (so their paths are `layers.attention.qkv.kernel`, ...);
+`ParallelTransformer` itself holds only how they run, so it is static (hashable) and adds no parameters.
+
+Dimension letters as in mtx/models/transformer.py. Everything runs in the local view inside shard_map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mtx.config import ModelConfig
+from mtx.models.transformer import KVCache, TransformerLayer
+from mtx.parallel.mesh import DATA, MODEL, PIPELINE
+from mtx.parallel.ops import vary, vary_like
+from mtx.parallel.random import fold
+
+# The stacked KV cache (L, B, S_max, N, H): layers split like the layer stack, rows like the batch, heads like the QKV
+# columns that produce them.
+KV_CACHE_SPEC = KVCache(P(PIPELINE, DATA, None, MODEL, None), P(PIPELINE, DATA, None, MODEL, None))
+
+_SAVED_PRIMITIVES = ("dot_product_attention_fwd", "psum", "all_gather", "reduce_scatter", "ppermute")
+
+
+def save_matmul_outputs(prim, *args, **params) -> bool:
+    """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls, of cuDNN's fused
+    attention (its output and softmax statistics, which its backward needs) and of the `g` all-reduces; recompute the
+    element-wise rest (LayerNorm, GeLU, bias adds, residual adds, dropout).
+
+    The element-wise ops are cheap to recompute (memory-bound, fused into their neighbours), while each saved
+    activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an
+    all-reduce recomputed would be communication repeated (a row-parallel output is saved after its psum, so the
+    backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers and reduce-scatters (the
+    gathered whole-batch inputs of the column-parallel matmuls stay alive for the backward: speed over SP's
+    activation-memory saving, which `full` recomputation keeps). Without cuDNN the attention core's einsums have
+    batch dimensions and are recomputed (as `selective` does).
+    """
+    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+            or prim.name.startswith(_SAVED_PRIMITIVES))
+
+
+@jax.custom_vjp
+def _unstack(a_L):
+    """(L, ...) -> L arrays (...), whose gradients are stacked back in one pass.
+
+    (Plain indexing would transpose to L zero-padded (L, ...) gradients summed together.)"""
+    return tuple(a_L[i] for i in range(a_L.shape[0]))
+
+
+_unstack.defvjp(lambda a_L: (_unstack(a_L), None), lambda _, grads: (jnp.stack(grads),))
+
+
+@dataclass(frozen=True)
+class ParallelTransformer:
+    """How a stack of TransformerLayers is built and run (static: the parameters live in the module that composes it).
+
+    causal: GPT's masked attention (False: BERT's bidirectional); post_layernorm: the original BERT block;
+    recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity); scan_layers: one lax.scan over the
+    stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model".
+    """
+
+    cfg: ModelConfig
+    dtype: type = jnp.float32
+    recompute: str | None = None
+    flash: bool = False
+    scan_layers: bool = True
+    sequence_parallel: bool = False
+    causal: bool = True
+    post_layernorm: bool = False
+
+    def build(self, rngs: nnx.Rngs) -> TransformerLayer:
+        """The L layers as one TransformerLayer whose every parameter has a leading (L,) axis declared "pipeline"."""
+
+        @nnx.split_rngs(splits=self.cfg.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: PIPELINE})
+        def make_layers(rngs):
+            return TransformerLayer(self.cfg, dtype=self.dtype, rngs=rngs,
+                                    selective_recompute=self.recompute == "selective", flash=self.flash,
+                                    causal=self.causal, post_layernorm=self.post_layernorm,
+                                    sequence_parallel=self.sequence_parallel)
+
+        return make_layers(rngs)
+
+    def __call__(self, layers: TransformerLayer, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
+        """Runs the held layers (all L, or one pipeline stage's) on (B, S, D) (this rank's rows with sequence
+        parallelism).
+
+        keys_B: one dropout key per sequence (None: no dropout); first_layer: global index of the first held layer
+        (dropout keys follow the global layer index); active_L: optional bool per held layer, an inactive layer
+        (padding of an uneven pipeline stage) passes x through unchanged.
+        """
+        graphdef, stacked = nnx.split(layers)
+        num_held = jax.tree.leaves(stacked)[0].shape[0]
+        masked = active_L is not None
+
+        def body(x_BSD, inputs):  # one compiled layer, run once per held layer
+            layer_state, i, active = inputs
+            layer_keys = None if keys_B is None else fold(keys_B, first_layer + i + 1)
+            y_BSD = nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys)
+            return (jnp.where(active, y_BSD, x_BSD) if masked else y_BSD), None
+
+        if self.recompute == "full":  # keep each layer's input only; recompute its activations in the backward
+            body = jax.checkpoint(body)
+        elif self.recompute == "matmuls":  # keep the matmuls' outputs; recompute LN, GeLU, bias adds, dropout
+            body = jax.checkpoint(body, policy=save_matmul_outputs)
+        active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
+        x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
+        if self.scan_layers:
+            x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))
+        else:  # unrolled: each layer's saved activations are buffers of their own, not slices of a stacked one
+            per_layer = jax.tree.map(_unstack, stacked)
+            for i in range(num_held):
+                x_BSD, _ = body(x_BSD, (jax.tree.map(lambda parts: parts[i], per_layer,
+                                                     is_leaf=lambda x: isinstance(x, tuple)), i, active_L[i]))
+        return x_BSD
+
+    def empty_cache(self, layers: TransformerLayer, batch: int, window: int) -> KVCache:
+        """A zero KV cache for the held layers: (held L, B, S_max, n_local, H) each, typed like its spec
+        (`KV_CACHE_SPEC`: it differs on every rank)."""
+        qkv_kernel = layers.attention.qkv.kernel  # local (held L, D, n_local * 3 * H)
+        held, n_local = qkv_kernel.shape[0], qkv_kernel.shape[-1] // (3 * self.cfg.head_dim)
+        zeros = jnp.zeros((held, batch, window, n_local, self.cfg.head_dim), self.dtype)
+        zeros = vary(zeros, (DATA, PIPELINE, MODEL))
+        return KVCache(zeros, zeros)
+
+    def decode(self, layers: TransformerLayer, x_BTD, cache: KVCache, start_B, *, active_L=None, write=None):
+        """Inference through the held layers with their KV caches: (B, T, D) new tokens at positions start_B + t,
+        cache (held L, B, S_max, n_local, H) each -> ((B, T, D), updated cache).
+
+        The cache is stacked per layer and scanned alongside the layer parameters (one compiled layer). active_L as
+        in `__call__`; write: optional bool, False leaves the cache as it was (a pipeline stage off its tick).
+        """
+        assert not self.sequence_parallel, "decoding runs whole rows: build its model with sequence parallelism off"
+        graphdef, stacked = nnx.split(layers)
+        num_held = jax.tree.leaves(stacked)[0].shape[0]
+        masked = active_L is not None
+
+        def body(x_BTD, inputs):
+            layer_state, layer_cache, active = inputs
+            y_BTD, layer_cache = nnx.merge(graphdef, layer_state).decode(x_BTD, layer_cache, start_B, write=write)
+            return (jnp.where(active, y_BTD, x_BTD) if masked else y_BTD), layer_cache
+
+        active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
+        x_BTD = vary_like(x_BTD, stacked)
+        x_BTD, cache = jax.lax.scan(body, x_BTD, (stacked, cache, active_L))
+        return x_BTD, cache

@@ -1,0 +1,151 @@
+"""One model on one mesh: what training, evaluation, generation and conversion all need of it.
+
+A `ShardedModel` holds the config and mesh, the NNX graph and each parameter's declared layout, the pipeline
+schedule, where batches go, and the sharded computations that every caller shares: the forward to final hidden
+states (evaluation, scoring) and the evaluation loss (GPT's next-token loss and BERT's MLM + SOP alike, through the
+model family's objective, mtx/objectives.py). It holds no optimizer: the training step (mtx/step.py) adds that.
+
+Parameters cross the boundary as global arrays in their stored (canonical) layout; `stage_params` regathers the layer
+stack into equal per-stage slots when an uneven pipeline layout needs it, and `canonical_grads` undoes that for
+gradients. A parameter is part of the layer stack exactly when its declared spec has the "pipeline" axis.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mtx.config import Config
+from mtx.models.bert import BERT
+from mtx.models.gpt import GPT
+from mtx.objectives import micro_loss, objective_for
+from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.pipeline import Schedule, from_slots, pipelined_final_hidden, pipelined_loss, to_slots
+from mtx.parallel.sharded import named_shardings, partition_specs
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def build_model(cfg: Config, *, seed: int | None = None):
+    """A zero-argument constructor of the GPT or BERT this config describes (called abstractly or under jit)."""
+    seed = cfg.training.seed if seed is None else seed
+    t = cfg.training
+    family = BERT if cfg.model.is_bert else GPT
+    return lambda: family(cfg.model, dtype=DTYPES[t.compute_dtype], recompute=t.recompute_granularity,
+                          flash=t.use_flash_attn, scan_layers=t.scan_layers,
+                          sequence_parallel=cfg.sequence_parallel, rngs=nnx.Rngs(seed))
+
+
+def num_microbatches(cfg: Config, mesh) -> int:
+    """Microbatches per data rank and step: global batch / (micro batch x data-parallel size)."""
+    t = cfg.training
+    return t.global_batch_size // (t.micro_batch_size * mesh.shape[DATA])
+
+
+def is_stacked(spec: P) -> bool:
+    """True for the layer stack's parameters: their leading axis is split into pipeline stages."""
+    return PIPELINE in spec
+
+
+def map_specs(fn, tree, specs, *rest):
+    """tree_map over parameters and their declared specs (and further trees shaped like them)."""
+    return jax.tree.map(fn, tree, specs, *rest, is_leaf=lambda x: isinstance(x, P))
+
+
+class ShardedModel:
+    """The model of one (config, mesh) pair: graph, parameter layouts, batch placement and its sharded forwards."""
+
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.make_model = build_model(cfg)
+        self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self.make_model))
+        self.param_specs = partition_specs(self.abstract_params)  # as declared; the shard_map's in/out specs
+        self.param_shardings = named_shardings(self.abstract_params, mesh)  # as stored on this mesh
+        self.num_microbatches = num_microbatches(cfg, mesh)
+        self.pipeline = Schedule(cfg.stage_layer_counts(), self.num_microbatches) if mesh.shape[PIPELINE] > 1 else None
+        self.objective = objective_for(cfg)
+        self.batch_sharding = NamedSharding(mesh, P(DATA))
+        self.eval_loss = jax.jit(self._eval_loss)
+
+    def merge(self, params) -> nnx.Module:
+        """The local model of these (local) parameters, inside shard_map."""
+        return nnx.merge(self.graphdef, params)
+
+    def init_params(self):
+        """The initial parameters, built directly in their shardings (values independent of the mesh)."""
+        return jax.jit(lambda: nnx.state(self.make_model()), out_shardings=self.param_shardings)()
+
+    @functools.cached_property
+    def for_decoding(self) -> "ShardedModel":
+        """The same model and mesh with sequence parallelism off (decoding runs whole rows); same parameters."""
+        if not self.cfg.sequence_parallel:
+            return self
+        return ShardedModel(self.cfg.replace(sequence_parallel=False), self.mesh)
+
+    # ---- layouts ----
+    def stage_params(self, params):
+        """Uneven pipeline stages: the layer stack regathered into equal per-stage slots, split over "pipeline"."""
+        if self.pipeline is None or not self.pipeline.padded:
+            return params
+
+        def regather(a, spec):  # whole stack on every stage -> slots -> each stage keeps its own
+            if not is_stacked(spec):
+                return a
+            whole = jax.sharding.reshard(a, NamedSharding(self.mesh, P(None, *spec[1:])))
+            return jax.sharding.reshard(to_slots(whole, self.pipeline), NamedSharding(self.mesh, spec))
+
+        return map_specs(regather, params, self.param_specs)
+
+    def canonical_grads(self, grads):
+        """Gradients of `stage_params`' slots -> gradients laid out like the stored parameters."""
+        if self.pipeline is None or not self.pipeline.padded:
+            return grads
+
+        def scatter_back(g, spec, sharding):  # slots -> whole stack -> stored like the parameter
+            if not is_stacked(spec):
+                return g
+            whole = jax.sharding.reshard(g, NamedSharding(self.mesh, P(None, *spec[1:])))
+            return jax.sharding.reshard(from_slots(whole, self.pipeline), sharding)
+
+        return map_specs(scatter_back, grads, self.param_specs, self.param_shardings)
+
+    def put_batch(self, batch_np):
+        """A host batch (an array or a dict of arrays, leading axis G) -> global arrays split over "data" (the same
+        global batch on every mesh).
+
+        With several processes each one passes the same global batch and places only the rows its own devices hold.
+        """
+        if jax.process_count() == 1:
+            return jax.tree.map(lambda a: jax.device_put(a, self.batch_sharding), batch_np)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, self.batch_sharding, lambda i: a[i]),
+                            batch_np)
+
+    # ---- inside shard_map ----
+    def local_final_hidden(self, params, tokens_BS):
+        """Inside shard_map: (B, S) ids -> (B, S, D) final hidden states (pipelined when the mesh has stages)."""
+        model = self.merge(params)
+        if self.pipeline is None:  # one stage: the layers vary over the size-1 "pipeline" axis only by type
+            return jax.lax.pmean(model(tokens_BS), PIPELINE)
+        return pipelined_final_hidden(model, tokens_BS, self.pipeline)
+
+    def _local_eval_loss(self, params, batch):
+        objective = self.objective.for_evaluation()
+        model = self.merge(params)
+        counts = objective.normalizers(batch)
+        if self.pipeline is None:
+            loss = micro_loss(objective, model, batch, counts)
+        else:
+            batch_M = jax.tree.map(lambda a: a[None], batch)
+            loss = pipelined_loss(model, objective, batch_M, self.pipeline.with_microbatches(1), counts)
+        return jax.lax.psum(loss, (DATA, PIPELINE))
+
+    # ---- jitted ----
+    def _eval_loss(self, params, batch):
+        """The loss of one batch (GPT: mean next-token loss; BERT: MLM + SOP), no dropout, no gradient."""
+        return jax.shard_map(self._local_eval_loss, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)),
+                             out_specs=P())(self.stage_params(params), batch)
