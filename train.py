@@ -4,12 +4,11 @@ With no flags it trains the embedded default (a small GPT on the built-in corpus
 8 simulated CPU devices with tensor and data parallelism.
 """
 
-import os
 import sys
 
-# Only the CPU platform reads this flag: on a GPU host jax.devices() still lists the GPUs.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
 
 
 def main(argv=None) -> int:

@@ -24,9 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtx.devices import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
 

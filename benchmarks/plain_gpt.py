@@ -41,7 +41,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.bench import run_cli, simulate_cpu_devices, time_steps
+from benchmarks.bench import run_cli, time_steps
+from mtx.devices import simulate_cpu_devices
 
 
 def init_params(key, *, vocab, positions, layers, d, f, std):

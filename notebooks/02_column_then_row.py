@@ -27,15 +27,17 @@
 
 # %%
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import mtx
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "mtx").is_dir())
-os.chdir(ROOT)
-sys.path.insert(0, str(ROOT))
+# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
+# notebook runs from any directory.
+os.chdir(Path(mtx.__file__).resolve().parents[1])
 
 import matplotlib
 

@@ -21,17 +21,19 @@
 # layer cost, so it shrinks only by raising the number of microbatches M.
 
 # %%
+import importlib.util
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import mtx
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "mtx").is_dir())
-os.chdir(ROOT)
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+# The presets (configs/) and benchmarks/ live in the checkout of the installed package (pip install -e .): work
+# from there, so the notebook runs from any directory.
+os.chdir(Path(mtx.__file__).resolve().parents[1])
 
 import matplotlib
 
@@ -39,10 +41,15 @@ matplotlib.use("Agg")
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
-from bench import measure  # benchmarks/bench.py: warm-up, then the median time of jitted train steps
 
 from mtx.config import Config, load_preset
 from mtx.parallel.pipeline import Schedule
+
+# benchmarks/bench.py is a script beside the package, not part of it: loaded from its file.
+_spec = importlib.util.spec_from_file_location("bench", "benchmarks/bench.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+measure = bench.measure  # warm-up, then the median time of jitted train steps
 
 assert len(jax.devices()) == 8
 FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"

@@ -22,15 +22,17 @@
 
 # %%
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import mtx
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "mtx").is_dir())
-os.chdir(ROOT)
-sys.path.insert(0, str(ROOT))
+# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
+# notebook runs from any directory.
+os.chdir(Path(mtx.__file__).resolve().parents[1])
 
 import matplotlib
 
@@ -91,17 +93,17 @@ for h, heads, tp in AUDITS:
 #
 # - Compute: FLOPs of one layer, forward + backward, per token: 6 x (12 h^2 + 13 h) for the weights + 12 h s for
 #   attention scores and context (the per-layer terms of `ModelConfig.flops_per_token`), divided over tp ranks, at
-#   989 TFLOP/s (H100 dense bf16 peak; a real step reaches ~40-50% of it, see `../shared/GPU.md`).
+#   989 TFLOP/s (H100 dense bf16 peak; mtx's measured training steps reach ~40-50% of it, docs/benchmarks.md).
 # - Communication: 4 all-reduces of b s h bf16 values (2 bytes each); a ring all-reduce takes
-#   2 (tp - 1) / tp x bytes / bus bandwidth. Bus bandwidth from `../shared/GPU.md`, measured with `psum` between 2
-#   GPUs over NVLink on the lent machines: 66 GB/s at 16 MiB, 181 GB/s at 256 MiB, 246 GB/s at 1 GiB. The table uses
+#   2 (tp - 1) / tp x bytes / bus bandwidth. The bus bandwidth of a `psum` between 2 GPUs over NVLink, measured on
+#   the benchmark machines: 66 GB/s at 16 MiB, 181 GB/s at 256 MiB, 246 GB/s at 1 GiB. The table uses
 #   246 GB/s (best case) and, alongside, the bandwidth interpolated (log-linear) at the actual message size. These
 #   are 2-GPU numbers; 4 and 8 GPUs on NVSwitch are assumed no faster.
 
 # %%
 PEAK_FLOPS = 989e12
 BUS_BW = 246e9
-MEASURED_BW = [(16 * 2**20, 66e9), (256 * 2**20, 181e9), (2**30, 246e9)]  # (bytes, bus bandwidth), GPU.md
+MEASURED_BW = [(16 * 2**20, 66e9), (256 * 2**20, 181e9), (2**30, 246e9)]  # (bytes, bus bandwidth), 2-GPU psum
 
 
 def bus_bandwidth(nbytes):
@@ -207,6 +209,6 @@ assert sp["elements"]["backward"] == sp["elements"]["forward"]
 # %% [markdown]
 # What it buys on GPUs (docs/benchmarks.md, table 3, 1.2B on 2 H200s): the element-wise fusions per step fell from
 # 65.4 to 46.9 ms, and weak scaling of the 2.5B model rose from 84% to 87%. What it does not buy: the collectives
-# themselves, 27 ms per step with nothing to run beside them. `--tp-comm-overlap` cuts each gather and scatter into
-# tp - 1 ring steps beside the matmuls of the rows already present; it hid half of that time but cost more in
-# half-size matmuls at TP 2.
+# themselves, 27 ms per step with nothing to run beside them. Cutting each gather and scatter into tp - 1 ring steps
+# beside the matmuls of the rows already present hid half of that time but cost more in half-size matmuls at TP 2, so
+# that path was removed (docs/design.md); hiding the collectives needs peer-memory kernels inside the matmuls.

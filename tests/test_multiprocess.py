@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mtx.devices import cpu_devices_flag
+
 ROOT = Path(__file__).resolve().parents[1]
 # lr decay fixed at 20 steps, so a 10-step run resumed to 12 follows the schedule of a 12-step run.
 FLAGS = ["--config", "configs/tiny.toml", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -21,8 +23,7 @@ TIMEOUT = 120  # seconds any one run may take before the test fails (CI never ha
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_devices_flag(devices), PYTHONPATH=str(ROOT))
     return env
 
 

@@ -1,0 +1,46 @@
+"""Simulated CPU devices: how mtx runs its multi-device programs on a machine without an accelerator.
+
+XLA's CPU platform makes `--xla_force_host_platform_device_count=N` devices when JAX starts its backends (the first
+device query or computation), not when jax is imported. Only the CPU platform reads the flag, so on a GPU host
+`jax.devices()` still lists the GPUs. This module imports nothing of JAX, so entry points call it first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_FLAG = "xla_force_host_platform_device_count"
+
+
+def cpu_devices_flag(n: int) -> str:
+    """The XLA flag that makes the CPU platform expose n devices, e.g. for the XLA_FLAGS of a subprocess."""
+    if n < 1:
+        raise ValueError(f"need at least one simulated CPU device, got {n}.")
+    return f"--{_FLAG}={n}"
+
+
+def simulate_cpu_devices(n: int = 8) -> bool:
+    """Appends the flag for n CPU devices to $XLA_FLAGS unless it already names a device count (the caller's choice
+    wins); returns whether it did.
+
+    Importing jax before this call is fine. Once JAX has started its backends the flag can no longer take effect,
+    so a call that would set it then raises RuntimeError instead of being silently ignored.
+    """
+    flag = cpu_devices_flag(n)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _FLAG in flags:
+        return False
+    if _backends_started():
+        raise RuntimeError(f"simulate_cpu_devices({n}) came too late: JAX has already started its backends, so XLA "
+                           "will not read the new XLA_FLAGS; call it before the first jax.devices() or computation.")
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    return True
+
+
+def _backends_started() -> bool:
+    """Whether JAX has created its backends (after which XLA_FLAGS is no longer read). JAX has no public query, so
+    this asks its internal module where it is loaded; without it (an unknown JAX version) the answer is False."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    started = getattr(bridge, "backends_are_initialized", None)
+    return bool(started and started())

@@ -1,0 +1,59 @@
+"""mtx.devices: simulated CPU devices, checked in fresh processes (this one's backends started long ago)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mtx.devices import cpu_devices_flag, simulate_cpu_devices
+
+
+def _run(code: str, xla_flags: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+def test_sets_the_count_before_the_backends_start_even_after_import_jax():
+    out = _run("""
+        import sys
+        from mtx.devices import simulate_cpu_devices
+        print("jax" in sys.modules)  # the module itself never imports jax
+        import jax  # importing is fine: XLA reads the flag at the first device query
+        print(simulate_cpu_devices(3), jax.device_count())
+    """)
+    assert out == ["False", "True", "3"]
+
+
+def test_an_existing_count_wins():
+    out = _run("""
+        import jax
+        from mtx.devices import simulate_cpu_devices
+        print(simulate_cpu_devices(5), jax.device_count())
+    """, xla_flags=cpu_devices_flag(2))
+    assert out == ["False", "2"]
+
+
+def test_too_late_is_an_error_not_a_silent_single_device():
+    out = _run("""
+        import jax
+        from mtx.devices import simulate_cpu_devices
+        jax.devices()  # the backends start here, with one CPU device
+        try:
+            simulate_cpu_devices(4)
+        except RuntimeError as e:
+            print("too" in str(e), jax.device_count())
+    """)
+    assert out == ["True", "1"]
+
+
+def test_flag_and_bad_counts():
+    assert cpu_devices_flag(8) == "--xla_force_host_platform_device_count=8"
+    with pytest.raises(ValueError, match="at least one"):
+        simulate_cpu_devices(0)
