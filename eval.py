@@ -8,28 +8,32 @@ code 2 before any device work. Without an accelerator it runs on 8 simulated CPU
 
 import argparse
 import json
-import os
 import sys
 
-# Only the CPU platform reads this flag: on a GPU host jax.devices() still lists the GPUs.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from mtx.cli import add_config_flags
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
+
+
+# The checkpoint, tokenizer, mesh and process flags every task takes, from the config schema (mtx/cli.py). Unset,
+# they mean "as the checkpoint was saved" where the checkpoint has a say: its micro batch, its tokenizer, its step.
+_COMMON_FIELDS = ("load", "ckpt_step", "vocab_file", "merge_file", "micro_batch_size", "tensor_model_parallel_size",
+                  "pipeline_model_parallel_size", "data_parallel_size", "bf16", "coordinator_address",
+                  "num_processes", "process_id")
+_COMMON_DEFAULTS = {"micro_batch_size": None, "tensor_model_parallel_size": 1}
+_COMMON_HELPS = {
+    "load": "checkpoint directory (written by train.py --save)",
+    "ckpt_step": "checkpoint step to load; None: the latest",
+    "vocab_file": "GPT-2 encoder.json; None: the checkpoint's tokenizer",
+    "merge_file": "GPT-2 vocab.bpe; None: the checkpoint's tokenizer",
+    "micro_batch_size": "sequences per data-parallel rank and batch; None: the checkpoint's",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--load", help="checkpoint directory (written by train.py --save)")
-    common.add_argument("--ckpt-step", type=int, help="checkpoint step to load; default the latest")
-    common.add_argument("--vocab-file", help="GPT-2 encoder.json; default the checkpoint's tokenizer")
-    common.add_argument("--merge-file", help="GPT-2 vocab.bpe; default the checkpoint's tokenizer")
-    common.add_argument("--micro-batch-size", type=int, help="sequences per data-parallel rank and batch")
-    common.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    common.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    common.add_argument("--data-parallel-size", type=int, default=-1, help="-1: all remaining devices")
-    common.add_argument("--bf16", action="store_true", help="bf16 compute")
-    common.add_argument("--coordinator-address", help="multi-host: host:port of process 0, or auto (SLURM/MPI/TPU)")
-    common.add_argument("--num-processes", type=int, help="multi-host: processes in the run, one per host")
-    common.add_argument("--process-id", type=int, help="multi-host: this process's rank")
+    add_config_flags(common, _COMMON_FIELDS, defaults=_COMMON_DEFAULTS, helps=_COMMON_HELPS)
     parser = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
     tasks = parser.add_subparsers(dest="task", required=True)
     wiki = tasks.add_parser("wikitext", parents=[common], help="WikiText perplexity", allow_abbrev=False)

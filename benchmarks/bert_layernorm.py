@@ -20,14 +20,15 @@ import argparse
 import collections
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtx.devices import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)
 
 PLACEMENTS = ("post", "pre")
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -96,7 +97,7 @@ def compare(*, num_layers: int = 24, hidden_size: int = 64, num_attention_heads:
 
 
 def default_data() -> Path:
-    from mtx.data_path import shared_data_dir
+    from mtx.data.paths import shared_data_dir
 
     root = shared_data_dir()
     if root is None:

@@ -1,56 +1,70 @@
 """Command-line flags with Megatron-LM's names, generated from the config schema (one flag per field).
 
-`--config FILE` loads a TOML preset; flags given on the command line override it. The help text of each flag is the
-comment on its field in mtx/config.py, so the schema stays the single source of truth.
+`--config FILE` loads a TOML preset; flags given on the command line override it. Each flag's type comes from its
+field's annotation and its help from the field's `help` metadata in mtx/config.py, so the schema stays the single
+source of truth. eval.py and `python -m mtx.audit` build their model and parallelism flags from it too
+(`add_config_flags`), so a flag means the same in every entry point.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-import re
 import types
 import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from mtx import config as config_lib
 from mtx.config import SECTIONS, Config, load_preset
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
 _OFF_FLAGS = {"bert_binary_head": "--bert-no-binary-head"}
-
-
-def _field_help() -> dict[str, str]:
-    """Each field's trailing comment in mtx/config.py, keyed by field name."""
-    pattern = re.compile(r"^\s+(\w+): [^=]+=.*?#\s*(.+)$")
-    return {m.group(1): m.group(2) for m in map(pattern.match, inspect.getsource(config_lib).splitlines()) if m}
+# Every field of every section by its (unique) name: the dataclass field and its resolved annotation.
+_SCHEMA = {f.name: (f, typing.get_type_hints(cls)[f.name])
+           for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """train.py's parser: --config and one flag per schema field, grouped by section."""
     parser = argparse.ArgumentParser(
         prog="train.py", description="Train a GPT with tensor and data parallelism (Megatron-LM flags).",
         allow_abbrev=False)
-    parser.add_argument("--config", metavar="FILE", help="TOML preset (configs/*.toml) of flat field names; flags override it")
-    helps = _field_help()
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML preset (configs/*.toml) of flat field names; flags override it")
     for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kind = _scalar_type(hints[f.name])
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{helps.get(f.name, '')} (default: {default})".replace("%", "%%"))
-            if kind is bool:  # --name turns it on (the field's help), the off flag turns it off
-                off = _OFF_FLAGS.get(f.name, "--no-" + f.name.replace("_", "-"))
-                group.add_argument(flag, action="store_true", **kw)
-                group.add_argument(off, action="store_false", dest=f.name, default=argparse.SUPPRESS,
-                                   help=f"turn {flag} off")
-            elif f.name == "data_path":
-                group.add_argument(flag, nargs="+", metavar="PATH", **kw)
-            else:
-                group.add_argument(flag, type=kind, metavar=kind.__name__.upper(), **kw)
+        add_config_flags(parser.add_argument_group(section), [f.name for f in dataclasses.fields(cls)])
     return parser
+
+
+def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, Any] | None = None,
+                     helps: Mapping[str, str] | None = None) -> None:
+    """Adds the schema's flag of each named field, in the order given, to `parser` (a parser or argument group):
+    typed by the field's annotation, helped by its metadata (or `helps`), and for a boolean an off flag too.
+
+    Without `defaults` a flag that is not given stays out of the namespace, so that a preset can set the field
+    (train.py). With `defaults` every named field gets a value: the mapping's where it has one, else the schema's.
+    """
+    helps = helps or {}
+    for name in fields:
+        if name not in _SCHEMA:
+            raise ValueError(f"{name!r} is not a config field (mtx/config.py)")
+        f, hint = _SCHEMA[name]
+        schema_default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = argparse.SUPPRESS if defaults is None else defaults.get(name, schema_default)
+        shown = schema_default if defaults is None else default
+        flag = "--" + name.replace("_", "-")
+        kw = dict(dest=name, default=default,
+                  help=f"{helps.get(name, f.metadata['help'])} (default: {shown})".replace("%", "%%"))
+        kind = _scalar_type(hint)
+        if kind is bool:  # --name turns it on (the field's help), the off flag turns it off
+            parser.add_argument(flag, action="store_true", **kw)
+            parser.add_argument(_OFF_FLAGS.get(name, "--no-" + name.replace("_", "-")), action="store_false",
+                                dest=name, default=default, help=f"turn {flag} off")
+        elif name == "data_path":
+            parser.add_argument(flag, nargs="+", metavar="PATH", **kw)
+        else:
+            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), **kw)
 
 
 def _scalar_type(hint):

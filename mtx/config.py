@@ -5,7 +5,8 @@ corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ 
 
 Field names are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), so a Megatron user recognizes every
 knob; every field name is unique across sections, which lets `train.py` map flags and preset keys to fields without a
-table. `Config.validate()` is the one place where bad combinations are refused, before any device work.
+table. Each field carries its flag's help text as metadata (`_f`), which mtx/cli.py turns into `--help`.
+`Config.validate()` is the one place where bad combinations are refused, before any device work.
 """
 
 from __future__ import annotations
@@ -18,25 +19,30 @@ from pathlib import Path
 from typing import Any
 
 
+def _f(default: Any, help: str) -> Any:
+    """A schema field: its default and its help, which `train.py --help` shows for the field's flag (mtx/cli.py)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = 4  # transformer layers L
-    hidden_size: int = 128  # model width D
-    num_attention_heads: int = 8  # heads N; head dim H = D / N
-    ffn_hidden_size: int | None = None  # MLP width F; None means 4 * hidden_size
-    seq_length: int = 128  # tokens per training sequence S
-    max_position_embeddings: int | None = None  # rows of the learned position table; None means seq_length
-    vocab_size: int = 50257  # tokenizer vocabulary before padding (set from the tokenizer when data is loaded)
-    make_vocab_size_divisible_by: int = 128  # each model-parallel vocab shard is a multiple of this
-    hidden_dropout: float = 0.1  # dropout on the residual branches and embeddings (one mask per sequence, any mesh)
-    attention_dropout: float = 0.1  # dropout on attention probabilities (a different stream per model rank)
-    init_method_std: float = 0.02  # std of N(0, std) init; residual projections use std / sqrt(2 L)
-    layernorm_epsilon: float = 1e-5  # LayerNorm epsilon
-    label_smoothing: float = 0.0  # label smoothing of the vocab-parallel cross-entropy
-    model_type: str = "gpt"  # gpt (causal LM) | bert (masked LM + sentence-order prediction, bidirectional)
-    layernorm_placement: str = "pre"  # pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)
-    num_tokentypes: int = 2  # BERT's token-type (segment A/B) embeddings; 0: none; GPT has none
-    bert_binary_head: bool = True  # BERT's sentence-order-prediction head on [CLS]
+    num_layers: int = _f(4, "transformer layers L")
+    hidden_size: int = _f(128, "model width D")
+    num_attention_heads: int = _f(8, "heads N; head dim H = D / N")
+    ffn_hidden_size: int | None = _f(None, "MLP width F; None means 4 * hidden_size")
+    seq_length: int = _f(128, "tokens per training sequence S")
+    max_position_embeddings: int | None = _f(None, "rows of the learned position table; None means seq_length")
+    vocab_size: int = _f(50257, "tokenizer vocabulary before padding (set from the tokenizer when data is loaded)")
+    make_vocab_size_divisible_by: int = _f(128, "each model-parallel vocab shard is a multiple of this")
+    hidden_dropout: float = _f(0.1, "dropout on the residual branches and embeddings (one mask per sequence, any mesh)")
+    attention_dropout: float = _f(0.1, "dropout on attention probabilities (a different stream per model rank)")
+    init_method_std: float = _f(0.02, "std of N(0, std) init; residual projections use std / sqrt(2 L)")
+    layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
+    label_smoothing: float = _f(0.0, "label smoothing of the vocab-parallel cross-entropy")
+    model_type: str = _f("gpt", "gpt (causal LM) | bert (masked LM + sentence-order prediction, bidirectional)")
+    layernorm_placement: str = _f("pre", "pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)")
+    num_tokentypes: int = _f(2, "BERT's token-type (segment A/B) embeddings; 0: none; GPT has none")
+    bert_binary_head: bool = _f(True, "BERT's sentence-order-prediction head on [CLS]")
 
     @property
     def ffn_size(self) -> int:
@@ -64,7 +70,8 @@ class ModelConfig:
         """Vocabulary padded so every shard of every TP size up to 8 is a multiple of 128 (50,257 -> 51,200).
 
         Megatron pads to a multiple of 128 x TP, which makes the embedding's shape depend on the mesh; padding for
-        TP = 8 once keeps parameters mesh-independent (DESIGN.md section 2) at the paper's own padded size.
+        TP = 8 once gives every mesh the same parameter shapes (so the same seed gives the same weights on any mesh
+        and checkpoints load onto any mesh) at the paper's own padded size.
         """
         multiple = self.make_vocab_size_divisible_by * 8
         return math.ceil(self.vocab_size / multiple) * multiple
@@ -97,57 +104,60 @@ def _num_params(m: ModelConfig, vocab: int) -> int:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_model_parallel_size: int = 2  # TP: devices one layer is split over (the "model" axis)
-    sequence_parallel: bool = False  # split the residual stream (LayerNorm, dropout, residual adds) over TP by rows
-    pipeline_model_parallel_size: int = 1  # PP: stages the layer stack is split into (the "pipeline" axis)
-    data_parallel_size: int = -1  # DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron
-    num_layers_in_first_pipeline_stage: int | None = None  # uneven stages: layers of the first stage
-    num_layers_in_last_pipeline_stage: int | None = None  # uneven stages: layers of the last stage
-    pipeline_model_parallel_layout: str | None = None  # Megatron layout string, e.g. "Et|tt|tt|tL"
-    coordinator_address: str | None = None  # multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process
-    num_processes: int | None = None  # multi-host: processes in the run, one per host
-    process_id: int | None = None  # multi-host: this process's rank, 0 .. num_processes - 1
-    distributed_timeout: int = 100  # multi-host: seconds a silent process is waited for before all exit with an error
+    tensor_model_parallel_size: int = _f(2, 'TP: devices one layer is split over (the "model" axis)')
+    sequence_parallel: bool = _f(False, "split the residual stream (LayerNorm, dropout, residual adds) over TP by rows")
+    pipeline_model_parallel_size: int = _f(1, 'PP: stages the layer stack is split into (the "pipeline" axis)')
+    data_parallel_size: int = _f(-1, "DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron")
+    num_layers_in_first_pipeline_stage: int | None = _f(None, "uneven stages: layers of the first stage")
+    num_layers_in_last_pipeline_stage: int | None = _f(None, "uneven stages: layers of the last stage")
+    pipeline_model_parallel_layout: str | None = _f(None, 'Megatron layout string, e.g. "Et|tt|tt|tL"')
+    coordinator_address: str | None = _f(
+        None, 'multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process')
+    num_processes: int | None = _f(None, "multi-host: processes in the run, one per host")
+    process_id: int | None = _f(None, "multi-host: this process's rank, 0 .. num_processes - 1")
+    distributed_timeout: int = _f(
+        100, "multi-host: seconds a silent process is waited for before all exit with an error")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1e-3  # peak learning rate
-    min_lr: float = 1e-4  # learning rate at the end of decay
-    lr_decay_style: str = "cosine"  # constant | linear | cosine
-    lr_warmup_iters: int = 30  # linear warmup from 0 over this many steps
-    lr_decay_iters: int | None = None  # steps of decay after which lr stays at min_lr; None means train_iters
-    weight_decay: float = 0.01  # AdamW decoupled weight decay (not on biases or LayerNorm)
-    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables it
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    lr: float = _f(1e-3, "peak learning rate")
+    min_lr: float = _f(1e-4, "learning rate at the end of decay")
+    lr_decay_style: str = _f("cosine", "constant | linear | cosine")
+    lr_warmup_iters: int = _f(30, "linear warmup from 0 over this many steps")
+    lr_decay_iters: int | None = _f(None, "steps of decay after which lr stays at min_lr; None means train_iters")
+    weight_decay: float = _f(0.01, "AdamW decoupled weight decay (not on biases or LayerNorm)")
+    clip_grad: float = _f(1.0, "global gradient-norm clip; 0 disables it")
+    adam_beta1: float = _f(0.9, "Adam's first-moment decay beta1")
+    adam_beta2: float = _f(0.999, "Adam's second-moment decay beta2")
+    adam_eps: float = _f(1e-8, "Adam's epsilon, added to the root of the second moment")
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    micro_batch_size: int = 4  # sequences per data-parallel rank per microbatch
-    global_batch_size: int = 32  # sequences per optimizer step; accumulation = global / (micro x DP)
-    train_iters: int = 300  # optimizer steps
-    seed: int = 1234  # one seed for init, data order and dropout
-    bf16: bool = False  # bf16 compute, fp32 master weights
-    fp16: bool = False  # fp16 compute with dynamic loss scaling
-    initial_loss_scale: float = 2.0**16  # starting dynamic loss scale (fp16)
-    loss_scale_window: int = 1000  # good steps before the loss scale doubles
-    min_loss_scale: float = 1.0  # the loss scale never halves below this
-    recompute_granularity: str | None = None  # None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)
-    scan_layers: bool = True  # run the layer stack as one lax.scan (compiles one layer); False unrolls it
-    use_flash_attn: bool = False  # fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere
-    log_interval: int = 10  # steps between metrics lines
-    eval_interval: int = 100  # steps between validation runs; 0 disables
-    eval_iters: int = 10  # validation batches per evaluation
-    save: str | None = None  # checkpoint (and run) directory
-    save_interval: int | None = None  # steps between checkpoints; None saves only at the end
-    load: str | None = None  # checkpoint directory to resume from
-    ckpt_step: int | None = None  # step to load from --load; None means the latest
-    run_dir: str | None = None  # where metrics and the resolved config go when --save is not given
-    tensorboard_dir: str | None = None  # TensorBoard event directory
-    generate_tokens: int = 200  # tokens of a sample printed after training; 0 disables
+    micro_batch_size: int = _f(4, "sequences per data-parallel rank per microbatch")
+    global_batch_size: int = _f(32, "sequences per optimizer step; accumulation = global / (micro x DP)")
+    train_iters: int = _f(300, "optimizer steps")
+    seed: int = _f(1234, "one seed for init, data order and dropout")
+    bf16: bool = _f(False, "bf16 compute, fp32 master weights")
+    fp16: bool = _f(False, "fp16 compute with dynamic loss scaling")
+    initial_loss_scale: float = _f(2.0**16, "starting dynamic loss scale (fp16)")
+    loss_scale_window: int = _f(1000, "good steps before the loss scale doubles")
+    min_loss_scale: float = _f(1.0, "the loss scale never halves below this")
+    recompute_granularity: str | None = _f(
+        None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)")
+    scan_layers: bool = _f(True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it")
+    use_flash_attn: bool = _f(False, "fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere")
+    log_interval: int = _f(10, "steps between metrics lines")
+    eval_interval: int = _f(100, "steps between validation runs; 0 disables")
+    eval_iters: int = _f(10, "validation batches per evaluation")
+    save: str | None = _f(None, "checkpoint (and run) directory")
+    save_interval: int | None = _f(None, "steps between checkpoints; None saves only at the end")
+    load: str | None = _f(None, "checkpoint directory to resume from")
+    ckpt_step: int | None = _f(None, "step to load from --load; None means the latest")
+    run_dir: str | None = _f(None, "where metrics and the resolved config go when --save is not given")
+    tensorboard_dir: str | None = _f(None, "TensorBoard event directory")
+    generate_tokens: int = _f(200, "tokens of a sample printed after training; 0 disables")
 
     @property
     def compute_dtype(self) -> str:
@@ -156,14 +166,15 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: tuple[str, ...] = ()  # text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in
-    vocab_file: str | None = None  # GPT-2 encoder.json (tokenizer for --data-path)
-    merge_file: str | None = None  # GPT-2 vocab.bpe merges
-    tokenizer_type: str | None = None  # GPT2BPETokenizer | BertWordPieceLowerCase | byte; None: by the files given
-    split: str = "949,50,1"  # train,valid,test weights of the token stream, as in Megatron
-    prefetch_depth: int = 2  # training batches prepared ahead on a background thread; 0 prepares each at its step
-    mask_prob: float = 0.15  # BERT: fraction of tokens masked (80% [MASK], 10% random, 10% kept), whole words
-    short_seq_prob: float = 0.1  # BERT: probability that a sample targets a random shorter length
+    data_path: tuple[str, ...] = _f(
+        (), 'text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in')
+    vocab_file: str | None = _f(None, "GPT-2 encoder.json (tokenizer for --data-path)")
+    merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges")
+    tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | byte; None: by the files given")
+    split: str = _f("949,50,1", "train,valid,test weights of the token stream, as in Megatron")
+    prefetch_depth: int = _f(2, "training batches prepared ahead on a background thread; 0 prepares each at its step")
+    mask_prob: float = _f(0.15, "BERT: fraction of tokens masked (80% [MASK], 10% random, 10% kept), whole words")
+    short_seq_prob: float = _f(0.1, "BERT: probability that a sample targets a random shorter length")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
@@ -172,11 +183,11 @@ SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": Optim
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "the model's shape and type"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "the mesh and processes"})
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": "AdamW and the lr schedule"})
+    training: TrainingConfig = field(default_factory=TrainingConfig, metadata={"help": "batches, precision, runs"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data files and tokenizer"})
 
     @property
     def sequence_parallel(self) -> bool:

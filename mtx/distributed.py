@@ -1,4 +1,4 @@
-"""Beyond one host: JAX's multi-controller runtime, one process per host over the same global mesh (DESIGN.md 7).
+"""Beyond one host: JAX's multi-controller runtime, one process per host over the same global mesh.
 
 Every process runs the same program on its own devices; `jax.devices()` then lists the devices of all processes
 and the collectives inside the shard_map cross hosts. `initialize` must run before anything asks JAX for a device

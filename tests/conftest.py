@@ -1,14 +1,16 @@
-"""Every test sees 8 simulated CPU devices; this must run before JAX is imported anywhere."""
+"""Every test sees 8 simulated CPU devices; this must run before JAX starts its backends anywhere."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from mtx.devices import simulate_cpu_devices
+
+simulate_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from mtx.data_path import shared_data_dir  # noqa: E402
+from mtx.data.paths import shared_data_dir  # noqa: E402
 
 
 def pytest_configure(config):
@@ -17,7 +19,7 @@ def pytest_configure(config):
 
 @pytest.fixture
 def shared_data():
-    """The reference data folder (../shared/data or $MTX_DATA_DIR); tests that need it skip where it is absent."""
+    """The reference data folder ($MTX_DATA_DIR or its default place); tests that need it skip where it is absent."""
     path = shared_data_dir()
     if path is None:
         pytest.skip("reference data not found: set MTX_DATA_DIR to the folder holding gpt2/, wikitext-2/, ...")

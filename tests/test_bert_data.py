@@ -25,7 +25,7 @@ def wiki(shared_data_module):
 
 @pytest.fixture(scope="module")
 def shared_data_module():
-    from mtx.data_path import shared_data_dir
+    from mtx.data.paths import shared_data_dir
 
     path = shared_data_dir()
     if path is None or not (path / "bert" / "vocab.txt").is_file():

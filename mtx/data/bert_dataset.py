@@ -9,7 +9,7 @@ at least two sentences stay for the next one (one with --bert-no-binary-head). T
 split's documents; training reads it in an endless sequence of epochs, each a fresh permutation, as GPTDataset.
 
 Sample k of a split is built by a generator seeded with (seed, split, k): a pure function of the seed and the
-position, never of the number of devices (DESIGN.md section 2), and each epoch masks its samples afresh:
+position, never of the number of devices (docs/design.md, decision 2), and each epoch masks its samples afresh:
   - A = the first a_end sentences, B = the rest (a_end uniform in [1, n - 1]); with probability 1/2 A and B are
     swapped and is_random = 1 (sentence-order prediction, paper section 4.2 following ALBERT);
   - Megatron's truncate_seq_pair: while too long, drop a token from the longer segment, at its front or back;
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mtx.data.dataset import SPLITS, _parse_split, _split_bounds, check_token_ids
+from mtx.data.dataset import SPLITS, _parse_split, _split_bounds, builtin_corpus, check_token_ids
+from mtx.data.paths import indexed_prefix, parse_data_path, shared_data_dir
 from mtx.data.sentences import split_documents, split_sentences
 
 MAX_NGRAMS = 3
@@ -245,9 +246,7 @@ def sentences_from_indexed(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def build_bert_dataset(cfg) -> BertDataset:
     """The BERT dataset of a Config: --data-path text files and indexed prefixes (their documents concatenated),
-    or the built-in corpus; the tokenizer is BERT's WordPiece from --vocab-file or the shared data folder."""
-    from mtx.data.build import _prefix, parse_data_path
-    from mtx.data.dataset import builtin_corpus
+    or the built-in corpus; the tokenizer is BERT's WordPiece from --vocab-file or the reference data folder."""
     from mtx.data.tokenizer import BertWordPieceTokenizer
 
     data = cfg.data
@@ -261,8 +260,8 @@ def build_bert_dataset(cfg) -> BertDataset:
                              "without weights (their documents are read as one corpus).")
         parts = []
         for path in paths:
-            if _prefix(path):
-                parts.append(sentences_from_indexed(_prefix(path)))
+            if indexed_prefix(path):
+                parts.append(sentences_from_indexed(indexed_prefix(path)))
             elif Path(path).is_file():
                 parts.append(sentences_from_text([_read_text(Path(path))], tokenizer))
             else:
@@ -277,13 +276,11 @@ def build_bert_dataset(cfg) -> BertDataset:
 
 
 def _shared_vocab() -> str:
-    from mtx.data_path import shared_data_dir
-
     root = shared_data_dir()
     path = None if root is None else root / "bert" / "vocab.txt"
     if path is None or not path.is_file():
-        raise ValueError("--model-type bert needs BERT's WordPiece vocab.txt and none was found in the shared data "
-                         "folder ($MTX_DATA_DIR/bert/vocab.txt); pass --vocab-file path/to/vocab.txt.")
+        raise ValueError("--model-type bert needs BERT's WordPiece vocab.txt and none was found in the reference "
+                         "data folder ($MTX_DATA_DIR/bert/vocab.txt); pass --vocab-file path/to/vocab.txt.")
     return str(path)
 
 

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
+from mtx.data.bert_dataset import build_bert_dataset
 from mtx.data.blend import BlendedDataset
 from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
-from mtx.data.indexed import IndexedDataset, is_indexed_prefix
+from mtx.data.indexed import IndexedDataset
+from mtx.data.paths import indexed_prefix, parse_data_path
 from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 
 def build_dataset(cfg) -> GPTDataset | BlendedDataset:
     """The dataset of a `mtx.config.Config`: its --data-path entries (or the built-in corpus) and tokenizer."""
     if cfg.model.is_bert:  # sentence-pair samples (mtx/data/bert_dataset.py)
-        from mtx.data.bert_dataset import build_bert_dataset
-
         return build_bert_dataset(cfg)
     data = cfg.data
     common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed)
@@ -34,45 +34,19 @@ def build_dataset(cfg) -> GPTDataset | BlendedDataset:
     tokenizer = build_tokenizer(data.vocab_file, data.merge_file, getattr(data, "tokenizer_type", None))
     weights, paths = parse_data_path(data.data_path)
     if weights is None:
-        prefixes = [p for p in paths if _prefix(p)]
-        files = [p for p in paths if not _prefix(p)]
+        prefixes = [p for p in paths if indexed_prefix(p)]
+        files = [p for p in paths if not indexed_prefix(p)]
         if not prefixes:
             return _files_dataset(files, tokenizer, stream=0, **common)
-        datasets = [_indexed_dataset(_prefix(p), tokenizer, stream=i + 1, **common) for i, p in enumerate(prefixes)]
+        datasets = [_indexed_dataset(indexed_prefix(p), tokenizer, stream=i + 1, **common)
+                    for i, p in enumerate(prefixes)]
         if files:
             datasets.append(_files_dataset(files, tokenizer, stream=len(datasets) + 1, **common))
         weights = [len(ds.tokens) for ds in datasets]
     else:
-        datasets = [_indexed_dataset(_prefix(p), tokenizer, stream=i + 1, **common) if _prefix(p)
+        datasets = [_indexed_dataset(indexed_prefix(p), tokenizer, stream=i + 1, **common) if indexed_prefix(p)
                     else _files_dataset([p], tokenizer, stream=i + 1, **common) for i, p in enumerate(paths)]
     return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights)
-
-
-def parse_data_path(entries) -> tuple[list[float] | None, list[str]]:
-    """Megatron's --data-path: paths, or "weight path weight path ..." (weights not yet normalized)."""
-    entries = [str(e) for e in entries]
-    if not _is_number(entries[0]) or Path(entries[0]).exists():
-        return None, entries
-    if len(entries) % 2 or not all(_is_number(w) for w in entries[::2]):
-        raise ValueError(f"--data-path {' '.join(entries)} starts with a weight, so it must alternate weight and "
-                         "path, e.g. --data-path 0.7 a 0.3 b.")
-    return [float(w) for w in entries[::2]], entries[1::2]
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False
-
-
-def _prefix(path: str) -> str | None:
-    """The indexed-dataset prefix PATH names (PATH, or PATH without .bin/.idx), or None for a plain file."""
-    for prefix in (path, path[:-4] if path.endswith((".bin", ".idx")) else None):
-        if prefix and not Path(prefix).is_file() and is_indexed_prefix(prefix):
-            return prefix
-    return None
 
 
 def _indexed_dataset(prefix: str, tokenizer: Tokenizer, **kw) -> GPTDataset:

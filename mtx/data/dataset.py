@@ -1,7 +1,7 @@
 """One token stream, its train/valid/test split, and the batches of every step.
 
 Batch k is a pure function of (tokens, seq_length, seed, k, batch_size): it never depends on how many devices
-exist, so the global batch of a step is the same on every mesh (DESIGN.md section 2) and resuming at step k
+exist, so the global batch of a step is the same on every mesh (docs/design.md, decision 2) and resuming at step k
 needs no saved data state (data position = step). Several streams are mixed by `mtx.data.blend`.
 """
 

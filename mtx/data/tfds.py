@@ -1,7 +1,7 @@
 """Documents from a TensorFlow Datasets dataset, read through `tfds.data_sources` (array_record), without TensorFlow.
 
 Used by `python -m mtx.data.preprocess --tfds NAME[:split]`. Asking for a named TFDS dataset is the one place mtx
-may download data (DESIGN.md section 6): TFDS prepares it under its data_dir on first use.
+may download data (docs/design.md, decision 6): TFDS prepares it under its data_dir on first use.
 """
 
 from __future__ import annotations

@@ -25,11 +25,9 @@ gradient with a single-device reference and catches such a mistake.
 
 from __future__ import annotations
 
-import inspect
-
 import jax
-import jax.numpy as jnp
 
+from mtx.parallel.compat import all_gather_invariant, varying_axes
 from mtx.parallel.mesh import MODEL
 
 
@@ -41,14 +39,6 @@ def f(x):
 def g(x):
     """Megatron's g (reduce from the model-parallel region): all-reduce over "model" forward, identity backward."""
     return jax.lax.psum(x, MODEL)
-
-
-def varying_axes(x) -> set[str]:
-    """The mesh axes `x` varies over inside shard_map (empty outside). jax 0.11 keeps them in `aval.mat.varying`,
-    other versions in `aval.vma`."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
 
 
 def vary(x, axes):
@@ -75,23 +65,12 @@ def model_size() -> int:
     return jax.lax.axis_size(MODEL)
 
 
-_GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
-
-
 def gather_from_model_parallel(x, axis: int = -1):
     """Concatenates the per-rank slices of `x` along `axis`; backward keeps this rank's slice (no communication).
 
     The result is the same on every model rank, so it is typed invariant; its transpose is a local slice.
     """
-    axis = axis % x.ndim
-    if _GATHER_HAS_TO:
-        return jax.lax.all_gather(x, MODEL, axis=axis, tiled=True, to="invarying")
-    # Older jax: place the local slice in a zero buffer and psum it (same values, twice the traffic).
-    tp, rank = model_size(), model_rank()
-    shape = list(x.shape)
-    shape[axis] *= tp
-    buf = jnp.zeros(shape, x.dtype)
-    return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(buf, x, rank * x.shape[axis], axis), MODEL)
+    return all_gather_invariant(x, MODEL, axis % x.ndim)
 
 
 def scatter_to_model_parallel(x, axis: int = -1):
