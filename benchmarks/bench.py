@@ -62,7 +62,8 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         "peak_mem_gib": max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) / 2**30,
         "loss": float(metrics["loss"]), "profile": summary,
         "pipeline": None if model.pipeline is None else {
-            "stages": model.pipeline.stages, "ideal_bubble": model.pipeline.bubble},
+            "schedule": model.pipeline.kind, "stages": model.pipeline.stages, "virtual": model.pipeline.virtual,
+            "microbatches": model.pipeline.microbatches, "ideal_bubble": model.pipeline.bubble},
     }
 
 

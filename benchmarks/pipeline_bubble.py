@@ -1,11 +1,12 @@
-"""The pipeline's real bubble against its ideal (p - 1) / (m + p - 1).
+"""The pipeline's real bubble against its schedule's ideal, (p - 1) / (v m + p - 1), for each schedule.
 
 For one model and global batch, times the step without pipelining on one device (T1) and pipelined over p devices
-(Tp) for several microbatch counts m. With perfect scaling Tp = T1 / p; GPipe's bubble makes it
-T1 / p x (m + p - 1) / m. The measured bubble is 1 - T1 / (p Tp), which also contains the shift communication.
+(Tp) for several microbatch counts m and schedules (gpipe, 1f1b, interleaved with v virtual stages). With perfect
+scaling Tp = T1 / p; the bubble makes it T1 / p x (v m + p - 1) / (v m). The measured bubble is 1 - T1 / (p Tp),
+which also contains the shift communication and, for 1F1B, the recomputation of each stage's forward in its backward.
 
-    python benchmarks/pipeline_bubble.py --pp 2 --microbatches 2 4 8 -- --config configs/gpt2_355m.toml \
-        --micro-batch-size 4
+    python benchmarks/pipeline_bubble.py --pp 2 --microbatches 4 8 --schedules gpipe 1f1b interleaved -- \
+        --config configs/gpt2_355m.toml --micro-batch-size 4
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--virtual", type=int, default=2, help="virtual stages of the interleaved schedule")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("flags", nargs="*", help="train.py flags, after --")
@@ -40,19 +43,25 @@ def main(argv=None) -> int:
     for m in a.microbatches:
         common = dict(global_batch_size=mb * m, data_parallel_size=1, tensor_model_parallel_size=1)
         flat = measure(base.replace(pipeline_model_parallel_size=1, **common), steps=a.steps)
-        piped = measure(base.replace(pipeline_model_parallel_size=a.pp, **common), steps=a.steps)
-        ideal = (a.pp - 1) / (m + a.pp - 1)
-        measured = 1 - flat["step_s"] / (a.pp * piped["step_s"])
-        row = {"pp": a.pp, "microbatches": m, "t1_s": flat["step_s"], "tp_s": piped["step_s"],
-               "speedup": flat["step_s"] / piped["step_s"], "ideal_bubble": ideal, "measured_bubble": measured,
-               "device": flat["device"], "layers": flat["layers"], "hidden": flat["hidden"],
-               "micro_batch": mb, "seq": flat["seq"], "dtype": flat["dtype"]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    print(f"{'m':>4} {'T1 s':>9} {'Tp s':>9} {'speedup':>8} {'ideal bubble':>13} {'measured':>9}")
+        for schedule in a.schedules:
+            flags = ({"pipeline_schedule": "1f1b", "virtual_pipeline_model_parallel_size": a.virtual}
+                     if schedule == "interleaved" else {"pipeline_schedule": schedule})
+            piped = measure(base.replace(pipeline_model_parallel_size=a.pp, **common, **flags), steps=a.steps)
+            measured = 1 - flat["step_s"] / (a.pp * piped["step_s"])
+            row = {"pp": a.pp, "microbatches": m, "schedule": schedule,
+                   "virtual": a.virtual if schedule == "interleaved" else 1, "t1_s": flat["step_s"],
+                   "tp_s": piped["step_s"], "speedup": flat["step_s"] / piped["step_s"],
+                   "ideal_bubble": piped["pipeline"]["ideal_bubble"], "measured_bubble": measured,
+                   "t1_peak_mem_gib": flat["peak_mem_gib"], "tp_peak_mem_gib": piped["peak_mem_gib"],
+                   "device": flat["device"], "layers": flat["layers"], "hidden": flat["hidden"],
+                   "micro_batch": mb, "seq": flat["seq"], "dtype": flat["dtype"]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"{'m':>4} {'schedule':>12} {'T1 s':>9} {'Tp s':>9} {'speedup':>8} {'ideal bubble':>13} {'measured':>9} "
+          f"{'peak GiB':>9}")
     for r in rows:
-        print(f"{r['microbatches']:>4} {r['t1_s']:>9.4f} {r['tp_s']:>9.4f} {r['speedup']:>8.2f} "
-              f"{r['ideal_bubble']:>13.1%} {r['measured_bubble']:>9.1%}")
+        print(f"{r['microbatches']:>4} {r['schedule']:>12} {r['t1_s']:>9.4f} {r['tp_s']:>9.4f} {r['speedup']:>8.2f} "
+              f"{r['ideal_bubble']:>13.1%} {r['measured_bubble']:>9.1%} {r['tp_peak_mem_gib']:>9.1f}")
     if a.json:
         with open(a.json, "a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
         "matmuls", "--no-scan-layers"]
 SP = ["--sequence-parallel"]
+GPIPE, INTERLEAVED = ["--pipeline-schedule", "gpipe"], ["--virtual-pipeline-model-parallel-size", "2"]
 # XLA's collective matmuls for GSPMD-partitioned dots: each all-gather / reduce-scatter + matmul pair as a loop of
 # partial matmuls and peer transfers on separate streams, whatever the size
 WINDOWED_EINSUM = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
@@ -78,7 +79,10 @@ ROWS = {
         mtx("1.2B, TP 2 (strong), latency-hiding scheduler", 2, "gpt_1.2b", 1, 1, 2, 16, 16,
             xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),
-        mtx("1.2B, PP 2, 8 microbatches", 2, "gpt_1.2b", 1, 2, 1, 8, 64, "--recompute-granularity", "full"),
+        mtx("1.2B, PP 2, 8 microbatches, GPipe", 2, "gpt_1.2b", 1, 2, 1, 8, 64, *GPIPE, "--recompute-granularity",
+            "full"),
+        mtx("1.2B, PP 2, 8 microbatches, 1F1B", 2, "gpt_1.2b", 1, 2, 1, 8, 64),
+        mtx("1.2B, PP 2, 8 microbatches, interleaved V 2", 2, "gpt_1.2b", 1, 2, 1, 8, 64, *INTERLEAVED),
     ],
     # NCCL settings for the 25-50 MB gathers/scatters of sequence parallelism (docs/benchmarks.md, 3b: no gain).
     # Run with the 1-GPU row; other settings with --env KEY=VALUE on any row:
@@ -104,7 +108,13 @@ ROWS = {
         mtx("4.2B, TP 4 (weak)", 4, "gpt_4.2b", 1, 1, 4, 16, 16),
         mtx("1.2B, TP 4 (strong)", 4, "gpt_1.2b", 1, 1, 4, 16, 16),
         mtx("1.2B, TP 2 x DP 2", 4, "gpt_1.2b", 2, 1, 2, 16, 32),
-        mtx("2.5B, TP 2 x PP 2, 8 microbatches", 4, "gpt_2.5b", 1, 2, 2, 8, 64, "--recompute-granularity", "full"),
+        mtx("2.5B, TP 2 x PP 2, 8 microbatches, GPipe", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *GPIPE,
+            "--recompute-granularity", "full"),
+        mtx("2.5B, TP 2 x PP 2, 8 microbatches, 1F1B", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *SP),
+        mtx("2.5B, TP 2 x PP 2, 8 microbatches, interleaved V 3", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *SP,
+            "--virtual-pipeline-model-parallel-size", "3"),
+        mtx("1.2B, PP 4, 16 microbatches, 1F1B", 4, "gpt_1.2b", 1, 4, 1, 4, 64),
+        mtx("1.2B, PP 4, 16 microbatches, interleaved V 2", 4, "gpt_1.2b", 1, 4, 1, 4, 64, *INTERLEAVED),
     ],
     # issue 10: needs an 8-GPU host (not lent yet); each row is validated for 8 devices by tests/test_benchmarks.py
     "8gpu": [
@@ -114,8 +124,14 @@ ROWS = {
         mtx("8.3B, TP 8, 32 heads", 8, "gpt_8.3b", 1, 1, 8, 16, 16, "--num-attention-heads", "32"),
         mtx("1.2B, TP 8 (strong)", 8, "gpt_1.2b", 1, 1, 8, 16, 16),
         mtx("1.2B, TP 4 x DP 2", 8, "gpt_1.2b", 2, 1, 4, 16, 32),
-        mtx("8.3B, TP 4 x PP 2, 8 microbatches", 8, "gpt_8.3b", 1, 2, 4, 4, 32, "--recompute-granularity", "full"),
-        mtx("4.2B, TP 2 x PP 4, 8 microbatches", 8, "gpt_4.2b", 1, 4, 2, 8, 64, "--recompute-granularity", "full"),
+        mtx("8.3B, TP 4 x PP 2, 8 microbatches, GPipe", 8, "gpt_8.3b", 1, 2, 4, 4, 32, *GPIPE,
+            "--recompute-granularity", "full"),
+        mtx("8.3B, TP 4 x PP 2, 8 microbatches, 1F1B", 8, "gpt_8.3b", 1, 2, 4, 4, 32, *SP),
+        mtx("4.2B, TP 2 x PP 4, 8 microbatches, GPipe", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *GPIPE,
+            "--recompute-granularity", "full"),
+        mtx("4.2B, TP 2 x PP 4, 8 microbatches, 1F1B", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *SP),
+        mtx("4.2B, TP 2 x PP 4, 8 microbatches, interleaved V 2", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *SP,
+            *INTERLEAVED),
     ],
 }
 

@@ -165,18 +165,20 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  recompute_granularity: str | None = None, vocab_size: int = 50257,
                  pipeline_model_parallel_size: int = 1, num_layers: int | None = None,
                  num_microbatches: int | None = None, num_devices: int | None = None,
-                 sequence_parallel: bool = False) -> Config:
+                 sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",
+                 virtual_pipeline_model_parallel_size: int | None = None) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
-    num_layers (default 2 x stages) layers."""
+    num_layers (default 2 x stages x virtual stages) layers."""
     pp, dp = pipeline_model_parallel_size, max(data_parallel_size, 1)
     m = num_microbatches or (2 * pp if pp > 1 else 1)
     return Config().replace(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length,
         micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * dp * m,
         tensor_model_parallel_size=tensor_model_parallel_size, data_parallel_size=data_parallel_size,
-        pipeline_model_parallel_size=pp, num_layers=num_layers or 2 * pp,
+        pipeline_model_parallel_size=pp, num_layers=num_layers or 2 * pp * (virtual_pipeline_model_parallel_size or 1),
+        pipeline_schedule=pipeline_schedule, virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
@@ -266,8 +268,9 @@ def audit_loss(cfg: Config) -> dict:
 
 def audit_pipeline(cfg: Config) -> dict:
     """Collectives of a whole pipelined training step's loss and gradients (mtx/step.py), with the pipeline's
-    activation shifts counted per step: the collective-permute sits in the body of the tick scan, which runs
-    M + P - 1 times forward and again backward."""
+    shifts counted per step. GPipe: one collective-permute in the body of the tick scan, which runs M + P - 1 times
+    forward and again backward. 1F1B / interleaved: two in the body of one scan of forward and backward slots (the
+    activations to the next stage, the input gradients to the previous one), run once a tick."""
     from mtx.sharded_model import ShardedModel
     from mtx.step import TrainStep
 
@@ -283,9 +286,11 @@ def audit_pipeline(cfg: Config) -> dict:
     permutes = {phase: [op for op in report["ops"][phase]
                         if op["kind"] == "collective-permute" and op["axes"] == "pipeline"]
                 for phase in ("forward", "backward")}
-    report["schedule"] = {"stages": schedule.stages, "microbatches": schedule.microbatches,
-                          "layers_per_stage": list(schedule.counts), "ticks": schedule.ticks,
-                          "ideal_bubble": schedule.bubble}
+    report["schedule"] = {"schedule": schedule.kind, "stages": schedule.stages, "virtual_stages": schedule.virtual,
+                          "microbatches": schedule.microbatches, "layers_per_stage": list(schedule.counts),
+                          "ticks": schedule.ticks, "ideal_bubble": schedule.bubble}
+    if schedule.kind != "gpipe":  # one program: the backward is not dead code in the loss-only compile
+        permutes = {"forward and backward": permutes["forward"] + permutes["backward"]}
     report["per_step"] = {phase: {"collective-permute pipeline": len(ops) * schedule.ticks,
                                   "elements_each": sorted({op["elements"] for op in ops})}
                           for phase, ops in permutes.items()}
@@ -314,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
               "data_parallel_size", "ffn_hidden_size", "recompute_granularity", "vocab_size",
               "pipeline_model_parallel_size", "num_layers")
     helps = {"pipeline_model_parallel_size": "PP; > 1 also audits a whole pipelined step (its activation ppermutes)",
-             "num_layers": "layers of the pipelined step; None: 2 x stages"}
+             "num_layers": "layers of the pipelined step; None: 2 x stages x virtual stages"}
     add_config_flags(ap, fields, defaults={"data_parallel_size": 1, "num_layers": None}, helps=helps)
+    add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
     ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
     add_config_flags(ap, ("sequence_parallel",), defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -349,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         if "pipeline" in report:
             pipe = report["pipeline"]
             sch = pipe["schedule"]
-            print(_table(f"pipelined step  P={sch['stages']} M={sch['microbatches']} layers={sch['layers_per_stage']} "
-                         f"ticks={sch['ticks']} (static counts; loop bodies count once)", pipe))
+            print(_table(f"pipelined step ({sch['schedule']})  P={sch['stages']} V={sch['virtual_stages']} "
+                         f"M={sch['microbatches']} layers={sch['layers_per_stage']} ticks={sch['ticks']} "
+                         "(static counts; loop bodies count once)", pipe))
             for phase, row in pipe["per_step"].items():
                 print(f"  per step, {phase}: {row['collective-permute pipeline']} collective-permutes over pipeline "
                       f"of {row['elements_each']} elements each")

@@ -110,7 +110,15 @@ class ParallelConfig:
     data_parallel_size: int = _f(-1, "DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron")
     num_layers_in_first_pipeline_stage: int | None = _f(None, "uneven stages: layers of the first stage")
     num_layers_in_last_pipeline_stage: int | None = _f(None, "uneven stages: layers of the last stage")
-    pipeline_model_parallel_layout: str | None = _f(None, 'Megatron layout string, e.g. "Et|tt|tt|tL"')
+    pipeline_model_parallel_layout: str | None = _f(
+        None, 'Megatron layout string, e.g. "Et|tt|tt|tL"; with more stages than --pipeline-model-parallel-size, '
+        "each device holds several (virtual stages)")
+    pipeline_schedule: str = _f("1f1b", "gpipe | 1f1b (Megatron's default) | interleaved (1F1B over virtual stages, "
+                                "implied by virtual stages)")
+    virtual_pipeline_model_parallel_size: int | None = _f(
+        None, "virtual stages (layer chunks) each pipeline device holds, interleaved; None: 1, or from the layout")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(
+        None, "layers of each virtual stage (sets the virtual size to layers / (stages x this))")
     coordinator_address: str | None = _f(
         None, 'multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process')
     num_processes: int | None = _f(None, "multi-host: processes in the run, one per host")
@@ -236,6 +244,7 @@ class Config:
         _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
                f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
                f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
+        self._validate_pipeline()
         self.stage_layer_counts()  # refuses layers that do not split over the stages as asked
         _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
         _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),
@@ -281,13 +290,70 @@ class Config:
         _check(0.0 <= d.short_seq_prob <= 1.0, f"--short-seq-prob must lie in [0, 1], got {d.short_seq_prob}.")
 
     def stage_layer_counts(self) -> tuple[int, ...]:
-        """Transformer layers of each pipeline stage (mtx/parallel/layout.py)."""
+        """Transformer layers of each (virtual) pipeline stage, P x V of them in pipeline order: virtual stage c P + s
+        is chunk c of device s (mtx/parallel/layout.py)."""
         from mtx.parallel.layout import stage_layer_counts
 
         p = self.parallel
-        return stage_layer_counts(self.model.num_layers, p.pipeline_model_parallel_size,
+        return stage_layer_counts(self.model.num_layers, p.pipeline_model_parallel_size * self.virtual_stages,
                                   layout=p.pipeline_model_parallel_layout,
                                   first=p.num_layers_in_first_pipeline_stage, last=p.num_layers_in_last_pipeline_stage)
+
+    @property
+    def virtual_stages(self) -> int:
+        """V, the layer chunks each pipeline device holds: from --virtual-pipeline-model-parallel-size, else
+        --num-layers-per-virtual-pipeline-stage, else a layout with more stages than devices; 1 otherwise."""
+        from mtx.parallel.layout import parse_layout
+
+        p = self.parallel
+        pp = p.pipeline_model_parallel_size
+        if p.virtual_pipeline_model_parallel_size is not None:
+            return p.virtual_pipeline_model_parallel_size
+        if p.num_layers_per_virtual_pipeline_stage:
+            return max(self.model.num_layers // (pp * p.num_layers_per_virtual_pipeline_stage), 1)
+        if p.pipeline_model_parallel_layout and pp > 1:
+            stages = len(parse_layout(p.pipeline_model_parallel_layout))
+            return stages // pp if stages % pp == 0 else 1
+        return 1
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule that runs: gpipe, 1f1b, or interleaved (1F1B over V > 1 virtual stages)."""
+        return "interleaved" if self.virtual_stages > 1 else self.parallel.pipeline_schedule
+
+    def _validate_pipeline(self) -> None:
+        p, pp = self.parallel, self.parallel.pipeline_model_parallel_size
+        v, n = p.virtual_pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+        _check(p.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
+               f"--pipeline-schedule must be gpipe, 1f1b or interleaved, got {p.pipeline_schedule!r}.")
+        _check(v is None or v >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}.")
+        _check(n is None or n >= 1, f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {n}.")
+        if n is not None:
+            _check(self.model.num_layers % (pp * n) == 0,
+                   f"--num-layers {self.model.num_layers} does not split into --pipeline-model-parallel-size {pp} x "
+                   f"virtual stages of --num-layers-per-virtual-pipeline-stage {n}; choose N dividing "
+                   f"{self.model.num_layers // pp if self.model.num_layers % pp == 0 else 'layers / stages'}.")
+            _check(v is None or v * pp * n == self.model.num_layers,
+                   f"--virtual-pipeline-model-parallel-size {v} and --num-layers-per-virtual-pipeline-stage {n} "
+                   f"disagree ({v} x {pp} stages x {n} != {self.model.num_layers} layers); pass one of them.")
+        virtual = self.virtual_stages
+        if virtual > 1:
+            _check(p.pipeline_model_parallel_layout is not None or self.model.num_layers % (pp * virtual) == 0,
+                   f"--num-layers {self.model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                   f"--virtual-pipeline-model-parallel-size {virtual}; choose V so that stages x V divides the layers, "
+                   "or give a --pipeline-model-parallel-layout.")
+            _check(pp > 1, "virtual pipeline stages split the pipeline stages; pass --pipeline-model-parallel-size "
+                           "> 1 with them.")
+            _check(p.pipeline_schedule != "gpipe",
+                   "--pipeline-schedule gpipe runs one stage per device; drop the virtual stages or use 1f1b / "
+                   "interleaved.")
+            _check(p.num_layers_in_first_pipeline_stage is None and p.num_layers_in_last_pipeline_stage is None,
+                   "--num-layers-in-first/last-pipeline-stage do not combine with virtual stages; give a "
+                   "--pipeline-model-parallel-layout with one '|'-separated stage per virtual stage instead.")
+        else:
+            _check(p.pipeline_schedule != "interleaved" or pp == 1,
+                   "--pipeline-schedule interleaved needs virtual stages: pass --virtual-pipeline-model-parallel-size "
+                   "V > 1 (or --num-layers-per-virtual-pipeline-stage, or a layout with V x stages stages).")
 
     def data_parallel_size(self, num_devices: int) -> int:
         from mtx.parallel.mesh import resolve_sizes

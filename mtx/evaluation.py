@@ -65,7 +65,7 @@ def make_scorer(model):
 
     sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA), P(DATA), P(DATA)),
                             out_specs=(P(DATA), P(DATA)), check_vma=True)
-    return jax.jit(lambda params, inputs, targets, mask: sharded(model.stage_params(params), inputs, targets, mask))
+    return jax.jit(lambda params, inputs, targets, mask: sharded(model.forward_params(params), inputs, targets, mask))
 
 
 class Scorer:

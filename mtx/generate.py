@@ -98,9 +98,9 @@ class CachedDecoder:
                                out_specs=out_specs)
         put = lambda x: jax.sharding.reshard(x, self.rows)
         self.prefill = jax.jit(lambda params, tokens_BS, lengths_B: prefill(
-            model.stage_params(params), put(tokens_BS), put(lengths_B)))
+            model.forward_params(params), put(tokens_BS), put(lengths_B)))
         self.decode = jax.jit(lambda params, cache, tokens_B, positions_B: decode(
-            model.stage_params(params), cache, put(tokens_B), put(positions_B)), donate_argnums=1)
+            model.forward_params(params), cache, put(tokens_B), put(positions_B)), donate_argnums=1)
 
     # ---- inside shard_map (local shapes) ----
     def _local_prefill(self, params, tokens_BS, lengths_B):
@@ -117,7 +117,7 @@ class CachedDecoder:
         """T new tokens per row at positions start_B + t -> (logits (B, V) of token last_B of each row, cache)."""
         positions_BT = jnp.minimum(start_B[:, None] + jnp.arange(tokens_BT.shape[1]), self.window - 1)
         x_BTD = model.embed(tokens_BT, positions_BS=positions_BT)
-        schedule = self.model.pipeline
+        schedule = self.model.forward_pipeline
         if schedule is None:  # one stage: the layers vary over the size-1 "pipeline" axis only by type
             x_BTD, cache = model.transform_cached(x_BTD, cache, start_B)
             x_BTD = jax.lax.pmean(x_BTD, PIPELINE)

@@ -196,8 +196,9 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
           f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")
     if model.pipeline is not None:
         sch = model.pipeline
-        print(f"mtx: pipeline {sch.stages} stages x layers {list(sch.counts)}, {sch.microbatches} microbatches, "
-              f"{sch.ticks} ticks (GPipe); ideal bubble (p-1)/(m+p-1) = {sch.bubble:.1%}")
+        chunks = f" x {sch.virtual} virtual stages" if sch.virtual > 1 else ""
+        print(f"mtx: pipeline schedule {sch.kind}: {sch.stages} stages{chunks}, layers {list(sch.counts)}, "
+              f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble (p-1)/(v m+p-1) = {sch.bubble:.1%}")
 
 
 def _progress_bar(start: int, total: int, enabled: bool):

@@ -6,8 +6,9 @@ states (evaluation, scoring) and the evaluation loss (GPT's next-token loss and 
 model family's objective, mtx/objectives.py). It holds no optimizer: the training step (mtx/step.py) adds that.
 
 Parameters cross the boundary as global arrays in their stored (canonical) layout; `stage_params` regathers the layer
-stack into equal per-stage slots when an uneven pipeline layout needs it, and `canonical_grads` undoes that for
-gradients. A parameter is part of the layer stack exactly when its declared spec has the "pipeline" axis.
+stack into equal per-device slots when an uneven layout or virtual stages need it, and `canonical_grads` undoes that
+for gradients. Forward-only uses (evaluation, scoring, decoding) run GPipe's forward ticks with one contiguous stage
+per device (`forward_pipeline`, laid out by `forward_params`), whatever schedule trains. A parameter is part of the layer stack exactly when its declared spec has the "pipeline" axis.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class ShardedModel:
         self.param_specs = partition_specs(self.abstract_params)  # as declared; the shard_map's in/out specs
         self.param_shardings = named_shardings(self.abstract_params, mesh)  # as stored on this mesh
         self.num_microbatches = num_microbatches(cfg, mesh)
-        self.pipeline = Schedule(cfg.stage_layer_counts(), self.num_microbatches) if mesh.shape[PIPELINE] > 1 else None
+        self.pipeline = (Schedule(cfg.stage_layer_counts(), self.num_microbatches, cfg.virtual_stages, cfg.schedule)
+                         if mesh.shape[PIPELINE] > 1 else None)
+        self.forward_pipeline = None if self.pipeline is None else self.pipeline.forward_only()
         self.objective = objective_for(cfg)
         self.batch_sharding = NamedSharding(mesh, P(DATA))
         self.eval_loss = jax.jit(self._eval_loss)
@@ -88,22 +91,28 @@ class ShardedModel:
         return ShardedModel(self.cfg.replace(sequence_parallel=False), self.mesh)
 
     # ---- layouts ----
-    def stage_params(self, params):
-        """Uneven pipeline stages: the layer stack regathered into equal per-stage slots, split over "pipeline"."""
-        if self.pipeline is None or not self.pipeline.padded:
+    def stage_params(self, params, schedule: Schedule | None = None):
+        """Uneven or virtual stages of `schedule` (default: training's): the layer stack regathered into equal
+        per-device chunk slots, split over "pipeline"."""
+        schedule = schedule or self.pipeline
+        if schedule is None or not schedule.regathered:
             return params
 
         def regather(a, spec):  # whole stack on every stage -> slots -> each stage keeps its own
             if not is_stacked(spec):
                 return a
             whole = jax.sharding.reshard(a, NamedSharding(self.mesh, P(None, *spec[1:])))
-            return jax.sharding.reshard(to_slots(whole, self.pipeline), NamedSharding(self.mesh, spec))
+            return jax.sharding.reshard(to_slots(whole, schedule), NamedSharding(self.mesh, spec))
 
         return map_specs(regather, params, self.param_specs)
 
+    def forward_params(self, params):
+        """`params` laid out for the forward-only schedule (evaluation, scoring, decoding)."""
+        return self.stage_params(params, self.forward_pipeline)
+
     def canonical_grads(self, grads):
         """Gradients of `stage_params`' slots -> gradients laid out like the stored parameters."""
-        if self.pipeline is None or not self.pipeline.padded:
+        if self.pipeline is None or not self.pipeline.regathered:
             return grads
 
         def scatter_back(g, spec, sharding):  # slots -> whole stack -> stored like the parameter
@@ -127,11 +136,12 @@ class ShardedModel:
 
     # ---- inside shard_map ----
     def local_final_hidden(self, params, tokens_BS):
-        """Inside shard_map: (B, S) ids -> (B, S, D) final hidden states (pipelined when the mesh has stages)."""
+        """Inside shard_map: (B, S) ids -> (B, S, D) final hidden states (pipelined when the mesh has stages);
+        params laid out by `forward_params`."""
         model = self.merge(params)
         if self.pipeline is None:  # one stage: the layers vary over the size-1 "pipeline" axis only by type
             return jax.lax.pmean(model(tokens_BS), PIPELINE)
-        return pipelined_final_hidden(model, tokens_BS, self.pipeline)
+        return pipelined_final_hidden(model, tokens_BS, self.forward_pipeline)
 
     def _local_eval_loss(self, params, batch):
         objective = self.objective.for_evaluation()
@@ -141,11 +151,11 @@ class ShardedModel:
             loss = micro_loss(objective, model, batch, counts)
         else:
             batch_M = jax.tree.map(lambda a: a[None], batch)
-            loss = pipelined_loss(model, objective, batch_M, self.pipeline.with_microbatches(1), counts)
+            loss = pipelined_loss(model, objective, batch_M, self.forward_pipeline, counts)
         return jax.lax.psum(loss, (DATA, PIPELINE))
 
     # ---- jitted ----
     def _eval_loss(self, params, batch):
         """The loss of one batch (GPT: mean next-token loss; BERT: MLM + SOP), no dropout, no gradient."""
         return jax.shard_map(self._local_eval_loss, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)),
-                             out_specs=P())(self.stage_params(params), batch)
+                             out_specs=P())(self.forward_params(params), batch)

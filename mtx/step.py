@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from mtx.objectives import micro_loss
 from mtx.optim import learning_rate_schedule
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
+from mtx.parallel.one_f_one_b import one_f_one_b
 from mtx.parallel.pipeline import pipelined_loss
 from mtx.parallel.random import sample_keys
 from mtx.sharded_model import ShardedModel, is_stacked
@@ -80,7 +81,10 @@ class TrainStep:
         params = jax.tree.map(lambda p, axes: jax.lax.pcast(p, axes, to="varying"), params, reduce_axes,
                               is_leaf=lambda x: isinstance(x, tuple))
 
-        if model.pipeline is not None:  # GPipe: one forward and backward through all M microbatches
+        if model.pipeline is not None and model.pipeline.kind != "gpipe":  # 1F1B: the backward written out
+            loss, grads = one_f_one_b(model.graphdef, params, model.objective, batch_M, model.pipeline, counts,
+                                      keys_MB=keys_MB, scale=scale)
+        elif model.pipeline is not None:  # GPipe: autodiff through one forward over all M microbatches
             def loss_fn(p):
                 return pipelined_loss(model.merge(p), model.objective, batch_M, model.pipeline, counts,
                                       keys_MB=keys_MB) * scale

@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 4. The GPipe schedule and its bubble
+# # 4. Pipeline schedules and their bubbles: GPipe, 1F1B, interleaved
 #
 # mtx pipelines the layer stack as one `lax.scan` over M + P - 1 ticks (`mtx/parallel/pipeline.py`): at tick t,
 # stage s runs microbatch t - s, then `ppermute` hands its output to stage s + 1. Ticks where t - s falls outside
@@ -121,6 +121,57 @@ show(fig, "schedule")
 assert (backward < 0).sum() == bubble_cells
 
 # %% [markdown]
+# ## 1F1B and interleaved 1F1B: the backward written out, memory bounded by P
+#
+# GPipe keeps what every forward tick saved until the backward scan runs, so activation memory grows with M. The
+# default schedule, 1F1B (`mtx/parallel/one_f_one_b.py`), gives every tick one forward and one backward slot: after a
+# warm-up of forwards each device alternates, so a microbatch's stage input is freed after at most 2 P - 1 ticks.
+# Interleaving gives each device V chunks of layers (virtual stage c P + s is chunk c of device s): a microbatch
+# travels the devices V times, each visit 1/V of the work, and the bubble shrinks to (P - 1) / (V M + P - 1).
+# `Schedule.timetable()` is the plan the scan follows; its cells below are "F" + microbatch (chunk as a subscript
+# letter) in the forward slot over "B" + microbatch in the backward slot.
+
+# %%
+def draw(ax, sched, title):
+    table = sched.timetable()
+    p = sched.stages
+    for s in range(p):
+        for t in range(sched.ticks):
+            for row, kind in ((0, "fwd"), (1, "bwd")):
+                mb, chunk = table[f"{kind}_mb"][t, s], table[f"{kind}_chunk"][t, s]
+                color = "white" if mb < 0 else cmap(mb % 10)
+                ax.add_patch(plt.Rectangle((t, s + row / 2), 1, 0.5, facecolor=color, edgecolor="grey",
+                                           alpha=1.0 if kind == "fwd" else 0.55, hatch=None if mb >= 0 else "///"))
+                if mb >= 0:
+                    label = ("F" if kind == "fwd" else "B") + str(mb) + ("abc"[chunk] if sched.virtual > 1 else "")
+                    ax.text(t + 0.5, s + row / 2 + 0.25, label, ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, sched.ticks), ax.set_ylim(p, 0)
+    ax.set_yticks(np.arange(p) + 0.5, [f"device {s}" for s in range(p)])
+    ax.set_title(f"{title}: {sched.ticks} ticks, ideal bubble {sched.bubble:.0%}", fontsize=9)
+
+
+one_f_one_b = Schedule((2,) * P_, M_ + 2, 1, "1f1b")  # M = 8 on P = 4
+interleaved = Schedule((1,) * (2 * P_), M_ + 2, 2, "interleaved")  # the same 8 layers as 2 chunks per device
+fig, axes = plt.subplots(2, 1, figsize=(12, 5.5))
+draw(axes[0], one_f_one_b, f"1F1B, P={P_}, M={M_ + 2}")
+draw(axes[1], interleaved, f"interleaved 1F1B, P={P_}, V=2, M={M_ + 2}")
+axes[1].set_xlabel("tick (top half: forward slot, bottom half: backward slot; hatched = idle)")
+show(fig, "one_f_one_b")
+
+for sched in (one_f_one_b, interleaved):
+    m, v = sched.microbatches, sched.virtual
+    assert np.isclose(sched.bubble, (P_ - 1) / (v * m + P_ - 1))
+    table = sched.timetable()
+    # every device runs every (microbatch, chunk) forward and backward once
+    for s in range(P_):
+        assert sorted(zip(table["fwd_mb"][:, s], table["fwd_chunk"][:, s]))[-m * v:] == sorted(
+            (i, c) for i in range(m) for c in range(v))
+    # at most 2 P V - 1 stage inputs in flight on any device, whatever M
+    assert sched.in_flight == 2 * P_ * v - 1
+assert interleaved.bubble < one_f_one_b.bubble  # V = 2 halves the idle ticks' share
+print(f"bubble: GPipe/1F1B {one_f_one_b.bubble:.1%}, interleaved V=2 {interleaved.bubble:.1%} at M = {M_ + 2}")
+
+# %% [markdown]
 # ## The ideal bubble as M grows
 
 # %%
@@ -160,7 +211,7 @@ for m in (2, 8):
     flat = measure(base.replace(pipeline_model_parallel_size=1, **common), steps=3, warmup=1)
     piped = measure(base.replace(pipeline_model_parallel_size=PP, **common), steps=3, warmup=1)
     assert piped["microbatches"] == m and piped["pipeline"]["stages"] == PP
-    assert piped["pipeline"]["ideal_bubble"] == (PP - 1) / (m + PP - 1)
+    assert np.isclose(piped["pipeline"]["ideal_bubble"], (PP - 1) / (m + PP - 1))
     # same batches, same weights: the pipeline changes where layers run, not the math
     np.testing.assert_allclose(piped["loss"], flat["loss"], rtol=1e-5)
     rows.append((m, flat["step_s"], piped["step_s"], piped["pipeline"]["ideal_bubble"],

@@ -91,7 +91,7 @@ def mtx_logits(model, params, ids_BS) -> np.ndarray:
         return gather_from_model_parallel(model.merge(params).embedding.attend(hidden))
 
     fn = jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P()), out_specs=P()))
-    return np.asarray(fn(model.stage_params(params), ids_BS))
+    return np.asarray(fn(model.forward_params(params), ids_BS))
 
 
 def token_ids(vocab: int, b: int = 2, s: int = 16) -> np.ndarray:

@@ -49,7 +49,7 @@ def _full_forward(model):
         return gather_from_model_parallel(logits_BSV.astype(jnp.float32))
 
     sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA)), out_specs=P(DATA))
-    return jax.jit(lambda params, tokens: sharded(model.stage_params(params), tokens))
+    return jax.jit(lambda params, tokens: sharded(model.forward_params(params), tokens))
 
 
 def full_logits(model, params, rows):

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: GPipe over "pipeline" composed with tensor and data parallelism, without changing the math."""
+"""Pipeline parallelism: GPipe, 1F1B and interleaved 1F1B over "pipeline", composed with tensor and data parallelism,
+without changing the math."""
 
 import jax
 import numpy as np
@@ -14,15 +15,17 @@ from mtx.step import TrainStep
 # The tiny preset deepened to 8 layers, exact (fp32, no dropout).
 DEEP = Config().replace(**load_preset("configs/tiny.toml")).replace(num_layers=8, hidden_dropout=0.0,
                                                                     attention_dropout=0.0)
-# (data, pipeline, model) meshes and layouts; global batch 16 / micro batch 2 gives 8 / data microbatches.
+# (data, pipeline, model) meshes, layouts and schedules (1F1B unless named); global batch 16 / micro batch 2 gives
+# 8 / data microbatches.
 MESHES = [
     ((1, 1, 1), {}),
     ((2, 2, 2), {}),
-    ((1, 2, 4), {}),
-    ((2, 4, 1), {}),
+    ((1, 2, 4), {"pipeline_schedule": "gpipe"}),
+    ((2, 4, 1), {"virtual_pipeline_model_parallel_size": 2}),
     ((1, 8, 1), {}),
     ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}),
-    ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3}),
+    ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "pipeline_schedule": "gpipe"}),
+    ((1, 2, 2), {"pipeline_model_parallel_layout": "Et|t|tt|t|t|t|t|L"}),  # interleaved, V = 4, uneven, one empty
 ]
 
 
@@ -57,7 +60,9 @@ def test_gradients_of_every_parameter_match_the_unpipelined_run():
     tokens = np.random.default_rng(0).integers(0, 257, (16, 33)).astype(np.int32)
     ref_loss, ref = grads_on((1, 1, 1), {}, tokens)
     for mesh, layout in [((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "scan_layers": False}),
-                         ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}), ((1, 8, 1), {})]:
+                         ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "pipeline_schedule": "gpipe"}),
+                         ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}), ((1, 8, 1), {}),
+                         ((1, 2, 2), {"num_layers_per_virtual_pipeline_stage": 2, "recompute_granularity": "matmuls"})]:
         loss, grads = grads_on(mesh, layout, tokens)
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         assert grads.keys() == ref.keys()
@@ -67,13 +72,16 @@ def test_gradients_of_every_parameter_match_the_unpipelined_run():
 
 
 def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path):
-    """Dropout on: a (2, 2, 2) checkpoint resumes on (1, 1, 8) and an (8, 1, 1) one on (1, 4, 2), exactly."""
+    """Dropout on: an interleaved (2, 2, 2) checkpoint resumes on (1, 1, 8) and an (8, 1, 1) one on (1, 4, 2) with
+    GPipe, exactly."""
     base = dict(hidden_dropout=0.1, attention_dropout=0.1, train_iters=6, save_interval=3)
-    for src, dst in [((2, 2, 2), (1, 1, 8)), ((8, 1, 1), (1, 4, 2))]:
+    interleaved, gpipe = {"virtual_pipeline_model_parallel_size": 2}, {"pipeline_schedule": "gpipe"}
+    for (src, src_flags), (dst, dst_flags) in [(((2, 2, 2), interleaved), ((1, 1, 8), {})),
+                                               (((8, 1, 1), {}), ((1, 4, 2), gpipe))]:
         ckpt = str(tmp_path / f"ckpt{src}")
-        full = train(cfg_for(src, {}, save=ckpt, **base), progress=False)
-        resumed = train(cfg_for(dst, {}, load=ckpt, ckpt_step=3, run_dir=str(tmp_path / f"resumed{dst}"), **base),
-                        progress=False)
+        full = train(cfg_for(src, src_flags, save=ckpt, **base), progress=False)
+        resumed = train(cfg_for(dst, dst_flags, load=ckpt, ckpt_step=3, run_dir=str(tmp_path / f"resumed{dst}"),
+                                **base), progress=False)
         np.testing.assert_allclose([resumed.losses[s] for s in (4, 5, 6)], [full.losses[s] for s in (4, 5, 6)],
                                    rtol=1e-5, err_msg=f"{src} -> {dst}")
 
@@ -114,6 +122,18 @@ def test_layouts_parse():
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et*3|(tt|)*29,m|L"), "multi-token"),
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tttt|ttttL"), "embedding E"),
     (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=9), "does not split"),
+    (dict(pipeline_model_parallel_size=2, pipeline_schedule="zero-bubble"), "must be gpipe, 1f1b or interleaved"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), "x --virtual-pipeline-model-parallel"),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3), "choose N dividing 4"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          num_layers_per_virtual_pipeline_stage=1), "disagree"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_schedule="gpipe"),
+     "gpipe runs one stage per device"),
+    (dict(pipeline_model_parallel_size=2, pipeline_schedule="interleaved"), "needs virtual stages"),
+    (dict(virtual_pipeline_model_parallel_size=2), "pass --pipeline-model-parallel-size > 1"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          num_layers_in_first_pipeline_stage=1), "do not combine with virtual stages"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=0), "must be >= 1"),
 ])
 def test_bad_pipeline_requests_fail_in_one_line(flags, needle):
     with pytest.raises(ValueError, match=needle) as err:
@@ -127,7 +147,7 @@ def test_audit_reports_the_pipeline_shifts_and_megatron_all_reduces():
     b, s, h = 2, 32, 64
     cfg = audit_config(hidden_size=h, num_attention_heads=8, seq_length=s, micro_batch_size=b,
                        tensor_model_parallel_size=2, data_parallel_size=1, pipeline_model_parallel_size=4,
-                       num_microbatches=8, num_devices=8)
+                       num_microbatches=8, num_devices=8, pipeline_schedule="gpipe")
     report = audit_pipeline(cfg)
     ticks = 8 + 4 - 1
     for phase in ("forward", "backward"):
@@ -145,7 +165,8 @@ def test_recomputation_bounds_pipelined_activation_memory():
     """GPipe keeps activations of M + P - 1 ticks; with full recomputation only each layer's (b, S, D) input."""
     def temp_bytes(recompute):
         cfg = DEEP.replace(vocab_size=257, pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
-                           data_parallel_size=1, seq_length=128, recompute_granularity=recompute).validate(8)
+                           data_parallel_size=1, seq_length=128, recompute_granularity=recompute,
+                           pipeline_schedule="gpipe").validate(8)
         trainer = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
         tokens = jax.ShapeDtypeStruct((16, 129), np.int32, sharding=trainer.model.batch_sharding)
         compiled = jax.jit(trainer._train_step).lower(trainer.abstract_state(), tokens).compile()

@@ -20,8 +20,9 @@ def stage_layer_counts(num_layers: int, stages: int, *, layout: str | None = Non
                              "pipeline-stage; pass one or the other.")
         counts = parse_layout(layout)
         if len(counts) != stages:
-            raise ValueError(f"--pipeline-model-parallel-layout {layout!r} has {len(counts)} stages but "
-                             f"--pipeline-model-parallel-size is {stages}; give one '|'-separated stage per rank.")
+            raise ValueError(f"--pipeline-model-parallel-layout {layout!r} has {len(counts)} stages but the pipeline "
+                             f"has {stages} (stages x virtual stages); give one '|'-separated stage per rank, or V "
+                             "per rank for V virtual stages.")
         if sum(counts) != num_layers:
             raise ValueError(f"--pipeline-model-parallel-layout {layout!r} places {sum(counts)} transformer layers "
                              f"but --num-layers is {num_layers}; make them agree.")

@@ -34,60 +34,117 @@ from mtx.parallel.ops import vary
 
 @dataclass(frozen=True)
 class Schedule:
-    """The static shape of one pipelined step."""
+    """The static shape of one pipelined step: P stages (devices), each holding V layer chunks (virtual stages;
+    virtual stage k = c P + s is chunk c of device s), M microbatches, and the schedule that runs them."""
 
-    counts: tuple[int, ...]  # transformer layers of each stage
+    counts: tuple[int, ...]  # transformer layers of each virtual stage, P x V of them in pipeline order
     microbatches: int  # M, per data rank and step
+    virtual: int = 1  # V, layer chunks per device
+    kind: str = "gpipe"  # gpipe (autodiff through the tick scan) | 1f1b | interleaved (explicit backward)
 
     @property
     def stages(self) -> int:
-        return len(self.counts)
+        return len(self.counts) // self.virtual
 
     @property
     def slots(self) -> int:
-        """Layer slots every stage holds (the largest stage)."""
+        """Layer slots of every chunk (the largest virtual stage)."""
         return max(self.counts)
 
     @property
     def ticks(self) -> int:
-        return self.microbatches + self.stages - 1
+        """GPipe: M + P - 1 forward ticks (and as many backward); 1F1B: one forward and one backward slot a tick
+        until the last backward (V M + P V + P - 2 ticks when P divides M; mtx/parallel/one_f_one_b.py)."""
+        p, v, m = self.stages, self.virtual, self.microbatches
+        if self.kind == "gpipe":
+            return m + p - 1
+        u, g = (m - 1) % p, (m - 1) // p  # the last microbatch's backward on device 0, chunk 0, ends last
+        return (p * v - 1) + (p - 1) + u + p * (v - 1) + p * v * g + 1
 
     @property
     def bubble(self) -> float:
-        """The ideal idle fraction of GPipe, (P - 1) / (M + P - 1)."""
-        return (self.stages - 1) / self.ticks
+        """The schedule's ideal idle fraction: (P - 1) / (V M + P - 1) when P divides M (GPipe and 1F1B: V = 1).
+        For 1F1B in general, from the timetable: a tick lasts as long as its busiest device (a forward 1, a backward
+        2 units), against 3 M units of work per device."""
+        p, v, m = self.stages, self.virtual, self.microbatches
+        if self.kind == "gpipe":
+            return (p - 1) / (m + p - 1)
+        table = self.timetable()
+        ticks = (table["fwd_mb"] >= 0) * 1.0 + (table["bwd_mb"] >= 0) * 2.0  # (T, P), in chunk-forward units
+        return 1.0 - 3.0 * v * m / ticks.max(axis=1).sum()
+
+    @property
+    def in_flight(self) -> int:
+        """1F1B's K: the most (microbatch, chunk) stage inputs a device keeps between forward and backward."""
+        return 2 * self.stages * self.virtual - 1
+
+    def timetable(self) -> dict[str, np.ndarray]:
+        """1F1B: (T, P) tables of what each device does at each tick, fwd_mb, fwd_chunk, bwd_mb, bwd_chunk (-1 where
+        idle), from the formulas in mtx/parallel/one_f_one_b.py."""
+        p, v, m = self.stages, self.virtual, self.microbatches
+        tables = {name: np.full((self.ticks, p), -1, np.int32) for name in ("fwd_mb", "fwd_chunk", "bwd_mb",
+                                                                             "bwd_chunk")}
+        for i in range(m):
+            u, g = i % p, i // p
+            for s in range(p):
+                for c in range(v):
+                    t_f = s + u + p * c + p * v * g
+                    t_b = p * v - 1 + (p - 1 - s) + u + p * (v - 1 - c) + p * v * g
+                    assert tables["fwd_mb"][t_f, s] == -1 and tables["bwd_mb"][t_b, s] == -1, "slot taken twice"
+                    tables["fwd_mb"][t_f, s], tables["fwd_chunk"][t_f, s] = i, c
+                    tables["bwd_mb"][t_b, s], tables["bwd_chunk"][t_b, s] = i, c
+        return tables
 
     def with_microbatches(self, microbatches: int) -> "Schedule":
         """The same stages running another number of microbatches (evaluation and decoding run one)."""
-        return Schedule(self.counts, microbatches)
+        return Schedule(self.counts, microbatches, self.virtual, self.kind)
+
+    def forward_only(self) -> "Schedule":
+        """One microbatch through GPipe's forward ticks on the same devices, for evaluation and decoding: with
+        virtual stages, device s runs the contiguous layers of virtual stages s V .. s V + V - 1 instead."""
+        v = self.virtual
+        merged = tuple(sum(self.counts[s * v:(s + 1) * v]) for s in range(self.stages))
+        return Schedule(merged, 1)
 
     @property
     def padded(self) -> bool:
-        """True when stages are uneven, so the layer stack must be regathered into per-stage slots."""
+        """True when virtual stages are uneven: padding slots are inactive (identity) layers."""
         return len(set(self.counts)) > 1
 
+    @property
+    def regathered(self) -> bool:
+        """True when the stored layer stack is not already each device's contiguous slice: uneven or virtual
+        stages, which `to_slots` lays out as (P x V x slots, ...) device-major."""
+        return self.padded or self.virtual > 1
+
+    def _device_major(self) -> list[int]:
+        """Virtual stage indices in the order devices hold them: device 0's chunks, then device 1's, ..."""
+        p, v = self.stages, self.virtual
+        return [c * p + s for s in range(p) for c in range(v)]
+
     def slot_layers(self) -> np.ndarray:
-        """(P * slots,) canonical layer index of every stage slot; padding slots repeat the stage's first layer."""
+        """(P V slots,) canonical layer index of every slot, device-major; padding slots repeat the chunk's first
+        layer."""
         offsets = np.concatenate([[0], np.cumsum(self.counts)[:-1]])
-        return np.array([offsets[s] + min(i, max(c - 1, 0)) for s, c in enumerate(self.counts)
+        return np.array([offsets[k] + min(i, max(self.counts[k] - 1, 0)) for k in self._device_major()
                          for i in range(self.slots)])
 
     def slot_active(self) -> np.ndarray:
-        """(P * slots,) True where a slot holds a real layer of its stage."""
-        return np.array([i < c for c in self.counts for i in range(self.slots)])
+        """(P V slots,) True where a slot holds a real layer of its chunk."""
+        return np.array([i < self.counts[k] for k in self._device_major() for i in range(self.slots)])
 
-    def local_layers(self):
-        """Inside shard_map: (global index of this stage's first layer, its slots' active flags or None when the
-        stages are even), for ParallelTransformer's first_layer and active_L."""
-        stage = jax.lax.axis_index(PIPELINE)
+    def local_layers(self, chunk=0):
+        """Inside shard_map: (global index of this device's chunk's first layer, its slots' active flags or None when
+        the virtual stages are even), for ParallelTransformer's first_layer and active_L."""
+        k = chunk * self.stages + jax.lax.axis_index(PIPELINE)
         counts = jnp.asarray(self.counts)
-        first_layer = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)[:-1]])[stage]
-        active_L = jnp.arange(self.slots) < counts[stage] if self.padded else None
+        first_layer = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)[:-1]])[k]
+        active_L = jnp.arange(self.slots) < counts[k] if self.padded else None
         return first_layer, active_L
 
 
 def to_slots(layer_params, schedule: Schedule):
-    """Canonical (L, ...) layer stack -> (P * slots, ...) per-stage slots (only for uneven stages)."""
+    """Canonical (L, ...) layer stack -> (P V slots, ...) per-device chunk slots (for uneven or virtual stages)."""
     index = jnp.asarray(schedule.slot_layers())
     return jax.tree.map(lambda a: a[index], layer_params)
 
