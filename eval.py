@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare(args):
-    """Every check of the input, without device work -> (load, task): `load()` gives (trainer, params) (None for a
-    dry run) and refuses a mesh that does not fit before reading any array; `task(model)` returns the result."""
+    """Every check of the input, without device work -> (load, task): `load()` gives (model, params) (None for a
+    dry run) and refuses a mesh that does not fit before reading any array; `task(loaded)` returns the result."""
     from mtx import evaluation as ev
 
     if not args.load and not getattr(args, "dry_run", False):
@@ -89,16 +89,16 @@ def prepare(args):
                       "overlapping_eval": overlap}
             return (lambda: None), (lambda _: counts)
 
-        def wikitext(model):
-            scorer = ev.Scorer(*model)
+        def wikitext(loaded):
+            scorer = ev.Scorer(*loaded)
             return ev.wikitext_perplexity(scorer, scorer.batch_size, tokens, seq_length=seq, overlap=overlap,
                                           original_tokens=original)
         return load, wikitext
     if args.task == "lambada":
         texts = ev.read_lambada(args.data_path)
 
-        def lambada(model):
-            scorer = ev.Scorer(*model)
+        def lambada(loaded):
+            scorer = ev.Scorer(*loaded)
             return ev.lambada_accuracy(scorer, scorer.batch_size, tokenizer, texts, seq_length=seq)
         return load, lambada
     prompts = [tokenizer.encode(p) for p in args.prompt]
@@ -107,11 +107,11 @@ def prepare(args):
     if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
         raise ValueError("need --max-new-tokens >= 0, --temperature >= 0, --top-k >= 0 and 0 < --top-p <= 1.")
 
-    def sample(model):
+    def sample(loaded):
         from mtx.generate import generate
 
-        trainer, params = model
-        outs = generate(trainer, params, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        sharded_model, params = loaded
+        outs = generate(sharded_model, params, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, eod=tokenizer.eod)
         new = [out[len(p):] for p, out in zip(prompts, outs)]  # each output is its prompt + the new tokens
         return {"samples": [{"prompt": text, "completion": tokenizer.decode(ids), "new_tokens": len(ids)}
@@ -126,11 +126,11 @@ def main(argv=None) -> int:
 
         initialize(args.coordinator_address, args.num_processes, args.process_id)  # before any device is asked for
         load, task = prepare(args)
-        model = load()
+        loaded = load()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(task(model)))
+    print(json.dumps(task(loaded)))
     return 0
 
 

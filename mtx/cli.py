@@ -20,6 +20,7 @@ from mtx.config import SECTIONS, Config, load_preset
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
 _OFF_FLAGS = {"bert_binary_head": "--bert-no-binary-head"}
+_SECTION_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
 # Every field of every section by its (unique) name: the dataclass field and its resolved annotation.
 _SCHEMA = {f.name: (f, typing.get_type_hints(cls)[f.name])
            for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE",
                         help="TOML preset (configs/*.toml) of flat field names; flags override it")
     for section, cls in SECTIONS.items():
-        add_config_flags(parser.add_argument_group(section), [f.name for f in dataclasses.fields(cls)])
+        group = parser.add_argument_group(section, description=_SECTION_HELP[section])
+        add_config_flags(group, [f.name for f in dataclasses.fields(cls)])
     return parser
 
 

@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import functools
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -137,14 +136,13 @@ class CachedDecoder:
         return jax.device_put(tokens, self.rows), jax.device_put(lengths, self.rows)
 
 
-_DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def decoder_for(model) -> CachedDecoder:
-    """The CachedDecoder of a ShardedModel, built (and compiled) once per model."""
-    if model not in _DECODERS:
-        _DECODERS[model] = CachedDecoder(model)
-    return _DECODERS[model]
+    """The CachedDecoder of a ShardedModel, built (and compiled) once per model and kept on it (freed with it)."""
+    if "_cached_decoder" not in model.__dict__:
+        model.__dict__["_cached_decoder"] = CachedDecoder(model)
+    return model.__dict__["_cached_decoder"]
 
 
 def generate(model, params, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,

@@ -28,12 +28,11 @@ class NextTokenPrediction:
     """GPT: a (B, S + 1) token window per sequence; the loss is the mean next-token cross-entropy over every token
     of the step."""
 
-    def __init__(self, cfg: Config, *, label_smoothing: float | None = None):
-        self.label_smoothing = cfg.model.label_smoothing if label_smoothing is None else label_smoothing
-        self._cfg = cfg
+    def __init__(self, label_smoothing: float = 0.0):
+        self.label_smoothing = label_smoothing
 
     def for_evaluation(self):
-        return NextTokenPrediction(self._cfg, label_smoothing=0.0)
+        return NextTokenPrediction()  # the plain cross-entropy: validation loss and perplexity are comparable
 
     def normalizers(self, tokens):
         """Predicted tokens of the whole batch (a static count: every data rank holds the same number of rows)."""
@@ -88,7 +87,8 @@ class MaskedLMAndSentenceOrder:
 
 
 def objective_for(cfg: Config):
-    return MaskedLMAndSentenceOrder(cfg) if cfg.model.is_bert else NextTokenPrediction(cfg)
+    """The objective of the config's model family."""
+    return MaskedLMAndSentenceOrder(cfg) if cfg.model.is_bert else NextTokenPrediction(cfg.model.label_smoothing)
 
 
 def micro_loss(objective, model, batch_B, counts, keys_B=None):

@@ -8,7 +8,8 @@ model family's objective, mtx/objectives.py). It holds no optimizer: the trainin
 Parameters cross the boundary as global arrays in their stored (canonical) layout; `stage_params` regathers the layer
 stack into equal per-device slots when an uneven layout or virtual stages need it, and `canonical_grads` undoes that
 for gradients. Forward-only uses (evaluation, scoring, decoding) run GPipe's forward ticks with one contiguous stage
-per device (`forward_pipeline`, laid out by `forward_params`), whatever schedule trains. A parameter is part of the layer stack exactly when its declared spec has the "pipeline" axis.
+per device (`forward_pipeline`, laid out by `forward_params`), whatever schedule trains. A parameter is part of the
+layer stack exactly when its declared spec has the "pipeline" axis.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mtx.models.gpt import GPT
 from mtx.objectives import micro_loss, objective_for
 from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.pipeline import Schedule, from_slots, pipelined_final_hidden, pipelined_loss, to_slots
-from mtx.parallel.sharded import named_shardings, partition_specs
+from mtx.parallel.sharded import is_stacked, map_specs, named_shardings, partition_specs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -46,16 +47,6 @@ def num_microbatches(cfg: Config, mesh) -> int:
     """Microbatches per data rank and step: global batch / (micro batch x data-parallel size)."""
     t = cfg.training
     return t.global_batch_size // (t.micro_batch_size * mesh.shape[DATA])
-
-
-def is_stacked(spec: P) -> bool:
-    """True for the layer stack's parameters: their leading axis is split into pipeline stages."""
-    return PIPELINE in spec
-
-
-def map_specs(fn, tree, specs, *rest):
-    """tree_map over parameters and their declared specs (and further trees shaped like them)."""
-    return jax.tree.map(fn, tree, specs, *rest, is_leaf=lambda x: isinstance(x, P))
 
 
 class ShardedModel:

@@ -55,7 +55,7 @@ def init_state(model: ShardedModel) -> TrainState:
 
 def state_with_params(model: ShardedModel, params) -> TrainState:
     """A step-0 state around given (placed) parameters: fresh optimizer state and loss scale (converted weights)."""
-    return jax.jit(lambda p: _fresh_state(model, p), out_shardings=state_shardings(model))(params)
+    return jax.jit(lambda p: _fresh_state(model, p), out_shardings=state_shardings(model), donate_argnums=0)(params)
 
 
 def abstract_state(model: ShardedModel) -> TrainState:

@@ -22,7 +22,8 @@ from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.one_f_one_b import one_f_one_b
 from mtx.parallel.pipeline import pipelined_loss
 from mtx.parallel.random import sample_keys
-from mtx.sharded_model import ShardedModel, is_stacked
+from mtx.parallel.sharded import is_stacked
+from mtx.sharded_model import ShardedModel
 from mtx.state import TrainState, abstract_state, init_state, optimizer_for
 
 
@@ -46,7 +47,7 @@ class TrainStep:
     def __init__(self, model: ShardedModel):
         self.model, self.cfg, self.mesh = model, model.cfg, model.mesh
         self.optimizer = optimizer_for(model)
-        self.schedule = learning_rate_schedule(self.cfg.optimizer, self.cfg.training.train_iters)
+        self.lr_schedule = learning_rate_schedule(self.cfg.optimizer, self.cfg.training.train_iters)
         self._step = jax.jit(self._train_step, donate_argnums=0)
 
     @classmethod
@@ -140,7 +141,7 @@ class TrainStep:
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": self.schedule(state.step - state.loss_scale.skipped),
+            "lr": self.lr_schedule(state.step - state.loss_scale.skipped),
             "loss_scale": state.loss_scale.scale,
             "skipped": ~finite,
         }

@@ -30,9 +30,9 @@ from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
-# notebook runs from any directory.
-os.chdir(Path(mtx.__file__).resolve().parents[1])
+# The presets (configs/) and benchmarks/ sit beside the installed package (pip install -e .): paths start at ROOT,
+# so the notebook runs from any working directory.
+ROOT = Path(mtx.__file__).resolve().parents[1]
 
 import matplotlib
 
@@ -94,7 +94,7 @@ for group in ids.reshape(-1, TP):
 # replicated.
 
 # %%
-cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+cfg = Config().replace(**load_preset(ROOT / "configs/tiny.toml")).replace(
     data_parallel_size=DP, pipeline_model_parallel_size=PP, tensor_model_parallel_size=TP).validate(8)
 model = ShardedModel(cfg, mesh)
 params = nnx.to_pure_dict(model.init_params())

@@ -35,9 +35,9 @@ from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
-# notebook runs from any directory.
-os.chdir(Path(mtx.__file__).resolve().parents[1])
+# The presets (configs/) and benchmarks/ sit beside the installed package (pip install -e .): paths start at ROOT,
+# so the notebook runs from any working directory.
+ROOT = Path(mtx.__file__).resolve().parents[1]
 
 import matplotlib
 
@@ -91,7 +91,7 @@ DP, TP = 2, 4
 mesh = make_mesh(DP, 1, TP)
 SIZES = dict(mesh.shape)
 NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
-cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+cfg = Config().replace(**load_preset(ROOT / "configs/tiny.toml")).replace(
     tensor_model_parallel_size=TP, data_parallel_size=DP, hidden_dropout=0.0, attention_dropout=0.0,
     vocab_size=257, seq_length=16)
 m = cfg.model

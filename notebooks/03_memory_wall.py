@@ -42,9 +42,9 @@ from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
-# notebook runs from any directory.
-os.chdir(Path(mtx.__file__).resolve().parents[1])
+# The presets (configs/) and benchmarks/ sit beside the installed package (pip install -e .): paths start at ROOT,
+# so the notebook runs from any working directory.
+ROOT = Path(mtx.__file__).resolve().parents[1]
 
 import matplotlib
 
@@ -120,7 +120,7 @@ def replicated_params(abstract):
 # 4 more bytes per parameter, are temporaries of the step, inside `temp_size_in_bytes` with the activations.)
 
 # %%
-small = Config().replace(**load_preset("configs/tiny.toml")).replace(
+small = Config().replace(**load_preset(ROOT / "configs/tiny.toml")).replace(
     vocab_size=257, num_layers=4, hidden_dropout=0.0, attention_dropout=0.0)
 checked = []
 for dp, pp, tp in [(1, 1, 1), (2, 2, 2)]:
@@ -129,7 +129,8 @@ for dp, pp, tp in [(1, 1, 1), (2, 2, 2)]:
     train_step = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[:dp * pp * tp]))
     state = train_step.abstract_state()
     t, m = cfg.training, cfg.model
-    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), np.int32, sharding=train_step.model.batch_sharding)
+    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), np.int32,
+                                  sharding=train_step.model.batch_sharding)
     memory = jax.jit(train_step._train_step).lower(state, tokens).compile().memory_analysis()
     n_dev = params_per_device(abstract_params(cfg), pp, tp)
     # the counting above agrees with the shards the training step actually lays out
@@ -158,7 +159,7 @@ H100_GB = 80
 table = {}  # (name, tp, pp) -> bytes per device
 models = {}
 for name in PRESETS:
-    cfg = Config().replace(**load_preset(f"configs/gpt_{name}.toml"))
+    cfg = Config().replace(**load_preset(ROOT / f"configs/gpt_{name}.toml"))
     abstract = abstract_params(cfg)
     n = sum(x.size for x in jax.tree.leaves(abstract))
     assert n == cfg.model.num_params(), (name, n, cfg.model.num_params())  # the config's formula = the model

@@ -31,9 +31,9 @@ from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The presets (configs/) and benchmarks/ live in the checkout of the installed package (pip install -e .): work
-# from there, so the notebook runs from any directory.
-os.chdir(Path(mtx.__file__).resolve().parents[1])
+# The presets (configs/) and benchmarks/ sit beside the installed package (pip install -e .): paths start at ROOT,
+# so the notebook runs from any working directory.
+ROOT = Path(mtx.__file__).resolve().parents[1]
 
 import matplotlib
 
@@ -46,7 +46,7 @@ from mtx.config import Config, load_preset
 from mtx.parallel.pipeline import Schedule
 
 # benchmarks/bench.py is a script beside the package, not part of it: loaded from its file.
-_spec = importlib.util.spec_from_file_location("bench", "benchmarks/bench.py")
+_spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks/bench.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 measure = bench.measure  # warm-up, then the median time of jitted train steps
@@ -201,7 +201,7 @@ show(fig, "ideal_bubble")
 # `python benchmarks/pipeline_bubble.py` measures the real thing.
 
 # %%
-base = Config().replace(**load_preset("configs/tiny.toml")).replace(
+base = Config().replace(**load_preset(ROOT / "configs/tiny.toml")).replace(
     vocab_size=257, hidden_dropout=0.0, attention_dropout=0.0, data_parallel_size=1, tensor_model_parallel_size=1)
 PP = 2
 mb = base.training.micro_batch_size

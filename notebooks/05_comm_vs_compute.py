@@ -25,14 +25,10 @@ import os
 import tempfile
 from pathlib import Path
 
-import mtx
 from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The presets (configs/) live in the checkout of the installed package (pip install -e .): work from there, so the
-# notebook runs from any directory.
-os.chdir(Path(mtx.__file__).resolve().parents[1])
 
 import matplotlib
 

@@ -59,7 +59,8 @@ def test_no_import_cycles():
 
 
 def test_only_training_imports_the_training_step():
-    """Generation, evaluation, conversion and loading take the ShardedModel; only the loop and the audit use the step."""
+    """Generation, evaluation, conversion and loading take the ShardedModel; only the loop and the audit use the
+    training step."""
     users = {name for name, deps in _imports().items() if "mtx.step" in deps} - {"mtx"}
     assert users <= STEP_USERS, users
 

@@ -46,10 +46,10 @@ def test_plain_baseline_is_the_same_model(tp):
     """The baseline's loss and gradients equal mtx's (fp32) for the same weights: it measures the same math."""
     cfg = TINY.replace(vocab_size=300, global_batch_size=4, micro_batch_size=4, data_parallel_size=1,
                        tensor_model_parallel_size=tp).validate(tp)
-    trainer = TrainStep.build(cfg, make_mesh(1, 1, tp, devices=jax.devices()[:tp]))
-    state = trainer.init_state()
+    train_step = TrainStep.build(cfg, make_mesh(1, 1, tp, devices=jax.devices()[:tp]))
+    state = train_step.init_state()
     tokens = np.random.default_rng(0).integers(0, 300, (4, cfg.model.seq_length + 1)).astype(np.int32)
-    loss, grads = trainer.loss_and_grads(state.params, trainer.model.put_batch(tokens), state.step)
+    loss, grads = train_step.loss_and_grads(state.params, train_step.model.put_batch(tokens), state.step)
 
     plain_loss = lambda p: plain_gpt.loss_fn(p, jnp.asarray(tokens), heads=cfg.model.num_attention_heads,
                                              dtype=jnp.float32, flash=False, recompute=None, vocab_size=300)

@@ -83,7 +83,7 @@ def reference_loss(p, batch, cfg):
     return loss + sop_loss.mean()
 
 
-def trainer_on(mesh, **flags):
+def train_step_on(mesh, **flags):
     dp, pp, tp = mesh
     cfg = BASE.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
                        **flags).validate(8)
@@ -100,14 +100,14 @@ def test_sharded_loss_and_gradients_equal_the_reference(placement, meshes):
     batch = make_batch()
     initial = None  # built once, placed on each mesh: the state is mesh-independent (docs/design.md, decision 2)
     for mesh in meshes:
-        trainer = trainer_on(mesh, layernorm_placement=placement)
-        initial = jax.device_get(trainer.init_state()) if initial is None else initial
-        state = jax.device_put(initial, state_shardings(trainer.model))
-        loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.model.put_batch(batch), state.step)
+        train_step = train_step_on(mesh, layernorm_placement=placement)
+        initial = jax.device_get(train_step.init_state()) if initial is None else initial
+        state = jax.device_put(initial, state_shardings(train_step.model))
+        loss, grads = jax.jit(train_step.loss_and_grads)(state.params, train_step.model.put_batch(batch), state.step)
         if mesh == meshes[0]:  # one reference for all meshes (the same weights)
             params = jax.tree.map(np.asarray, nnx.to_pure_dict(state.params))
             ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)(
-                params, jax.tree.map(jnp.asarray, batch), trainer.cfg)
+                params, jax.tree.map(jnp.asarray, batch), train_step.cfg)
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6), mesh
         ref, got = flat(ref_grads), flat(grads)
         assert got.keys() == ref.keys()
@@ -117,26 +117,44 @@ def test_sharded_loss_and_gradients_equal_the_reference(placement, meshes):
 
 
 def test_padding_gets_no_attention_and_attention_is_bidirectional():
-    trainer = trainer_on((2, 1, 2))
-    state = trainer.init_state()
-    loss_fn = jax.jit(lambda p, b: trainer.loss_and_grads(p, b, state.step)[0])
+    train_step = train_step_on((2, 1, 2))
+    state = train_step.init_state()
+    loss_fn = jax.jit(lambda p, b: train_step.loss_and_grads(p, b, state.step)[0])
     batch = make_batch(1)
-    base = float(loss_fn(state.params, trainer.model.put_batch(batch)))
+    base = float(loss_fn(state.params, train_step.model.put_batch(batch)))
     # Padded positions: any token and type there changes nothing.
     noisy = dict(batch)
     pad = batch["padding_mask"] == 0
     assert pad.any()
     noisy["text"] = np.where(pad, np.random.default_rng(2).integers(5, VOCAB, pad.shape), batch["text"]).astype(np.int32)
     noisy["types"] = np.where(pad, 1, batch["types"]).astype(np.int32)
-    assert float(loss_fn(state.params, trainer.model.put_batch(noisy))) == base
+    assert float(loss_fn(state.params, train_step.model.put_batch(noisy))) == base
     # Without the padding mask those tokens would be attended to: the loss moves.
     unmasked = dict(noisy, padding_mask=np.ones_like(batch["padding_mask"]))
-    assert abs(float(loss_fn(state.params, trainer.model.put_batch(unmasked))) - base) > 1e-4
+    assert abs(float(loss_fn(state.params, train_step.model.put_batch(unmasked))) - base) > 1e-4
     # Bidirectional: with only position 1 predicted, changing the last real token of each sequence changes its loss.
     only_first = dict(batch, loss_mask=np.zeros_like(batch["loss_mask"]))
     only_first["loss_mask"][:, 1] = 1
     late = dict(only_first, text=only_first["text"].copy())
     last = batch["padding_mask"].sum(1) - 1
     late["text"][np.arange(len(last)), last] = (late["text"][np.arange(len(last)), last] + 7) % VOCAB
-    a = float(loss_fn(state.params, trainer.model.put_batch(only_first)))
-    assert abs(float(loss_fn(state.params, trainer.model.put_batch(late))) - a) > 1e-5
+    a = float(loss_fn(state.params, train_step.model.put_batch(only_first)))
+    assert abs(float(loss_fn(state.params, train_step.model.put_batch(late))) - a) > 1e-5
+
+
+def test_eval_loss_is_the_training_loss_on_every_mesh():
+    """ShardedModel.eval_loss (one path for GPT and BERT) on a batch equals the training step's loss of that batch
+    as one global batch on one device, also pipelined with sequence parallelism."""
+    from mtx.sharded_model import ShardedModel
+
+    batch = make_batch(seed=3, g=8)
+    one = train_step_on((1, 1, 1), global_batch_size=8, micro_batch_size=8)
+    state = one.init_state()
+    want = float(jax.jit(one.loss_and_grads)(state.params, one.model.put_batch(batch), state.step)[0])
+    params = jax.device_get(state.params)
+    for (dp, pp, tp), flags in [((1, 1, 1), {}), ((2, 2, 2), dict(sequence_parallel=True, micro_batch_size=2))]:
+        cfg = BASE.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                           global_batch_size=8, **flags).validate(8)
+        model = ShardedModel(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+        got = float(model.eval_loss(jax.device_put(params, model.param_shardings), model.put_batch(batch)))
+        assert got == pytest.approx(want, rel=1e-5), (dp, pp, tp)

@@ -40,16 +40,16 @@ def direct_curve(cfg, mesh, steps=10):
     decision 2; tests/test_training.py), and building it costs more than a step's compile on CPU."""
     dp, pp, tp = mesh
     plan = prepare(cfg.replace(run_dir="unused", train_iters=steps))
-    trainer = TrainStep.build(plan.cfg.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp,
-                                               tensor_model_parallel_size=tp),
-                              make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    train_step = TrainStep.build(plan.cfg.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp,
+                                                  tensor_model_parallel_size=tp),
+                                 make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
     if plan.cfg not in _INITIAL:
         _INITIAL[plan.cfg] = jax.device_get(
             TrainStep.build(plan.cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1])).init_state())
-    state = jax.device_put(_INITIAL[plan.cfg], state_shardings(trainer.model))
+    state = jax.device_put(_INITIAL[plan.cfg], state_shardings(train_step.model))
     losses = []
     for step in range(steps):
-        state, metrics = trainer(state, trainer.model.put_batch(plan.dataset.batch("train", step, 16)))
+        state, metrics = train_step(state, train_step.model.put_batch(plan.dataset.batch("train", step, 16)))
         losses.append(metrics["loss"])
     return np.asarray(jax.device_get(losses))
 

@@ -9,7 +9,7 @@ import pytest
 from mtx.config import Config
 from mtx.data import BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetWriter, build_dataset
 from mtx.data.blend import blending_pattern
-from mtx.data.build import parse_data_path
+from mtx.data.paths import parse_data_path
 from mtx.data.preprocess import main as preprocess
 from mtx.data.tokenizer import ByteTokenizer, build_tokenizer
 

@@ -40,7 +40,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     nb = jupytext.read(path)
     assert sum(cell.cell_type == "code" for cell in nb.cells) >= 3
     client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=300,
-                                     resources={"metadata": {"path": str(ROOT)}})
+                                     resources={"metadata": {"path": str(tmp_path)}})  # any working directory
     client.execute()  # a cell that raises (a failed assertion included) raises CellExecutionError here
     errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
               if out.get("output_type") == "error"]

@@ -49,9 +49,9 @@ def test_pipelined_losses_match_on_every_mesh_and_layout(tmp_path):
 def grads_on(mesh, layout, tokens):
     cfg = cfg_for(mesh, layout, vocab_size=257).validate(8)
     dp, pp, tp = mesh
-    trainer = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
-    state = trainer.init_state()
-    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.model.put_batch(tokens), state.step)
+    train_step = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    state = train_step.init_state()
+    loss, grads = jax.jit(train_step.loss_and_grads)(state.params, train_step.model.put_batch(tokens), state.step)
     return float(loss), {jax.tree_util.keystr(p): np.asarray(g)
                          for p, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads))}
 
@@ -89,10 +89,10 @@ def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path):
 def stage_argument_bytes(pp):
     cfg = DEEP.replace(vocab_size=257, pipeline_model_parallel_size=pp, tensor_model_parallel_size=1,
                        data_parallel_size=1, num_layers=8, hidden_size=128).validate(8)
-    trainer = TrainStep.build(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
-    state = trainer.abstract_state()
-    tokens = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=trainer.model.batch_sharding)
-    compiled = jax.jit(trainer._train_step).lower(state, tokens).compile()
+    train_step = TrainStep.build(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
+    state = train_step.abstract_state()
+    tokens = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=train_step.model.batch_sharding)
+    compiled = jax.jit(train_step._train_step).lower(state, tokens).compile()
     layer_share = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(state.params)["layers"]))
     total = sum(x.size for x in jax.tree.leaves(state.params))
     return compiled.memory_analysis().argument_size_in_bytes, layer_share / total
@@ -123,7 +123,8 @@ def test_layouts_parse():
     (dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tttt|ttttL"), "embedding E"),
     (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=9), "does not split"),
     (dict(pipeline_model_parallel_size=2, pipeline_schedule="zero-bubble"), "must be gpipe, 1f1b or interleaved"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), "x --virtual-pipeline-model-parallel"),
+    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3),
+     "x --virtual-pipeline-model-parallel"),
     (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3), "choose N dividing 4"),
     (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
           num_layers_per_virtual_pipeline_stage=1), "disagree"),
@@ -167,9 +168,9 @@ def test_recomputation_bounds_pipelined_activation_memory():
         cfg = DEEP.replace(vocab_size=257, pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
                            data_parallel_size=1, seq_length=128, recompute_granularity=recompute,
                            pipeline_schedule="gpipe").validate(8)
-        trainer = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
-        tokens = jax.ShapeDtypeStruct((16, 129), np.int32, sharding=trainer.model.batch_sharding)
-        compiled = jax.jit(trainer._train_step).lower(trainer.abstract_state(), tokens).compile()
+        train_step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+        tokens = jax.ShapeDtypeStruct((16, 129), np.int32, sharding=train_step.model.batch_sharding)
+        compiled = jax.jit(train_step._train_step).lower(train_step.abstract_state(), tokens).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     full, matmuls, none = temp_bytes("full"), temp_bytes("matmuls"), temp_bytes(None)
@@ -183,9 +184,10 @@ def test_microbatches_not_divisible_by_stages():
     def loss_on(pp):
         cfg = DEEP.replace(vocab_size=257, global_batch_size=12, data_parallel_size=1, tensor_model_parallel_size=1,
                            pipeline_model_parallel_size=pp).validate(8)
-        trainer = TrainStep.build(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
-        state = trainer.init_state()
-        assert trainer.model.num_microbatches == 6
-        return float(jax.jit(trainer.loss_and_grads)(state.params, trainer.model.put_batch(tokens), state.step)[0])
+        train_step = TrainStep.build(cfg, make_mesh(1, pp, 1, devices=jax.devices()[:pp]))
+        state = train_step.init_state()
+        assert train_step.model.num_microbatches == 6
+        batch = train_step.model.put_batch(tokens)
+        return float(jax.jit(train_step.loss_and_grads)(state.params, batch, state.step)[0])
 
     assert loss_on(4) == pytest.approx(loss_on(1), rel=1e-6)

@@ -15,11 +15,11 @@ TINY = Config().replace(**load_preset("configs/tiny.toml"))
 
 
 def loss_and_grads(cfg, dp, pp, tp):
-    trainer = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
-    state = trainer.init_state()
+    train_step = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
+    state = train_step.init_state()
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.training.global_batch_size,
                                                                          cfg.model.seq_length + 1))
-    loss, grads = jax.jit(trainer.loss_and_grads)(state.params, trainer.model.put_batch(tokens), state.step)
+    loss, grads = jax.jit(train_step.loss_and_grads)(state.params, train_step.model.put_batch(tokens), state.step)
     return float(loss), {k: np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(grads)}
 
 

@@ -2,8 +2,7 @@
 
 Embeddings: vocab-parallel token embedding (as GPT) + learned positions + token types (segment A = 0, B = 1).
 Layers: the same layer stack as GPT (ParallelTransformer, mtx/models/stack.py), bidirectional, with padded keys
-masked out. Two placements
-of LayerNorm (`--layernorm-placement`):
+masked out. Two placements of LayerNorm (`--layernorm-placement`):
   pre  (the paper's): x + f(LN(x)) in every block, a final LayerNorm after the stack, no embedding LayerNorm;
   post (original BERT): LN(x + f(x)) in every block, a LayerNorm on the embeddings, no final LayerNorm.
 Heads, both in the local view inside shard_map:

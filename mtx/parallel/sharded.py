@@ -9,6 +9,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mtx.parallel.mesh import PIPELINE
+
 
 def split_abstract(make: Callable[[], nnx.Module]):
     """(graphdef, abstract state) of the module `make()` builds, without allocating it."""
@@ -25,6 +27,16 @@ def named_shardings(state, mesh: jax.sharding.Mesh):
     dimension (an uneven pipeline layout's layer stack, say, is then kept whole on every stage)."""
     return jax.tree.map(lambda spec, x: NamedSharding(mesh, fit_spec(spec, x.shape, mesh)), partition_specs(state),
                         state, is_leaf=lambda x: isinstance(x, P))
+
+
+def is_stacked(spec: P) -> bool:
+    """True for the layer stack's parameters: their leading axis is split into pipeline stages (whatever their path)."""
+    return PIPELINE in spec
+
+
+def map_specs(fn, tree, specs, *rest):
+    """tree_map over parameters and their declared specs (and further trees shaped like them)."""
+    return jax.tree.map(fn, tree, specs, *rest, is_leaf=lambda x: isinstance(x, P))
 
 
 def fit_spec(spec: P, shape, mesh: jax.sharding.Mesh) -> P:
