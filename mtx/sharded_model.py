@@ -28,7 +28,8 @@ from mtx.models.gpt import GPT
 from mtx.objectives import micro_loss, objective_for
 from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.pipeline import Schedule, from_slots, pipelined_final_hidden, pipelined_loss, to_slots
-from mtx.parallel.sharded import is_stacked, map_specs, named_shardings, partition_specs
+from mtx.parallel.sharded import (init_sharded, is_stacked, map_specs, named_shardings, partition_specs,
+                                  split_abstract)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -55,7 +56,7 @@ class ShardedModel:
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.make_model = build_model(cfg)
-        self.graphdef, self.abstract_params = nnx.split(nnx.eval_shape(self.make_model))
+        self.graphdef, self.abstract_params = split_abstract(self.make_model)
         self.param_specs = partition_specs(self.abstract_params)  # as declared; the shard_map's in/out specs
         self.param_shardings = named_shardings(self.abstract_params, mesh)  # as stored on this mesh
         self.num_microbatches = num_microbatches(cfg, mesh)
@@ -72,7 +73,7 @@ class ShardedModel:
 
     def init_params(self):
         """The initial parameters, built directly in their shardings (values independent of the mesh)."""
-        return jax.jit(lambda: nnx.state(self.make_model()), out_shardings=self.param_shardings)()
+        return init_sharded(self.make_model, self.mesh)[1]
 
     @functools.cached_property
     def for_decoding(self) -> "ShardedModel":

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.compat import varying_axes
 from mtx.parallel.ops import vary
 from mtx.parallel.pipeline import Schedule
 
@@ -60,8 +61,10 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         first_layer, active_L = schedule.local_layers(chunk)
         layers_def, layers_state = nnx.split(model.layers)
         layers_state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * slots, slots), layers_state)
-        embedded_BSD = objective.embed(model, batch_B, keys_B)
-        x_BSD = jnp.where(chunk * p + stage == 0, embedded_BSD, x_BSD)
+        # Only virtual stage 0 embeds (a cond, so the other stages run no lookup and no all-reduce over "model").
+        x_BSD = jax.lax.cond(chunk * p + stage == 0,
+                             lambda: vary(objective.embed(model, batch_B, keys_B), varying_axes(x_BSD)),
+                             lambda: x_BSD)
         y_BSD = model.stack(nnx.merge(layers_def, layers_state), x_BSD, mask_BS=objective.attention_mask(batch_B),
                             keys_B=keys_B, first_layer=first_layer, active_L=active_L)
         return model, batch_B, y_BSD
@@ -95,9 +98,8 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         run_forward = (f_mb >= 0) & (f_chunk * p + stage != last_stage)
         y_BSD = jax.lax.cond(run_forward, forward_slot, lambda x, *_: jnp.zeros_like(x),
                              recv_fwd, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
-        # Backward slot: the input this (microbatch, chunk) had, saved d ticks ago.
-        d = 2 * (p * v - 1 - stage - p * jnp.maximum(b_chunk, 0))
-        x_saved = jax.lax.dynamic_index_in_dim(saved, (t - d) % k_slots, 0, keepdims=False)
+        # Backward slot: the input this (microbatch, chunk) had at its forward (the timetable says which tick).
+        x_saved = jax.lax.dynamic_index_in_dim(saved, table["bwd_saved_at"][t, stage] % k_slots, 0, keepdims=False)
         grads, loss, dx_BSD = jax.lax.cond(
             b_mb >= 0, backward_slot,
             lambda g, x, *_: (g, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(x)),

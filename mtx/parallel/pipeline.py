@@ -80,10 +80,11 @@ class Schedule:
 
     def timetable(self) -> dict[str, np.ndarray]:
         """1F1B: (T, P) tables of what each device does at each tick, fwd_mb, fwd_chunk, bwd_mb, bwd_chunk (-1 where
-        idle), from the formulas in mtx/parallel/one_f_one_b.py."""
+        idle), and bwd_saved_at, the tick of the forward whose input a backward needs; from the formulas in
+        mtx/parallel/one_f_one_b.py."""
         p, v, m = self.stages, self.virtual, self.microbatches
         tables = {name: np.full((self.ticks, p), -1, np.int32) for name in ("fwd_mb", "fwd_chunk", "bwd_mb",
-                                                                             "bwd_chunk")}
+                                                                             "bwd_chunk", "bwd_saved_at")}
         for i in range(m):
             u, g = i % p, i // p
             for s in range(p):
@@ -93,6 +94,7 @@ class Schedule:
                     assert tables["fwd_mb"][t_f, s] == -1 and tables["bwd_mb"][t_b, s] == -1, "slot taken twice"
                     tables["fwd_mb"][t_f, s], tables["fwd_chunk"][t_f, s] = i, c
                     tables["bwd_mb"][t_b, s], tables["bwd_chunk"][t_b, s] = i, c
+                    tables["bwd_saved_at"][t_b, s] = t_f
         return tables
 
     def with_microbatches(self, microbatches: int) -> "Schedule":
