@@ -3,7 +3,7 @@
 For one model and global batch, times the step without pipelining on one device (T1) and pipelined over p devices
 (Tp) for several microbatch counts m and schedules (gpipe, 1f1b, interleaved with v virtual stages). With perfect
 scaling Tp = T1 / p; the bubble makes it T1 / p x (v m + p - 1) / (v m). The measured bubble is 1 - T1 / (p Tp),
-which also contains the shift communication and, for 1F1B, the recomputation of each stage's forward in its backward.
+which also contains the shift communication and the wait of each tick for its busiest stage.
 
     python benchmarks/pipeline_bubble.py --pp 2 --microbatches 4 8 --schedules gpipe 1f1b interleaved -- \
         --config configs/gpt2_355m.toml --micro-batch-size 4

@@ -9,7 +9,7 @@ memset), or fusion (XLA's own element-wise and reduction kernels: LayerNorm, GeL
 are per step (the trace's total divided by --steps). "busy" is the union of kernel intervals on all streams, so
 busy / step time shows how much of a step the device is idle (host overhead, waiting on transfers); "collective
 exposed" is the time a collective runs with no other kernel beside it (communication the step waits for). With several
-GPUs in the trace only the first one is counted (the others run the same program).
+GPUs in the trace one is counted (--device, default the first).
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ def find_trace(trace_dir: str | Path) -> Path:
     return found[-1]
 
 
-def device_events(trace_path: Path) -> list[dict]:
-    """Complete ('X') events on device processes (GPU or TPU); on CPU, the XLA thunk threads stand in."""
+def device_events(trace_path: Path, device_index: int = 0) -> list[dict]:
+    """Complete ('X') events on device `device_index`'s processes (GPU or TPU); on CPU, the XLA thunk threads stand
+    in."""
     data = json.load(gzip.open(trace_path))
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
-    first = {pid for pid in device if re.search(r"/device:(GPU|TPU):0\b", names[pid])}
+    first = {pid for pid in device if re.search(rf"/device:(GPU|TPU):{device_index}\b", names[pid])}
     device = first or device
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device and e.get("dur", 0) > 0]
 
@@ -64,9 +65,9 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(trace_dir: str | Path, *, steps: int = 1, top: int = 25) -> dict:
-    """Per-step device milliseconds by class and for the `top` kernels, plus the busy (union) time."""
-    events = device_events(find_trace(trace_dir))
+def summarize(trace_dir: str | Path, *, steps: int = 1, top: int = 25, device: int = 0) -> dict:
+    """Per-step device milliseconds by class and for the `top` kernels, plus the busy (union) time, of one device."""
+    events = device_events(find_trace(trace_dir), device)
     by_class, by_kernel, op = defaultdict(float), defaultdict(lambda: [0.0, 0]), {}
     for e in events:
         by_class[kernel_class(e["name"])] += e["dur"]
@@ -115,8 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("trace_dir")
     ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (times are divided by it)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--device", type=int, default=0, help="which device of the trace (e.g. a later pipeline stage)")
     args = ap.parse_args(argv)
-    print(format_summary(summarize(args.trace_dir, steps=args.steps, top=args.top)))
+    print(format_summary(summarize(args.trace_dir, steps=args.steps, top=args.top, device=args.device)))
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -27,6 +28,8 @@ from mtx.parallel.random import fold
 # The stacked KV cache (L, B, S_max, N, H): layers split like the layer stack, rows like the batch, heads like the QKV
 # columns that produce them.
 KV_CACHE_SPEC = KVCache(P(PIPELINE, DATA, None, MODEL, None), P(PIPELINE, DATA, None, MODEL, None))
+
+LAYER_INPUT = "layer_input"  # checkpoint name of each layer's input (what `full` recomputation keeps)
 
 _SAVED_PRIMITIVES = ("dot_product_attention_fwd", "psum", "all_gather", "reduce_scatter", "ppermute")
 
@@ -105,13 +108,17 @@ class ParallelTransformer:
         def body(x_BSD, inputs):  # one compiled layer, run once per held layer
             layer_state, i, active = inputs
             layer_keys = None if keys_B is None else fold(keys_B, first_layer + i + 1)
-            y_BSD = nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys)
-            return (jnp.where(active, y_BSD, x_BSD) if masked else y_BSD), None
+            return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys), None
 
         if self.recompute == "full":  # keep each layer's input only; recompute its activations in the backward
-            body = jax.checkpoint(body)
+            layer = jax.checkpoint(body)
+            body = lambda x_BSD, inputs: layer(checkpoint_name(x_BSD, LAYER_INPUT), inputs)
         elif self.recompute == "matmuls":  # keep the matmuls' outputs; recompute LN, GeLU, bias adds, dropout
             body = jax.checkpoint(body, policy=save_matmul_outputs)
+        if masked:  # an inactive slot (padding of an uneven stage) runs no layer
+            layer_or_skip = body
+            body = lambda x_BSD, inputs: (jax.lax.cond(inputs[2], lambda x: layer_or_skip(x, inputs)[0],
+                                                       lambda x: x, x_BSD), None)
         active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
         x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
         if self.scan_layers:

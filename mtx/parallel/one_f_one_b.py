@@ -19,11 +19,14 @@ first P V - 1) cost a forward, ticks with no forward (the last P V - 1) a backwa
 bubble is (P - 1) / (V M + P - 1), as Megatron's. Unlike Megatron's interleaving, M need not be a multiple of P (a
 last partial group of microbatches only leaves more slots idle).
 
-Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks, so at most K = 2 P V - 1 stage
-inputs are alive per device, whatever M. A forward keeps only its input (one (B, S, D) slot of a ring of K); the
-backward recomputes the chunk's forward from it under `jax.vjp` (Megatron's full recomputation of a stage), so no
-layer activation outlives its tick. The embedding runs in virtual stage 0's forward, per microbatch as it enters;
-the head and loss in the last virtual stage's backward, whose forward is skipped (the backward recomputes it).
+Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks, so at most K = 2 P V - 1 are
+alive per device, whatever M. The forward slot runs the chunk under `jax.vjp` and keeps, in slot t mod K of a ring,
+its input and what `--recompute-granularity` keeps of it (everything without recomputation, the matmul outputs with
+`matmuls`, each layer's input with `full`: `_keep_policy`); the backward slot pulls back through those residuals,
+recomputing only what the policy dropped, as the unpipelined step does. Values computed from the parameters alone
+(the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch. The embedding
+runs in virtual stage 0's forward, per microbatch as it enters; the last virtual stage runs its forward, the head and
+the loss and their backward all in its backward slot (its forward slot stays idle, so it keeps nothing).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from mtx.parallel.ops import vary
 from mtx.parallel.pipeline import Schedule
 
 
-def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None, scale=1.0):
+def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None, scale=1.0,
+                recompute=None, seq_length=None):
     """This device's share of the loss (x scale; summed over "pipeline" it is the data rank's) and the gradients of
     its local parameters (not yet reduced over any axis), for the M microbatches of `batch_M` ((M, B, ...) arrays).
 
@@ -50,6 +54,8 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     table = {name: jnp.asarray(a) for name, a in schedule.timetable().items()}
     k_slots = schedule.in_flight
     dropout = keys_MB is not None
+    residuals = _Residuals()
+    keep_policy = _keep_policy(recompute, seq_length)
 
     def microbatch(mb):
         return jax.tree.map(lambda a: a[mb], batch_M), (keys_MB[mb] if dropout else None)
@@ -70,52 +76,133 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         return model, batch_B, y_BSD
 
     def forward_slot(x_BSD, mb, chunk):
-        return chunk_forward(params, x_BSD, mb, chunk)[2]
+        """The chunk's forward under `jax.vjp` -> (output, the residuals to keep for its backward): what the keep
+        policy saves, less the parameters and the stage input (at hand in the backward anyway; `_Residuals`)."""
+        forward = jax.checkpoint(lambda p, x: chunk_forward(p, x, mb, chunk)[2], policy=keep_policy(x_BSD))
+        y_BSD, pullback = jax.vjp(forward, params, x_BSD)
+        return y_BSD, residuals.split(pullback, params, x_BSD)
 
-    def backward_slot(grads, x_BSD, dy_BSD, mb, chunk):
-        """Recomputes the chunk's forward from its saved input and pulls back dy (or, on the last virtual stage, the
-        loss): -> (grads + this chunk's, loss, dx)."""
-        is_last = chunk * p + stage == last_stage
+    def stored_backward(grads, x_BSD, kept, dy_BSD, mb, chunk):
+        """Pulls dy back through a chunk whose forward kept its residuals -> (grads + this chunk's, 0, dx)."""
+        d_params, dx_BSD = residuals.join(kept, params, x_BSD)(dy_BSD)
+        return jax.tree.map(jnp.add, grads, d_params), _typed(jnp.zeros((), jnp.float32)), dx_BSD
 
+    def last_backward(grads, x_BSD, kept, dy_BSD, mb, chunk):
+        """The last virtual stage: its forward, the head and loss, and their backward, in one tick."""
         def forward_and_loss(params, x_BSD):
             model, batch_B, y_BSD = chunk_forward(params, x_BSD, mb, chunk)
-            loss = jax.lax.cond(is_last, lambda: _typed(objective.head_loss(model, y_BSD, batch_B, counts)),
-                                lambda: _typed(jnp.zeros((), jnp.float32)))
-            return y_BSD, loss
+            return _typed(objective.head_loss(model, y_BSD, batch_B, counts))
 
-        (y_BSD, loss), pullback = jax.vjp(forward_and_loss, params, x_BSD)
-        dy_BSD = jnp.where(is_last, jnp.zeros((), dy_BSD.dtype), dy_BSD)
-        d_params, dx_BSD = pullback((dy_BSD.astype(y_BSD.dtype), _typed(jnp.where(is_last, scale, 0.0))))
-        return jax.tree.map(jnp.add, grads, d_params), loss * scale, dx_BSD
+        loss, pullback = jax.vjp(forward_and_loss, params, x_BSD)
+        d_params, dx_BSD = pullback(_typed(jnp.asarray(scale, jnp.float32)))
+        return jax.tree.map(jnp.add, grads, d_params), loss * scale, dx_BSD.astype(dy_BSD.dtype)
+
+    def idle_backward(grads, x_BSD, kept, dy_BSD, mb, chunk):
+        return grads, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(x_BSD)
 
     def tick(carry, t):
-        recv_fwd, recv_bwd, saved, grads, loss_sum = carry
+        recv_fwd, recv_bwd, saved, kept, grads, loss_sum = carry
         f_mb, f_chunk = table["fwd_mb"][t, stage], table["fwd_chunk"][t, stage]
         b_mb, b_chunk = table["bwd_mb"][t, stage], table["bwd_chunk"][t, stage]
-        # Forward slot: keep the input (ring slot t mod K; the entry it overwrites finished its backward), run the
-        # chunk unless it is the last virtual stage (its backward, this same tick, recomputes it with the loss).
-        saved = jax.lax.dynamic_update_index_in_dim(saved, recv_fwd, t % k_slots, 0)
+        # Forward slot: keep the input and the residuals (ring slot t mod K; the entry it overwrites finished its
+        # backward), unless it is the last virtual stage (its backward, this same tick, runs its forward).
+        slot = t % k_slots
+        saved = jax.lax.dynamic_update_index_in_dim(saved, recv_fwd, slot, 0)
         run_forward = (f_mb >= 0) & (f_chunk * p + stage != last_stage)
-        y_BSD = jax.lax.cond(run_forward, forward_slot, lambda x, *_: jnp.zeros_like(x),
-                             recv_fwd, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
-        # Backward slot: the input this (microbatch, chunk) had at its forward (the timetable says which tick).
-        x_saved = jax.lax.dynamic_index_in_dim(saved, table["bwd_saved_at"][t, stage] % k_slots, 0, keepdims=False)
-        grads, loss, dx_BSD = jax.lax.cond(
-            b_mb >= 0, backward_slot,
-            lambda g, x, *_: (g, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(x)),
-            grads, x_saved, recv_bwd, jnp.maximum(b_mb, 0), jnp.maximum(b_chunk, 0))
+        y_BSD, new_kept = jax.lax.cond(
+            run_forward, forward_slot, lambda x, *_: (jnp.zeros_like(x), residuals.zeros()),
+            recv_fwd, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
+        kept = [jax.lax.dynamic_update_index_in_dim(ring, leaf, slot, 0) for ring, leaf in zip(kept, new_kept)]
+        # Backward slot: the input and residuals this (microbatch, chunk) kept at its forward (the timetable says
+        # which tick).
+        at = table["bwd_saved_at"][t, stage] % k_slots
+        branch = jnp.where(b_mb < 0, 0, jnp.where(b_chunk * p + stage == last_stage, 1, 2))
+        grads, loss, dx_BSD = jax.lax.switch(
+            branch, (idle_backward, last_backward, stored_backward),
+            grads, jax.lax.dynamic_index_in_dim(saved, at, 0, keepdims=False),
+            [jax.lax.dynamic_index_in_dim(ring, at, 0, keepdims=False) for ring in kept],
+            recv_bwd, jnp.maximum(b_mb, 0), jnp.maximum(b_chunk, 0))
         to_next = [(i, (i + 1) % p) for i in range(p)]  # activations: device s -> s + 1 (P - 1 -> 0: next chunk)
         to_prev = [(i, (i - 1) % p) for i in range(p)]  # input gradients: s -> s - 1
         return (jax.lax.ppermute(y_BSD, PIPELINE, to_next), jax.lax.ppermute(dx_BSD, PIPELINE, to_prev), saved,
-                grads, loss_sum + loss), None
+                kept, grads, loss_sum + loss), None
 
-    # The carried activations are typed like a chunk's output (they vary wherever the layers do).
-    zeros_BSD = _zeros_like_typed(graphdef, params, objective, microbatch, forward_slot)
+    # The carried activations and the kept residuals are typed like a chunk's (they vary wherever the layers do):
+    # one forward traced on the first embedding types the carry, a second on the carry types the ring, as in the
+    # scan (XLA drops both; their values are never used).
+    f_mb0, f_chunk0 = jnp.maximum(table["fwd_mb"][0, stage], 0), jnp.maximum(table["fwd_chunk"][0, stage], 0)
+    zeros_BSD = jnp.zeros_like(forward_slot(_first_embedding(graphdef, params, objective, microbatch), f_mb0,
+                                            f_chunk0)[0])
+    forward_slot(zeros_BSD, f_mb0, f_chunk0)  # records the residuals' shapes and types
     saved = jnp.broadcast_to(zeros_BSD, (k_slots, *zeros_BSD.shape))
+    kept = residuals.zeros(k_slots)
     grads = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros_BSD, zeros_BSD, saved, grads, _typed(jnp.zeros((), jnp.float32)))
-    (_, _, _, grads, loss), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+    init = (zeros_BSD, zeros_BSD, saved, kept, grads, _typed(jnp.zeros((), jnp.float32)))
+    (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
     return loss, grads
+
+
+class _Residuals:
+    """What a chunk's pullback holds, split into what the forward slot must keep and what the backward slot has at
+    hand anyway (the parameters and the stage input), so the ring holds only the activations.
+
+    `split` records the pullback's structure (each trace of the forward slot records the same one)."""
+
+    def __init__(self):
+        self.treedef, self.sources, self.avals = None, None, None
+
+    def split(self, pullback, params, x_BSD) -> list:
+        leaves, treedef = jax.tree.flatten(pullback)
+        assert self.treedef is None or self.treedef.num_leaves == treedef.num_leaves, "each trace of a chunk's forward must keep the same residuals"
+        self.treedef = treedef
+        at_hand = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
+        at_hand[id(x_BSD)] = "input"
+        self.sources = [at_hand.get(id(leaf), "kept") for leaf in leaves]
+        # Typed as varying over "data" and "pipeline" (as the carried activations and gradients are), so that the
+        # ring's type does not depend on which values a trace happens to see as the same on every rank.
+        kept = [vary(leaf, (DATA, PIPELINE)) for leaf, src in zip(leaves, self.sources) if src == "kept"]
+        self.avals = [(leaf.shape, leaf.dtype, varying_axes(leaf)) for leaf in kept]
+        return kept
+
+    def join(self, kept, params, x_BSD):
+        param_leaves, kept = jax.tree.leaves(params), iter(kept)
+        leaves = [x_BSD if src == "input" else next(kept) if src == "kept" else param_leaves[src]
+                  for src in self.sources]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def zeros(self, *ring: int) -> list:
+        """Zeros like the kept residuals (with a leading ring axis of this size, if given)."""
+        return [vary(jnp.zeros((*ring, *shape), dtype), axes) for shape, dtype, axes in self.avals]
+
+
+def _keep_policy(recompute, seq_length):
+    """What the forward slot keeps of a chunk for its backward -> (stage input -> remat policy): what
+    `--recompute-granularity` keeps (everything without recomputation; the matmul outputs with `matmuls`; each layer's
+    input with `full`; all but the S x S attention core with `selective`), restricted to activations (values with the
+    micro batch and sequence dimensions). Values computed from the parameters alone (the layers' slices of the stack,
+    their bf16 casts) are recomputed in the backward, not kept once per microbatch in flight."""
+    from mtx.models.stack import LAYER_INPUT, save_matmul_outputs
+
+    everything = jax.checkpoint_policies.everything_saveable
+    base = {"matmuls": save_matmul_outputs, "full": jax.checkpoint_policies.save_only_these_names(LAYER_INPUT),
+            "selective": lambda prim, *avals, **params: not any(_square_4d(a) for a in avals)}.get(recompute, everything)
+
+    def for_input(x_BSD):
+        b, s = x_BSD.shape[:2]
+
+        def policy(prim, *avals, **params):
+            activation = any(len(getattr(a, "shape", ())) >= 2 and a.shape[0] == b
+                             and (s in a.shape[1:3] or seq_length in a.shape[1:3]) for a in avals)
+            return activation and base(prim, *avals, **params)
+
+        return policy
+
+    return for_input
+
+
+def _square_4d(aval):
+    shape = getattr(aval, "shape", ())
+    return len(shape) == 4 and shape[-1] == shape[-2]
 
 
 def _typed(x):
@@ -126,9 +213,3 @@ def _typed(x):
 def _first_embedding(graphdef, params, objective, microbatch):
     batch_B, keys_B = microbatch(0)
     return objective.embed(nnx.merge(graphdef, params), batch_B, keys_B)
-
-
-def _zeros_like_typed(graphdef, params, objective, microbatch, forward_slot):
-    """Zeros shaped and typed like a chunk's output (the values are never used, so XLA drops the computation)."""
-    y_BSD = forward_slot(_first_embedding(graphdef, params, objective, microbatch), 0, 0)
-    return jnp.zeros_like(y_BSD)
