@@ -2,6 +2,7 @@
 not grow with the microbatches, the bubble is the schedule's ideal, and the audit counts the two shifts a tick."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -75,3 +76,27 @@ def test_audit_counts_two_shifts_a_tick():
         assert report["per_step"] == {"forward and backward": {"collective-permute pipeline": 2 * ticks,
                                                                "elements_each": [b * s * h]}}
         assert report["schedule"]["ideal_bubble"] == pytest.approx(1 / (4 * v + 1))
+
+
+@pytest.mark.parametrize("recompute,per_layer", [("full", 1), ("matmuls", None), (None, None)])
+def test_1f1b_keeps_activations_only(monkeypatch, recompute, per_layer):
+    """What a forward slot keeps for its backward is activations (micro batch x sequence leading dims), never a copy of
+    the parameters or of their slices and casts; with `full` recomputation, one (B, S, D) input per layer."""
+    import mtx.parallel.one_f_one_b as one_f_one_b
+
+    kept_avals = []
+    split = one_f_one_b._Residuals.split
+    monkeypatch.setattr(one_f_one_b._Residuals, "split",
+                        lambda self, *a: kept_avals.append(split(self, *a)) or kept_avals[-1])
+    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
+                       micro_batch_size=2, global_batch_size=8, recompute_granularity=recompute).validate(8)
+    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    jax.jit(step._train_step).lower(step.abstract_state(), tokens)
+    kept = [leaf for leaf in kept_avals[-1] if leaf.ndim > 0]  # (the microbatch and chunk indices are scalars)
+    b, s, d = 2, cfg.model.seq_length, cfg.model.hidden_size
+    activation = lambda shape: any(shape[i] == b and {s, s + 1} & set(shape[i + 1:i + 3]) for i in range(len(shape) - 1))
+    assert kept and all(activation(leaf.shape) for leaf in kept), [leaf.shape for leaf in kept if not activation(leaf.shape)]
+    if per_layer:  # each layer's input (stacked when the layers are scanned); the token ids aside
+        floats = sum(leaf.size for leaf in kept if jnp.issubdtype(leaf.dtype, jnp.floating))
+        assert floats == cfg.model.num_layers // 2 * per_layer * b * s * d
