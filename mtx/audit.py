@@ -166,7 +166,8 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  pipeline_model_parallel_size: int = 1, num_layers: int | None = None,
                  num_microbatches: int | None = None, num_devices: int | None = None,
                  sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",
-                 virtual_pipeline_model_parallel_size: int | None = None) -> Config:
+                 virtual_pipeline_model_parallel_size: int | None = None,
+                 use_distributed_optimizer: bool = False) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
@@ -181,6 +182,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
         pipeline_schedule=pipeline_schedule, virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
+        use_distributed_optimizer=use_distributed_optimizer,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
@@ -297,6 +299,29 @@ def audit_pipeline(cfg: Config) -> dict:
     return report
 
 
+def audit_data_parallel(cfg: Config) -> dict:
+    """The collectives over "data" of a whole training step's loss and gradients: one all-reduce of the gradients
+    (parameters replicated over "data"), or with the distributed optimizer a reduce-scatter of the gradients and an
+    all-gather of the parameters (each once per step, and per parameter: the layer stack is one parameter per weight)."""
+    from mtx.step import TrainStep
+
+    mesh = _mesh(cfg, pipeline=True)
+    train_step = TrainStep.build(cfg, mesh)
+    state = train_step.abstract_state()
+    t, m = cfg.training, cfg.model
+    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), jnp.int32,
+                                  sharding=train_step.model.batch_sharding)
+    forward = lambda p, x, step: train_step.loss_and_grads(p, x, step)[0]
+    report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step))
+    params = sum(x.size for x in jax.tree.leaves(state.params))
+    ops = [op for phase in ("forward", "backward") for op in report["ops"][phase] if op["axes"] == DATA]
+    report["data"] = {kind: {"ops": sum(op["kind"] == kind for op in ops),
+                             "elements": sum(op["elements"] for op in ops if op["kind"] == kind)}
+                      for kind in KINDS if any(op["kind"] == kind for op in ops)}
+    report["data"]["parameters"] = params
+    return report
+
+
 # ---- command line ----
 
 def _table(title: str, report: dict) -> str:
@@ -323,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_flags(ap, fields, defaults={"data_parallel_size": 1, "num_layers": None}, helps=helps)
     add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
     ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
-    add_config_flags(ap, ("sequence_parallel",), defaults={})
+    add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer"), defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     a = ap.parse_args(argv)
     # Simulated CPU devices, one per mesh position (unless XLA_FLAGS sets a count): XLA reads the count when the CPU
@@ -343,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": flags, **audit_layer(cfg), "loss": audit_loss(cfg)}
     if cfg.parallel.pipeline_model_parallel_size > 1:
         report["pipeline"] = audit_pipeline(cfg)
+    if flags["data_parallel_size"] > 1:
+        report["data_parallel"] = audit_data_parallel(cfg)
     if a.json:
         print(json.dumps(report))
     else:
@@ -361,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
             for phase, row in pipe["per_step"].items():
                 print(f"  per step, {phase}: {row['collective-permute pipeline']} collective-permutes over pipeline "
                       f"of {row['elements_each']} elements each")
+        if "data_parallel" in report:
+            data = report["data_parallel"]["data"]
+            optimizer = "distributed" if cfg.parallel.use_distributed_optimizer else "replicated"
+            print(f"training step over data ({optimizer} optimizer, {data['parameters']:,} parameters):")
+            for kind, row in data.items():
+                if kind != "parameters":
+                    print(f"  {kind:<16}{row['ops']:>5} ops {row['elements']:>16,} elements")
     return 0
 
 

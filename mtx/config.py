@@ -119,6 +119,9 @@ class ParallelConfig:
         None, "virtual stages (layer chunks) each pipeline device holds, interleaved; None: 1, or from the layout")
     num_layers_per_virtual_pipeline_stage: int | None = _f(
         None, "layers of each virtual stage (sets the virtual size to layers / (stages x this))")
+    use_distributed_optimizer: bool = _f(
+        False, 'ZeRO-1: fp32 master weights and Adam moments split over "data" (12 / DP bytes per parameter), '
+        "gradients reduce-scattered and parameters all-gathered each step")
     coordinator_address: str | None = _f(
         None, 'multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process')
     num_processes: int | None = _f(None, "multi-host: processes in the run, one per host")

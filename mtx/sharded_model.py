@@ -29,7 +29,7 @@ from mtx.objectives import micro_loss, objective_for
 from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.pipeline import Schedule, from_slots, pipelined_final_hidden, pipelined_loss, to_slots
 from mtx.parallel.sharded import (init_sharded, is_stacked, map_specs, named_shardings, partition_specs,
-                                  split_abstract)
+                                  data_dim, shard_over, split_abstract, with_axis)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -59,6 +59,15 @@ class ShardedModel:
         self.graphdef, self.abstract_params = split_abstract(self.make_model)
         self.param_specs = partition_specs(self.abstract_params)  # as declared; the shard_map's in/out specs
         self.param_shardings = named_shardings(self.abstract_params, mesh)  # as stored on this mesh
+        # The distributed optimizer (--use-distributed-optimizer) also splits each parameter over "data" in the
+        # training state, fp32 master weights and Adam's moments alike, along one more dimension (`data_dim`).
+        data = mesh.shape[DATA] if cfg.parallel.use_distributed_optimizer else 1
+        self.master_specs = map_specs(  # the training step's shard_map specs
+            lambda spec, x, stored: with_axis(spec, shard_over(spec, stored.spec, x.shape, DATA, data), DATA, x.ndim),
+            self.param_specs, self.abstract_params, self.param_shardings)
+        self.master_shardings = map_specs(
+            lambda spec, master, x, stored: NamedSharding(mesh, with_axis(stored.spec, data_dim(master), DATA, x.ndim)),
+            self.param_specs, self.master_specs, self.abstract_params, self.param_shardings)
         self.num_microbatches = num_microbatches(cfg, mesh)
         self.pipeline = (Schedule(cfg.stage_layer_counts(), self.num_microbatches, cfg.virtual_stages, cfg.schedule)
                          if mesh.shape[PIPELINE] > 1 else None)
@@ -83,9 +92,10 @@ class ShardedModel:
         return ShardedModel(self.cfg.replace(sequence_parallel=False), self.mesh)
 
     # ---- layouts ----
-    def stage_params(self, params, schedule: Schedule | None = None):
+    def stage_params(self, params, schedule: Schedule | None = None, specs=None):
         """Uneven or virtual stages of `schedule` (default: training's): the layer stack regathered into equal
-        per-device chunk slots, split over "pipeline"."""
+        per-device chunk slots, split over "pipeline" and laid out by `specs` (default: the declared ones; the
+        training step passes `master_specs`)."""
         schedule = schedule or self.pipeline
         if schedule is None or not schedule.regathered:
             return params
@@ -96,14 +106,15 @@ class ShardedModel:
             whole = jax.sharding.reshard(a, NamedSharding(self.mesh, P(None, *spec[1:])))
             return jax.sharding.reshard(to_slots(whole, schedule), NamedSharding(self.mesh, spec))
 
-        return map_specs(regather, params, self.param_specs)
+        return map_specs(regather, params, self.param_specs if specs is None else specs)
 
     def forward_params(self, params):
         """`params` laid out for the forward-only schedule (evaluation, scoring, decoding)."""
         return self.stage_params(params, self.forward_pipeline)
 
     def canonical_grads(self, grads):
-        """Gradients of `stage_params`' slots -> gradients laid out like the stored parameters."""
+        """Gradients of `stage_params`' slots (laid out by `master_specs`) -> gradients laid out like the training
+        state's parameters."""
         if self.pipeline is None or not self.pipeline.regathered:
             return grads
 
@@ -113,7 +124,7 @@ class ShardedModel:
             whole = jax.sharding.reshard(g, NamedSharding(self.mesh, P(None, *spec[1:])))
             return jax.sharding.reshard(from_slots(whole, self.pipeline), sharding)
 
-        return map_specs(scatter_back, grads, self.param_specs, self.param_shardings)
+        return map_specs(scatter_back, grads, self.master_specs, self.master_shardings)
 
     def put_batch(self, batch_np):
         """A host batch (an array or a dict of arrays, leading axis G) -> global arrays split over "data" (the same

@@ -32,14 +32,14 @@ def optimizer_for(model: ShardedModel) -> optax.GradientTransformation:
 
 
 def state_shardings(model: ShardedModel) -> TrainState:
-    """Where each piece of the state lives: parameters and Adam's moments as the parameters declare, the rest
-    replicated."""
+    """Where each piece of the state lives: parameters and Adam's moments as the parameters declare (also split over
+    "data" with the distributed optimizer: `ShardedModel.master_shardings`), the rest replicated."""
     replicated = NamedSharding(model.mesh, P())
     optimizer = optimizer_for(model)
     opt_state = optax.tree_map_params(
         optimizer, lambda _, sharding: sharding, jax.eval_shape(optimizer.init, model.abstract_params),
-        model.param_shardings, transform_non_params=lambda _: replicated)
-    return TrainState(replicated, model.param_shardings, opt_state, LossScale(replicated, replicated, replicated))
+        model.master_shardings, transform_non_params=lambda _: replicated)
+    return TrainState(replicated, model.master_shardings, opt_state, LossScale(replicated, replicated, replicated))
 
 
 def _fresh_state(model: ShardedModel, params=None) -> TrainState:

@@ -22,8 +22,9 @@ from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.one_f_one_b import one_f_one_b
 from mtx.parallel.pipeline import pipelined_loss
 from mtx.parallel.random import sample_keys
-from mtx.parallel.sharded import is_stacked
-from mtx.sharded_model import ShardedModel
+from mtx.parallel.ops import vary
+from mtx.parallel.sharded import data_dim, is_stacked, map_specs
+from mtx.sharded_model import DTYPES, ShardedModel
 from mtx.state import TrainState, abstract_state, init_state, optimizer_for
 
 
@@ -39,6 +40,16 @@ def gradient_axes(param_specs, sequence_parallel: bool):
         return (DATA, *(() if is_stacked(spec) else (PIPELINE,)), *((MODEL,) if layer_replicated else ()))
 
     return jax.tree.map(axes, param_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _reduce(g, axes, data_dim):
+    """One parameter's gradient summed over `axes`; over "data" a reduce-scatter along data_dim when it is not None
+    (the distributed optimizer), else part of one all-reduce."""
+    if data_dim is None:
+        return jax.lax.psum(g, axes)
+    g = jax.lax.psum_scatter(g, DATA, scatter_dimension=data_dim, tiled=True)
+    rest = tuple(axis for axis in axes if axis != DATA)
+    return jax.lax.psum(g, rest) if rest else g
 
 
 class TrainStep:
@@ -77,10 +88,10 @@ class TrainStep:
         # Global batch position of this rank's first sequence: dropout keys follow the sequence, not the rank.
         first = jax.lax.axis_index(DATA) * rows
         keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
-        # Each rank differentiates its own copy: gradients stay local until the explicit psums below.
+        # Each rank differentiates its own copy: gradients stay local until the explicit reductions below.
         reduce_axes = gradient_axes(model.param_specs, cfg.sequence_parallel)
-        params = jax.tree.map(lambda p, axes: jax.lax.pcast(p, axes, to="varying"), params, reduce_axes,
-                              is_leaf=lambda x: isinstance(x, tuple))
+        params = map_specs(self._gather_master, params, model.param_specs, model.master_specs)
+        params = jax.tree.map(lambda p, axes: vary(p, axes), params, reduce_axes, is_leaf=lambda x: isinstance(x, tuple))
 
         if model.pipeline is not None and model.pipeline.kind != "gpipe":  # 1F1B: the backward written out
             loss, grads = one_f_one_b(model.graphdef, params, model.objective, batch_M, model.pipeline, counts,
@@ -111,9 +122,22 @@ class TrainStep:
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
         # holds (embeddings, final LN) also sum their per-stage parts over "pipeline", and with sequence parallelism
         # the layers' replicated LayerNorms and biases their per-rank (per-rows) parts over "model".
-        grads = jax.tree.map(lambda g, axes: jax.lax.psum(g, axes), grads, reduce_axes,
-                             is_leaf=lambda x: isinstance(x, tuple))
+        # With the distributed optimizer the "data" part is a reduce-scatter: each rank keeps the sum of its shard.
+        grads = map_specs(lambda g, master, axes: _reduce(g, axes, data_dim(master)), grads, model.master_specs,
+                          reduce_axes)
         return jax.lax.psum(loss, (DATA, PIPELINE)) / scale, grads
+
+    def _gather_master(self, p, spec, master):
+        """Inside shard_map, the distributed optimizer's all-gather over "data" of one parameter's master shard (laid
+        out by `master`, its spec in the training state; a parameter not split over "data" is returned as is). Matrices go in the compute dtype, which is what the forward casts them to anyway (half the
+        bytes in bf16), and are cast back so that gradients accumulate in fp32 as without the flag."""
+        dim = data_dim(master)
+        if dim is None:
+            return p
+        compute = DTYPES[self.cfg.training.compute_dtype]
+        matrix = p.ndim - is_stacked(spec) >= 2
+        wire = p.astype(compute) if matrix else p
+        return jax.lax.all_gather(wire, DATA, axis=dim, tiled=True).astype(p.dtype)
 
     # ---- jitted ----
     def loss_and_grads(self, params, batch, step, scale=1.0):
@@ -123,8 +147,8 @@ class TrainStep:
         key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
         loss, grads = jax.shard_map(
             self._local_loss_and_grads, mesh=self.mesh,
-            in_specs=(model.param_specs, P(DATA), P(), P()), out_specs=(P(), model.param_specs),
-        )(model.stage_params(params), batch, key, jnp.asarray(scale, jnp.float32))
+            in_specs=(model.master_specs, P(DATA), P(), P()), out_specs=(P(), model.master_specs),
+        )(model.stage_params(params, specs=model.master_specs), batch, key, jnp.asarray(scale, jnp.float32))
         return loss, model.canonical_grads(grads)
 
     def _train_step(self, state: TrainState, batch):

@@ -210,6 +210,47 @@ per_gpu = {name: table[name, tp, 1] / BYTES_PER_PARAM for name, tp in zip(PRESET
 print("parameters per GPU at the paper's TP:", {k: f"{v / 1e9:.2f}B" for k, v in per_gpu.items()})
 assert max(per_gpu.values()) / min(per_gpu.values()) < 1.25
 
+# %% [markdown]
+# ## The distributed optimizer: the state split over "data"
+#
+# Data parallelism above replicates all 16 bytes. `--use-distributed-optimizer` (ZeRO-1, Megatron's flag) splits the
+# fp32 master weights and both Adam moments over the d data ranks, each rank updating its 1/d: the state between
+# steps falls from 12 to 12 / d bytes per parameter. Each step all-gathers the parameters (in bf16 for the matrices
+# with `--bf16`, the dtype the forward uses) and reduce-scatters the gradients, so the step's temporaries still hold
+# the whole gradient (4 bytes) and the gathered copy: 4 + 2 + 12 / d bytes per parameter at the step's peak in bf16,
+# before activations. The compiler's argument bytes check the 12 / d (a few vectors that d does not divide stay
+# whole).
+
+# %%
+def argument_bytes(cfg, mesh):
+    step = TrainStep.build(cfg.validate(8), make_mesh(*mesh, devices=jax.devices()[:int(np.prod(mesh))]))
+    state = step.abstract_state()
+    t, m = cfg.training, cfg.model
+    tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    memory = jax.jit(step._train_step).lower(state, tokens).compile().memory_analysis()
+    local = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(state.params))
+    return memory.argument_size_in_bytes - t.global_batch_size // mesh[0] * (m.seq_length + 1) * 4, local
+
+
+print(f"{'mesh (d,p,m)':<14}{'replicated: state bytes':>24}{'distributed: state bytes':>26}{'ratio':>7}")
+for mesh in [(2, 1, 1), (4, 1, 2), (8, 1, 1)]:
+    dp, _, tp = mesh
+    cfg = small.replace(data_parallel_size=dp, pipeline_model_parallel_size=1, tensor_model_parallel_size=tp)
+    replicated, n_rep = argument_bytes(cfg, mesh)
+    distributed, n_dist = argument_bytes(cfg.replace(use_distributed_optimizer=True), mesh)
+    assert abs(replicated - STATE_BYTES_PER_PARAM * n_rep) < 1024  # 12 bytes x the local parameters (+ scalars)
+    assert abs(distributed - STATE_BYTES_PER_PARAM * n_dist) < 1024  # ... of the local shards, now split over data
+    assert n_dist < 1.05 * n_rep / dp  # ~1/d of them
+    print(f"{str(mesh):<14}{replicated:>24,}{distributed:>26,}{replicated / distributed:>7.2f}")
+
+# The paper's 8.3B on 2 GPUs without model parallelism: 133 GB replicated, 94% of an H200's 141 GB before any
+# activation or the update's temporaries; distributed, 4 + 2 + 12 / 2 = 12 bytes per parameter, ~100 GB. (Measured
+# on 2 x H200 in docs/benchmarks.md: distributed it trains, peak 109 GiB; replicated it runs out of memory.)
+n83 = sum(x.size for x in jax.tree.leaves(abstract_params(Config().replace(**load_preset(ROOT / "configs/gpt_8.3b.toml")))))
+print(f"8.3B at DP 2: replicated {BYTES_PER_PARAM * n83 / GB:.0f} GB, distributed {(4 + 2 + 12 / 2) * n83 / GB:.0f} GB "
+      "per device, before activations")
+assert (4 + 2 + 12 / 2) * n83 < 0.75 * 141 * GB and BYTES_PER_PARAM * n83 > 0.9 * 141 * GB
+
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
 for ax, vary, label in [(axes[0], "tp", "tensor-parallel size (PP = 1)"), (axes[1], "pp", "pipeline stages (TP = 1)")]:

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtx.parallel.mesh import PIPELINE
+from mtx.parallel.mesh import DATA, PIPELINE
 
 
 def split_abstract(make: Callable[[], nnx.Module]):
@@ -44,6 +44,33 @@ def fit_spec(spec: P, shape, mesh: jax.sharding.Mesh) -> P:
     def fits(axis, dim):
         return axis is None or dim % mesh.shape[axis] == 0
     return P(*(axis if fits(axis, dim) else None for axis, dim in zip(spec, shape)))
+
+
+def shard_over(spec: P, stored: P, shape, axis: str, size: int) -> int | None:
+    """The dimension of a parameter to split over one more mesh axis (the distributed optimizer's "data"): the first
+    one that neither its declared layout (`spec`, the shard_map's) nor its stored one (`stored`) splits and that
+    `size` divides; None when there is none (the parameter then stays whole on every rank of `axis`)."""
+    if size == 1:
+        return None
+    padded = lambda s: tuple(s) + (None,) * (len(shape) - len(s))
+    for dim, (declared, kept, n) in enumerate(zip(padded(spec), padded(stored), shape)):
+        if declared is None and kept is None and n % size == 0:
+            return dim
+    return None
+
+
+def with_axis(spec: P, dim: int | None, axis: str, ndim: int) -> P:
+    """`spec` with mesh axis `axis` on dimension `dim` (unchanged when dim is None)."""
+    if dim is None:
+        return spec
+    entries = list(spec) + [None] * (ndim - len(spec))
+    entries[dim] = axis
+    return P(*entries)
+
+
+def data_dim(spec: P) -> int | None:
+    """The dimension `spec` splits over "data" (the distributed optimizer's master shards), or None."""
+    return list(spec).index(DATA) if DATA in spec else None
 
 
 def init_sharded(make: Callable[[], nnx.Module], mesh: jax.sharding.Mesh):
