@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from mtx.cli import add_config_flags
+from mtx.cli import add_config_flags, ranged, with_negative_values
 from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
@@ -38,20 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     tasks = parser.add_subparsers(dest="task", required=True)
     wiki = tasks.add_parser("wikitext", parents=[common], help="WikiText perplexity", allow_abbrev=False)
     wiki.add_argument("--data-path", required=True, help="word-level WikiText file, e.g. wiki.test.tokens")
-    wiki.add_argument("--seq-length", type=int, help="window length S; default the model's")
-    wiki.add_argument("--overlapping-eval", type=int, help="tokens each window advances and scores (default 32)")
+    wiki.add_argument("--seq-length", type=ranged(int, ">= 1"), help="window length S; default the model's")
+    wiki.add_argument("--overlapping-eval", type=ranged(int, ">= 1"), help="tokens each window advances and scores (default 32)")
     wiki.add_argument("--no-detokenize", action="store_true", help="score the raw word-level text")
     wiki.add_argument("--dry-run", action="store_true", help="only count tokens and windows (no model)")
     lam = tasks.add_parser("lambada", parents=[common], help="LAMBADA last-word accuracy", allow_abbrev=False)
     lam.add_argument("--data-path", required=True, help='.jsonl of {"text": ...} lines')
-    lam.add_argument("--seq-length", type=int, help="longest window; default the model's")
+    lam.add_argument("--seq-length", type=ranged(int, ">= 1"), help="longest window; default the model's")
     gen = tasks.add_parser("generate", parents=[common], help="sample continuations", allow_abbrev=False)
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: no filter")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=ranged(int, ">= 1"), default=64)
+    gen.add_argument("--temperature", type=ranged(float, ">= 0"), default=1.0, help="0 is greedy")
+    gen.add_argument("--top-k", type=ranged(int, ">= 0"), default=0, help="0: no top-k filter")
+    gen.add_argument("--top-p", type=ranged(float, "(0, 1]"), default=1.0, help="nucleus sampling; 1: no filter")
+    gen.add_argument("--seed", type=ranged(int, ">= 0"), default=0)
     return parser
 
 
@@ -120,7 +120,7 @@ def prepare(args):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(with_negative_values(argv))
     try:  # bad input fails here, in one line that names the fix, before any device work
         from mtx.distributed import initialize
 

@@ -306,19 +306,17 @@ def audit_data_parallel(cfg: Config) -> dict:
     from mtx.step import TrainStep
 
     mesh = _mesh(cfg, pipeline=True)
-    train_step = TrainStep.build(cfg, mesh)
-    state = train_step.abstract_state()
+    state = (train_step := TrainStep.build(cfg, mesh)).abstract_state()
     t, m = cfg.training, cfg.model
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), jnp.int32,
                                   sharding=train_step.model.batch_sharding)
     forward = lambda p, x, step: train_step.loss_and_grads(p, x, step)[0]
     report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step))
-    params = sum(x.size for x in jax.tree.leaves(state.params))
     ops = [op for phase in ("forward", "backward") for op in report["ops"][phase] if op["axes"] == DATA]
     report["data"] = {kind: {"ops": sum(op["kind"] == kind for op in ops),
                              "elements": sum(op["elements"] for op in ops if op["kind"] == kind)}
-                      for kind in KINDS if any(op["kind"] == kind for op in ops)}
-    report["data"]["parameters"] = params
+                      for kind in KINDS if any(op["kind"] == kind for op in ops)} | {
+                          "parameters": sum(x.size for x in jax.tree.leaves(state.params))}
     return report
 
 
@@ -334,7 +332,7 @@ def _table(title: str, report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtx.cli import add_config_flags
+    from mtx.cli import add_config_flags, with_negative_values
     from mtx.devices import simulate_cpu_devices
 
     ap = argparse.ArgumentParser(prog="python -m mtx.audit", description=__doc__.split("\n\n")[0])
@@ -350,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
     add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer"), defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(with_negative_values(argv))
     # Simulated CPU devices, one per mesh position (unless XLA_FLAGS sets a count): XLA reads the count when the CPU
     # backend starts (the first device query below), not when jax is imported.
     if simulate_cpu_devices(max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
@@ -390,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"of {row['elements_each']} elements each")
         if "data_parallel" in report:
             data = report["data_parallel"]["data"]
-            optimizer = "distributed" if cfg.parallel.use_distributed_optimizer else "replicated"
-            print(f"training step over data ({optimizer} optimizer, {data['parameters']:,} parameters):")
+            print(f"training step over data ({'distributed' if cfg.parallel.use_distributed_optimizer else 'replicated'}"
+                  f" optimizer, {data['parameters']:,} parameters):")
             for kind, row in data.items():
                 if kind != "parameters":
                     print(f"  {kind:<16}{row['ops']:>5} ops {row['elements']:>16,} elements")

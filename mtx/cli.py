@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mtx.config import SECTIONS, Config, load_preset
+from mtx.schema_checks import in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -79,10 +81,51 @@ def _scalar_type(hint):
     return hint
 
 
+def with_negative_values(argv: list[str] | None) -> list[str]:
+    """`--flag -1e-3` -> `--flag=-1e-3`: argparse takes a value that starts with "-" for a flag unless it looks like
+    a plain negative number, so `--lr -1e-3` would fail to parse (then range checks name the flag, mtx/config.py)."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i].startswith("--") and "=" not in argv[i] and i + 1 < len(argv) and _is_negative_number(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def ranged(kind: type, valid: str):
+    """An argparse `type` for a tool's own numeric flag: parses with `kind` and refuses values outside `valid` (a
+    range written as in mtx/config.py's RANGES), so argparse names the flag in its one-line error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and in_range(value, valid)):
+            raise argparse.ArgumentTypeError(f"must be {'in ' if valid[0] in '[(' else ''}{valid}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's messages name the type
+    return parse
+
+
+def _is_negative_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return token.startswith("-")
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """Flags (and an optional preset) -> a Config; unknown flags are an error that names them."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(with_negative_values(argv))
     if unknown:
         flags = [u for u in unknown if u.startswith("-")] or unknown
         parser.error(f"unsupported flag(s) {' '.join(flags)}: mtx does not implement them; see --help for the "

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtx.schema_checks import check_field
+
 
 def _f(default: Any, help: str) -> Any:
     """A schema field: its default and its help, which `train.py --help` shows for the field's flag (mtx/cli.py)."""
@@ -227,13 +229,20 @@ class Config:
                                 if k not in _REMOVED_FIELDS})
 
     def validate(self, num_devices: int | None = None) -> "Config":
-        """Refuses a bad combination with one sentence naming the flag and the fix; returns self."""
+        """Refuses a bad value or combination with one sentence naming the flag and the fix; returns self."""
+        for part in (getattr(self, section) for section in SECTIONS):  # every field's type and range first
+            for f in dataclasses.fields(part):
+                check_field(f.name, f.type, getattr(part, f.name))
         m, p, t, o = self.model, self.parallel, self.training, self.optimizer
+        _check(o.min_lr <= o.lr or o.lr_decay_style == "constant",
+               f"--min-lr {o.min_lr} is above --lr {o.lr}; the schedule decays from --lr down to --min-lr.")
+        _check(p.process_id is None or p.num_processes is None or p.process_id < p.num_processes,
+               f"--process-id {p.process_id} must be below --num-processes {p.num_processes}.")
         tp = p.tensor_model_parallel_size
         _check(m.hidden_size % m.num_attention_heads == 0,
                f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
                "choose a hidden size that is a multiple of the head count.")
-        _check(tp >= 1 and m.num_attention_heads % tp == 0,
+        _check(m.num_attention_heads % tp == 0,
                f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size "
                f"{tp}; use a TP size that divides the head count.")
         _check(m.ffn_size % tp == 0,
@@ -256,11 +265,6 @@ class Config:
                f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
         _check(not (t.use_flash_attn and m.attention_dropout > 0),
                "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
-        _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
-               "--hidden-dropout and --attention-dropout must lie in [0, 1).")
-        _check(self.data.prefetch_depth >= 0, "--prefetch-depth must be >= 0 (0 turns prefetching off).")
-        _check(t.micro_batch_size >= 1 and t.global_batch_size >= 1 and t.train_iters >= 0,
-               "--micro-batch-size and --global-batch-size must be >= 1 and --train-iters >= 0.")
         self._validate_model_type()
         if num_devices is not None:
             from mtx.parallel.mesh import resolve_sizes
@@ -286,11 +290,8 @@ class Config:
                "--merge-file, and --tokenizer-type BertWordPieceLowerCase or none.")
         _check(not m.bert_binary_head or m.num_tokentypes >= 2,
                f"--num-tokentypes {m.num_tokentypes} cannot tell sentence A from B; use 2, or --bert-no-binary-head.")
-        _check(m.num_tokentypes >= 0, f"--num-tokentypes must be >= 0, got {m.num_tokentypes}.")
         _check(m.seq_length >= 8, f"--seq-length {m.seq_length} is too short for BERT's [CLS] A [SEP] B [SEP] "
                                   "samples; use at least 8.")
-        _check(0.0 < d.mask_prob < 1.0, f"--mask-prob must lie in (0, 1), got {d.mask_prob}.")
-        _check(0.0 <= d.short_seq_prob <= 1.0, f"--short-seq-prob must lie in [0, 1], got {d.short_seq_prob}.")
 
     def stage_layer_counts(self) -> tuple[int, ...]:
         """Transformer layers of each (virtual) pipeline stage, P x V of them in pipeline order: virtual stage c P + s
@@ -329,8 +330,6 @@ class Config:
         v, n = p.virtual_pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
         _check(p.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
                f"--pipeline-schedule must be gpipe, 1f1b or interleaved, got {p.pipeline_schedule!r}.")
-        _check(v is None or v >= 1, f"--virtual-pipeline-model-parallel-size must be >= 1, got {v}.")
-        _check(n is None or n >= 1, f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {n}.")
         if n is not None:
             _check(self.model.num_layers % (pp * n) == 0,
                    f"--num-layers {self.model.num_layers} does not split into --pipeline-model-parallel-size {pp} x "

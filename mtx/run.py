@@ -22,6 +22,7 @@ from mtx.config import Config
 from mtx.data import build_dataset
 from mtx.data.prefetch import prefetch
 from mtx.distributed import barrier, is_main_process
+from mtx.files import check_run_dir, check_writable
 from mtx.metrics import MetricsLogger, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
 from mtx.sharded_model import ShardedModel
@@ -72,6 +73,9 @@ def prepare(cfg: Config) -> Plan:
                              "--save directory.")
         ckpt.close()
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    check_run_dir(run_dir, "--save" if t.save else "--run-dir")  # never over a file mtx did not write
+    if t.tensorboard_dir:
+        check_writable(t.tensorboard_dir, "--tensorboard-dir")
     if t.save and is_checkpoint_dir(t.save) and not (t.load and Path(t.load) == Path(t.save)):
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")

@@ -131,3 +131,71 @@ def test_configs_saved_with_removed_fields_still_load():
     saved["parallel"]["not_a_field"] = 1
     with pytest.raises(ValueError, match="unknown config field 'not_a_field'"):
         Config.from_dict(saved)
+
+
+def test_every_numeric_field_has_a_range():
+    """A new numeric field cannot skip range checking: RANGES lists every int and float field of the schema."""
+    import dataclasses
+
+    from mtx.config import SECTIONS
+    from mtx.schema_checks import RANGES
+
+    numeric = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+               if {"int", "float"} & {part.strip() for part in f.type.split("|")}}
+    assert numeric == set(RANGES)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-layers", "0"], "--num-layers must be >= 1, got 0."),
+    (["--hidden-size", "-64"], "--hidden-size must be >= 1, got -64."),
+    (["--num-attention-heads", "0"], "--num-attention-heads must be >= 1, got 0."),
+    (["--lr", "-1e-3"], "--lr must be >= 0, got -0.001."),
+    (["--lr", "nan"], "--lr must be >= 0, got nan."),
+    (["--adam-beta1", "1.5"], "--adam-beta1 must be in [0, 1), got 1.5."),
+    (["--adam-beta2", "-0.1"], "--adam-beta2 must be in [0, 1), got -0.1."),
+    (["--save-interval", "-1"], "--save-interval must be >= 1, got -1."),
+    (["--log-interval", "0"], "--log-interval must be >= 1, got 0."),
+    (["--eval-iters", "0"], "--eval-iters must be >= 1, got 0."),
+    (["--hidden-dropout", "1"], "--hidden-dropout must be in [0, 1), got 1.0."),
+    (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1 or -1, got 0."),
+    (["--clip-grad", "inf"], "--clip-grad must be >= 0, got inf."),
+    (["--mask-prob", "0"], "--mask-prob must be in (0, 1), got 0.0."),
+    (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr 0.1 is above --lr 0.01"),
+])
+def test_numbers_out_of_range_fail_with_the_flag_named(argv, message):
+    """Negative values parse as values (`--lr -1e-3`), and every numeric field is range-checked by validate."""
+    with pytest.raises(ValueError) as e:
+        parse_config(argv).validate(8)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("line,message", [
+    ('hidden_size = "sixty-four"', "--hidden-size must be an integer, got 'sixty-four'"),
+    ("num_layers = 2.5", "--num-layers must be an integer, got 2.5"),
+    ("bf16 = 1", "--bf16 must be true or false, got 1"),
+    ("lr = true", "--lr must be a number, got True"),
+    ('recompute_granularity = 3', "--recompute-granularity must be a string, got 3"),
+    ("data_path = [1, 2]", "--data-path must be a list of paths, got (1, 2)"),
+])
+def test_wrong_types_in_a_config_file_fail_with_the_field_named(tmp_path, line, message):
+    preset = tmp_path / "bad.toml"
+    preset.write_text(line + "\n")
+    with pytest.raises(ValueError) as e:
+        parse_config(["--config", str(preset)]).validate(8)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["eval.py", "generate", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["eval.py", "generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    (["eval.py", "wikitext", "--overlapping-eval", "-3"], "argument --overlapping-eval: must be >= 1, got -3"),
+    (["mtx.data.preprocess", "--input", "x", "--output-prefix", "y", "--workers", "0"],
+     "argument --workers: must be >= 1, got 0"),
+])
+def test_tools_range_check_their_own_numbers(capsys, argv, message):
+    import importlib
+
+    tool = importlib.import_module("eval" if argv[0] == "eval.py" else argv[0])
+    with pytest.raises(SystemExit) as e:
+        tool.main(argv[1:])
+    assert e.value.code == 2 and message in capsys.readouterr().err

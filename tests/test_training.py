@@ -194,3 +194,25 @@ def test_default_run_parses_and_prints_a_sample(tmp_path):
     assert cfg.parallel.tensor_model_parallel_size == 2
     r = train(cfg, progress=False)
     assert r.sample is not None and len(r.sample) >= 8
+
+
+def test_run_directories_that_are_not_mtx_runs_or_cannot_be_written_are_refused(tmp_path, capsys):
+    """--save / --run-dir never writes over a file mtx did not create, and bad paths fail before any device work."""
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "config.json").write_text('{"my": "own config"}\n')
+    (user / "notes.txt").write_text("keep me\n")
+    (tmp_path / "file").write_text("a file\n")
+    for flag, path, needle in [("--save", user, "holds files mtx did not write (config.json, notes.txt)"),
+                               ("--run-dir", user, "holds files mtx did not write"),
+                               ("--save", tmp_path / "file", "is a file, not a directory"),
+                               ("--save", tmp_path / "file" / "sub", "is a file, not a directory"),
+                               ("--tensorboard-dir", tmp_path / "file" / "tb", "is a file, not a directory")]:
+        argv = ["--config", "configs/tiny.toml", "--train-iters", "1", flag, str(path)]
+        if flag == "--tensorboard-dir":
+            argv += ["--run-dir", str(tmp_path / "fresh")]
+        assert main(argv) == 2, (flag, path)
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err, err
+    assert (user / "config.json").read_text() == '{"my": "own config"}\n' and len(list(user.iterdir())) == 2
+    assert not (tmp_path / "fresh").exists()

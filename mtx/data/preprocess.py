@@ -19,34 +19,48 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
+from mtx.cli import ranged
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from mtx.files import check_new_files
 
 _tokenizer = None  # one per worker process, built by _init
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
-    """Runs the command line; returns the written prefixes (what --data-path takes)."""
+    """Runs the command line; returns the written prefixes (what --data-path takes). Bad input exits with status 2
+    and one line on stderr, having written nothing."""
     args = _parser().parse_args(argv)
-    if bool(args.input) == bool(args.tfds):
-        raise SystemExit("error: pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
-    tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type)
     try:
-        tokenizer = build_tokenizer(*tokenizer_args)
-        documents = _documents(args)
-        first = next(documents, None)  # opens the source now, so its errors come before any file is written
+        return _preprocess(args)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _preprocess(args) -> list[str]:
+    if bool(args.input) == bool(args.tfds):
+        raise ValueError("pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
     level = "sentence" if args.split_sentences else "document"  # Megatron's suffix
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
+    check_new_files([p + suffix for p in prefixes for suffix in (".bin", ".idx")], "--output-prefix",
+                    overwrite=args.overwrite)
+    tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type)
+    tokenizer = build_tokenizer(*tokenizer_args)
+    documents = _documents(args)
+    first = next(documents, None)  # opens the source now, so its errors come before any file is written
+    if first is None:
+        raise ValueError(f"{'--input ' + ' '.join(args.input) if args.input else '--tfds ' + args.tfds} holds no "
+                         "documents; pass a non-empty input.")
     writers = [IndexedDatasetWriter(p, dtype_for_vocab(tokenizer.vocab_size)) for p in prefixes]
-    stream = _chain(first, documents) if first is not None else iter(())
+    stream = _chain(first, documents)
     items = ((doc, args.json_keys, args.append_eod, args.split_sentences) for doc in stream)
     count, tokens = 0, 0
     # spawn, not fork: importing mtx starts JAX's threads, and a forked copy of a threaded process can deadlock.
@@ -67,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             writer.close()
             for suffix in (".bin", ".idx"):
                 Path(prefix + suffix).unlink(missing_ok=True)
-        raise SystemExit(f"error: {e}") from None
+        raise e
     for writer in writers:
         writer.close()
     print(f"wrote {count} documents, {tokens} tokens: {', '.join(p + '.bin/.idx' for p in prefixes)}")
@@ -86,8 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
     p.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (BERT); plain-text files split into documents at blank lines")
-    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--workers", type=ranged(int, ">= 1"), default=1, help="tokenizing processes")
     p.add_argument("--tfds-data-dir", help="TFDS data_dir (default: TFDS's own)")
+    p.add_argument("--overwrite", action="store_true", help="replace output files that exist already")
     return p
 
 

@@ -1,0 +1,70 @@
+"""Where mtx may write, checked before any device work: it never writes over a file it did not create.
+
+A run directory (--save, --run-dir) must be new, empty, or hold only what mtx writes there: its config.json, its
+metrics.jsonl and orbax checkpoint steps. Tools that write files (mtx.data.preprocess) refuse existing outputs unless
+told to overwrite. Paths whose parent cannot be written, or that run through a regular file, are refused up front.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def check_run_dir(path: str | Path, flag: str) -> None:
+    """Refuses a run directory that is a file, sits where nothing can be written, or holds files mtx did not write."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a directory; pass a directory path.")
+    if path.is_dir():
+        foreign = sorted(entry.name for entry in path.iterdir() if not _written_by_mtx(entry))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise ValueError(f"{flag} {path} holds files mtx did not write ({shown}); mtx never writes over them: "
+                             "choose a new or empty directory.")
+    check_writable(path, flag)
+
+
+def check_new_files(paths, flag: str, *, overwrite: bool = False, overwrite_flag: str = "--overwrite") -> None:
+    """Refuses output files that exist already (unless `overwrite`) or could not be created."""
+    paths = [Path(p) for p in paths]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"{flag}: {', '.join(existing)} exist(s) already; choose another {flag} or pass "
+                         f"{overwrite_flag} to replace them.")
+    for p in paths:
+        if p.is_dir():
+            raise ValueError(f"{flag}: {p} is a directory; choose another {flag}.")
+        check_writable(p.parent, flag)
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """Refuses a path that runs through a regular file or whose nearest existing ancestor cannot be written."""
+    path = Path(path).absolute()
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{flag} {path}: {ancestor} is a file, not a directory; choose another path.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {ancestor} is not writable; choose a directory you can write.")
+
+
+def _written_by_mtx(entry: Path) -> bool:
+    """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
+    if entry.name == "config.json":
+        return _is_mtx_config(entry)
+    if entry.name == "metrics.jsonl":
+        return entry.is_file()
+    if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name):
+        return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix)
+    return False
+
+
+def _is_mtx_config(path: Path) -> bool:
+    try:
+        sections = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(sections, dict) and {"model", "parallel", "optimizer", "training"} <= set(sections)
