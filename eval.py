@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     wiki = tasks.add_parser("wikitext", parents=[common], help="WikiText perplexity", allow_abbrev=False)
     wiki.add_argument("--data-path", required=True, help="word-level WikiText file, e.g. wiki.test.tokens")
     wiki.add_argument("--seq-length", type=ranged(int, ">= 1"), help="window length S; default the model's")
-    wiki.add_argument("--overlapping-eval", type=ranged(int, ">= 1"), help="tokens each window advances and scores (default 32)")
+    wiki.add_argument("--overlapping-eval", type=ranged(int, ">= 1"),
+                      help="tokens each window advances and scores (default 32)")
     wiki.add_argument("--no-detokenize", action="store_true", help="score the raw word-level text")
     wiki.add_argument("--dry-run", action="store_true", help="only count tokens and windows (no model)")
     lam = tasks.add_parser("lambada", parents=[common], help="LAMBADA last-word accuracy", allow_abbrev=False)

@@ -302,7 +302,7 @@ def audit_pipeline(cfg: Config) -> dict:
 def audit_data_parallel(cfg: Config) -> dict:
     """The collectives over "data" of a whole training step's loss and gradients: one all-reduce of the gradients
     (parameters replicated over "data"), or with the distributed optimizer a reduce-scatter of the gradients and an
-    all-gather of the parameters (each once per step, and per parameter: the layer stack is one parameter per weight)."""
+    all-gather of the parameters (each once per step and parameter; the layer stack is one parameter per weight)."""
     from mtx.step import TrainStep
 
     mesh = _mesh(cfg, pipeline=True)
@@ -388,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"of {row['elements_each']} elements each")
         if "data_parallel" in report:
             data = report["data_parallel"]["data"]
-            print(f"training step over data ({'distributed' if cfg.parallel.use_distributed_optimizer else 'replicated'}"
-                  f" optimizer, {data['parameters']:,} parameters):")
+            kind = "distributed" if cfg.parallel.use_distributed_optimizer else "replicated"
+            print(f"training step over data ({kind} optimizer, {data['parameters']:,} parameters):")
             for kind, row in data.items():
                 if kind != "parameters":
                     print(f"  {kind:<16}{row['ops']:>5} ops {row['elements']:>16,} elements")

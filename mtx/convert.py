@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("from-hf", help="Hugging Face GPT-2 directory -> mtx checkpoint")
     a.add_argument("--hf-dir", required=True, help="local directory with config.json and model.safetensors")
     a.add_argument("--save", required=True, help="new mtx checkpoint directory")
-    a.add_argument("--seed", type=ranged(int, ">= 0"), default=None, help="training seed stored in the checkpoint's config")
+    a.add_argument("--seed", type=ranged(int, ">= 0"), default=None,
+                   help="training seed stored in the checkpoint's config")
     b = sub.add_parser("to-hf", help="mtx checkpoint -> Hugging Face GPT2LMHeadModel directory")
     b.add_argument("--load", required=True, help="mtx checkpoint directory")
     b.add_argument("--hf-dir", required=True, help="new output directory")

@@ -1,8 +1,10 @@
 """The training step: one shard_map over the whole mesh for loss and gradients, optax and loss scaling outside.
 
 Inside the shard_map every collective is explicit: the model's f/g over "model", and exactly one gradient all-reduce
-over "data" per step, after all microbatches are accumulated. Each data rank differentiates its own copy of the
-parameters (cast to "varying" over "data" before the loss), so autodiff inserts no hidden reduction per microbatch.
+over "data" per step, after all microbatches are accumulated (with the distributed optimizer, a reduce-scatter of
+the gradients and, before the forward, an all-gather of the parameters' shards). Each data rank differentiates its
+own copy of the parameters (cast to "varying" over "data" before the loss), so autodiff inserts no hidden reduction
+per microbatch.
 
 A batch is a pytree of arrays with the global batch as leading axis (GPT: one (G, S + 1) token array; BERT: a dict
 of fields); the model family's objective (mtx/objectives.py) says how a microbatch becomes its share of the loss.
@@ -42,12 +44,12 @@ def gradient_axes(param_specs, sequence_parallel: bool):
     return jax.tree.map(axes, param_specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _reduce(g, axes, data_dim):
-    """One parameter's gradient summed over `axes`; over "data" a reduce-scatter along data_dim when it is not None
-    (the distributed optimizer), else part of one all-reduce."""
-    if data_dim is None:
+def _reduce(g, axes, dim):
+    """One parameter's gradient summed over `axes`; over "data" a reduce-scatter along `dim` when it is not None
+    (the distributed optimizer's shard), else part of one all-reduce."""
+    if dim is None:
         return jax.lax.psum(g, axes)
-    g = jax.lax.psum_scatter(g, DATA, scatter_dimension=data_dim, tiled=True)
+    g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
     rest = tuple(axis for axis in axes if axis != DATA)
     return jax.lax.psum(g, rest) if rest else g
 
@@ -91,7 +93,7 @@ class TrainStep:
         # Each rank differentiates its own copy: gradients stay local until the explicit reductions below.
         reduce_axes = gradient_axes(model.param_specs, cfg.sequence_parallel)
         params = map_specs(self._gather_master, params, model.param_specs, model.master_specs)
-        params = jax.tree.map(lambda p, axes: vary(p, axes), params, reduce_axes, is_leaf=lambda x: isinstance(x, tuple))
+        params = jax.tree.map(vary, params, reduce_axes, is_leaf=lambda x: isinstance(x, tuple))
 
         if model.pipeline is not None and model.pipeline.kind != "gpipe":  # 1F1B: the backward written out
             loss, grads = one_f_one_b(model.graphdef, params, model.objective, batch_M, model.pipeline, counts,
@@ -129,8 +131,9 @@ class TrainStep:
 
     def _gather_master(self, p, spec, master):
         """Inside shard_map, the distributed optimizer's all-gather over "data" of one parameter's master shard (laid
-        out by `master`, its spec in the training state; a parameter not split over "data" is returned as is). Matrices go in the compute dtype, which is what the forward casts them to anyway (half the
-        bytes in bf16), and are cast back so that gradients accumulate in fp32 as without the flag."""
+        out by `master`, its spec in the training state; a parameter not split over "data" is returned as is).
+        Matrices go in the compute dtype, which is what the forward casts them to anyway (half the bytes in bf16),
+        and are cast back so that gradients accumulate in fp32 as without the flag."""
         dim = data_dim(master)
         if dim is None:
             return p

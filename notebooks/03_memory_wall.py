@@ -246,7 +246,8 @@ for mesh in [(2, 1, 1), (4, 1, 2), (8, 1, 1)]:
 # The paper's 8.3B on 2 GPUs without model parallelism: 133 GB replicated, 94% of an H200's 141 GB before any
 # activation or the update's temporaries; distributed, 4 + 2 + 12 / 2 = 12 bytes per parameter, ~100 GB. (Measured
 # on 2 x H200 in docs/benchmarks.md: distributed it trains, peak 109 GiB; replicated it runs out of memory.)
-n83 = sum(x.size for x in jax.tree.leaves(abstract_params(Config().replace(**load_preset(ROOT / "configs/gpt_8.3b.toml")))))
+gpt_83b = Config().replace(**load_preset(ROOT / "configs/gpt_8.3b.toml"))
+n83 = sum(x.size for x in jax.tree.leaves(abstract_params(gpt_83b)))
 print(f"8.3B at DP 2: replicated {BYTES_PER_PARAM * n83 / GB:.0f} GB, distributed {(4 + 2 + 12 / 2) * n83 / GB:.0f} GB "
       "per device, before activations")
 assert (4 + 2 + 12 / 2) * n83 < 0.75 * 141 * GB and BYTES_PER_PARAM * n83 > 0.9 * 141 * GB

@@ -13,7 +13,7 @@ from mtx.parallel import make_mesh
 from mtx.run import train
 from mtx.step import TrainStep
 
-# Tiny GPT, 4 layers, dropout on, clipping that binds (gradient norms are ~1-3 here), 2 microbatches per data rank at DP 8.
+# Tiny GPT, 4 layers, dropout on, clipping that binds (gradient norms ~1-3 here), 2 microbatches a data rank at DP 8.
 BASE = Config().replace(**load_preset("configs/tiny.toml")).replace(
     num_layers=4, hidden_dropout=0.1, attention_dropout=0.1, clip_grad=0.5, micro_batch_size=1, global_batch_size=16)
 

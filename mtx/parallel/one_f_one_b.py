@@ -153,7 +153,7 @@ class _Residuals:
 
     def split(self, pullback, params, x_BSD) -> list:
         leaves, treedef = jax.tree.flatten(pullback)
-        assert self.treedef is None or self.treedef.num_leaves == treedef.num_leaves, "each trace of a chunk's forward must keep the same residuals"
+        assert self.treedef is None or self.treedef.num_leaves == treedef.num_leaves, "a trace kept other residuals"
         self.treedef = treedef
         at_hand = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
         at_hand[id(x_BSD)] = "input"
@@ -185,7 +185,8 @@ def _keep_policy(recompute, seq_length):
 
     everything = jax.checkpoint_policies.everything_saveable
     base = {"matmuls": save_matmul_outputs, "full": jax.checkpoint_policies.save_only_these_names(LAYER_INPUT),
-            "selective": lambda prim, *avals, **params: not any(_square_4d(a) for a in avals)}.get(recompute, everything)
+            "selective": lambda prim, *avals, **params: not any(_square_4d(a) for a in avals)}
+    base = base.get(recompute, everything)
 
     def for_input(x_BSD):
         b, s = x_BSD.shape[:2]
