@@ -6,11 +6,10 @@ Each prints one JSON object on stdout (progress bars go to stderr); bad input fa
 code 2 before any device work. Without an accelerator it runs on 8 simulated CPU devices.
 """
 
-import argparse
 import json
 import sys
 
-from mtx.cli import add_config_flags, ranged, with_negative_values
+from mtx.cli import OneLineParser, add_config_flags, ranged, with_negative_values
 from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
@@ -31,10 +30,10 @@ _COMMON_HELPS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+def build_parser() -> OneLineParser:
+    common = OneLineParser(add_help=False)
     add_config_flags(common, _COMMON_FIELDS, defaults=_COMMON_DEFAULTS, helps=_COMMON_HELPS)
-    parser = argparse.ArgumentParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = OneLineParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
     tasks = parser.add_subparsers(dest="task", required=True)
     wiki = tasks.add_parser("wikitext", parents=[common], help="WikiText perplexity", allow_abbrev=False)
     wiki.add_argument("--data-path", required=True, help="word-level WikiText file, e.g. wiki.test.tokens")
@@ -121,8 +120,8 @@ def prepare(args):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(with_negative_values(argv))
     try:  # bad input fails here, in one line that names the fix, before any device work
+        args = build_parser().parse_args(with_negative_values(argv))
         from mtx.distributed import initialize
 
         initialize(args.coordinator_address, args.num_processes, args.process_id)  # before any device is asked for

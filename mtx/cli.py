@@ -98,6 +98,14 @@ def with_negative_values(argv: list[str] | None) -> list[str]:
     return out
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors raise ValueError (message prefixed by the program and command) instead
+    of printing the usage and exiting: the tools print every bad input as one "error: ..." line, exit status 2."""
+
+    def error(self, message):
+        raise ValueError(f"{self.prog}: {message}")
+
+
 def ranged(kind: type, valid: str):
     """An argparse `type` for a tool's own numeric flag: parses with `kind` and refuses values outside `valid` (a
     range written as in mtx/config.py's RANGES), so argparse names the flag in its one-line error."""

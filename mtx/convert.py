@@ -13,14 +13,13 @@ optimizer state, so `train.py --load`, eval.py and `mtx.loading.load_model` all 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from mtx.cli import ranged
+from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
 
 PREFIX = "transformer."
@@ -247,7 +246,7 @@ def _check(ok: bool, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mtx.convert", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m mtx.convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("from-hf", help="Hugging Face GPT-2 directory -> mtx checkpoint")
     a.add_argument("--hf-dir", required=True, help="local directory with config.json and model.safetensors")
@@ -258,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--load", required=True, help="mtx checkpoint directory")
     b.add_argument("--hf-dir", required=True, help="new output directory")
     b.add_argument("--ckpt-step", type=ranged(int, ">= 0"), default=None, help="step to convert (default: latest)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if args.command == "from-hf":
             cfg = from_hf(args.hf_dir, args.save, seed=args.seed)
             m = cfg.model

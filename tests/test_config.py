@@ -196,6 +196,9 @@ def test_tools_range_check_their_own_numbers(capsys, argv, message):
     import importlib
 
     tool = importlib.import_module("eval" if argv[0] == "eval.py" else argv[0])
-    with pytest.raises(SystemExit) as e:
-        tool.main(argv[1:])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    try:
+        status = tool.main(argv[1:])
+    except SystemExit as e:
+        status = e.code
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], errors

@@ -16,7 +16,6 @@ file is then cut into documents at blank lines (mtx/data/sentences.py; no NLTK d
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import sys
@@ -25,7 +24,7 @@ from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
-from mtx.cli import ranged
+from mtx.cli import OneLineParser, ranged
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
@@ -37,9 +36,8 @@ _tokenizer = None  # one per worker process, built by _init
 def main(argv: Sequence[str] | None = None) -> list[str]:
     """Runs the command line; returns the written prefixes (what --data-path takes). Bad input exits with status 2
     and one line on stderr, having written nothing."""
-    args = _parser().parse_args(argv)
     try:
-        return _preprocess(args)
+        return _preprocess(_parser().parse_args(argv))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -88,8 +86,8 @@ def _preprocess(args) -> list[str]:
     return prefixes
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mtx.data.preprocess", description=__doc__.split("\n\n")[0])
+def _parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m mtx.data.preprocess", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", help="JSONL files (one document a line) or plain-text files (one each)")
     p.add_argument("--tfds", help="a TensorFlow Datasets split NAME[:split] instead of --input")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one dataset each")
