@@ -55,7 +55,7 @@ def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
     if entry.name == "config.json":
         return _is_mtx_config(entry)
-    if entry.name == "metrics.jsonl":
+    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (the tmp: a resume cut short while it rewrote it)
         return entry.is_file()
     if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name):
         return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix)

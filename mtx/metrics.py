@@ -7,6 +7,7 @@ MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s, wi
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,14 @@ def peak_flops_per_device(device=None) -> float | None:
 class MetricsLogger:
     """Appends metrics to `<run_dir>/metrics.jsonl` and, given a directory, to TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, tensorboard_dir: str | None = None, *, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard_dir: str | None = None, *, enabled: bool = True,
+                 resumed_at: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled  # False on every process but the first of a multi-host run: one writer per file
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resumed_at is not None and self.path.exists():
+                self._drop_after(resumed_at)
         self._tb = _TensorBoard(tensorboard_dir) if tensorboard_dir and enabled else None
 
     def log(self, record: dict[str, Any]) -> None:
@@ -40,6 +44,16 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.scalars(record["step"], {k: v for k, v in record.items()
                                               if k != "step" and isinstance(v, (int, float)) and v is not None})
+
+    def _drop_after(self, step: int) -> None:
+        """A run resumed at `step` re-runs the steps after it: their earlier records go (atomically: the file is
+        replaced by a complete copy), so each step appears once and a plot of the file is right."""
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+        if len(kept) < len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
 
     def close(self) -> None:
         if self._tb is not None:

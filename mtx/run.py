@@ -111,7 +111,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     if main:
         _print_banner(cfg, mesh, model, start)
 
-    logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main)
+    logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, resumed_at=start if t.load else None)
     result = RunResult(state, model, run_dir)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     flops_per_token = cfg.model.flops_per_token()

@@ -216,3 +216,18 @@ def test_run_directories_that_are_not_mtx_runs_or_cannot_be_written_are_refused(
         assert needle in err and "\n" not in err, err
     assert (user / "config.json").read_text() == '{"my": "own config"}\n' and len(list(user.iterdir())) == 2
     assert not (tmp_path / "fresh").exists()
+
+
+def test_metrics_hold_each_step_once_after_a_resume(tmp_path):
+    """Killed after logging steps past its last checkpoint (step 6's save removed here), a run resumed from step 4
+    re-runs steps 5 and 6: metrics.jsonl keeps each step's record once, the resumed run's."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, "first", train_iters=6, save=str(ckpt), save_interval=4, log_interval=1)
+    shutil.rmtree(ckpt / "6")
+    resumed = run(tmp_path, "resumed", train_iters=6, save=str(ckpt), load=str(ckpt), log_interval=1)
+    records = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records if r["step"] > 4 and "loss" in r] == [resumed.losses[5], resumed.losses[6]]
