@@ -83,7 +83,8 @@ def _scalar_type(hint):
 
 def with_negative_values(argv: list[str] | None) -> list[str]:
     """`--flag -1e-3` -> `--flag=-1e-3`: argparse takes a value that starts with "-" for a flag unless it looks like
-    a plain negative number, so `--lr -1e-3` would fail to parse (then range checks name the flag, mtx/config.py)."""
+    a plain negative number, so `--lr -1e-3` would fail to parse (the range check then names the flag:
+    mtx/schema_checks.py)."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -108,7 +109,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def ranged(kind: type, valid: str):
     """An argparse `type` for a tool's own numeric flag: parses with `kind` and refuses values outside `valid` (a
-    range written as in mtx/config.py's RANGES), so argparse names the flag in its one-line error."""
+    range written as in mtx/schema_checks.py's RANGES), so argparse names the flag in its one-line error."""
     def parse(text: str):
         try:
             value = kind(text)
