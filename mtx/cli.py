@@ -11,21 +11,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import types
-import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mtx.config import SECTIONS, Config, load_preset
-from mtx.schema_checks import in_range
+from mtx.config import FIELD_TYPES, SECTIONS, Config, load_preset
+from mtx.schema_checks import field_types, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
 _OFF_FLAGS = {"bert_binary_head": "--bert-no-binary-head"}
 _SECTION_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
 # Every field of every section by its (unique) name: the dataclass field and its resolved annotation.
-_SCHEMA = {f.name: (f, typing.get_type_hints(cls)[f.name])
-           for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+_SCHEMA = {f.name: (f, FIELD_TYPES[f.name]) for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,13 +69,9 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
 
 
 def _scalar_type(hint):
-    """int | None -> int, float -> float, ..."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        hint = args[0]
-    if typing.get_origin(hint) is tuple:
-        return str
-    return hint
+    """int | None -> int, float -> float, tuple[str, ...] -> str (its items), ..."""
+    kind = field_types(hint)[0][0]
+    return str if kind is tuple else kind
 
 
 def with_negative_values(argv: list[str] | None) -> list[str]:

@@ -16,7 +16,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from mtx.schema_checks import check_field
 
@@ -232,7 +232,7 @@ class Config:
         """Refuses a bad value or combination with one sentence naming the flag and the fix; returns self."""
         for part in (getattr(self, section) for section in SECTIONS):  # every field's type and range first
             for f in dataclasses.fields(part):
-                check_field(f.name, f.type, getattr(part, f.name))
+                check_field(f.name, FIELD_TYPES[f.name], getattr(part, f.name))
         m, p, t, o = self.model, self.parallel, self.training, self.optimizer
         _check(o.min_lr <= o.lr or o.lr_decay_style == "constant",
                f"--min-lr {o.min_lr} is above --lr {o.lr}; the schedule decays from --lr down to --min-lr.")
@@ -365,11 +365,11 @@ class Config:
                              p.tensor_model_parallel_size, num_devices)[0]
 
 
-# Fields that older mtx versions saved in config.json, for features measured slower and removed (docs/design.md);
-# none of them changed parameters or losses, so their checkpoints load unchanged.
+# Fields older versions saved for features measured slower and removed (none changed the model): configs still load.
 _REMOVED_FIELDS = frozenset({"tp_comm_overlap", "tp_comm_p2p", "tp_comm_batch_split"})
 
 FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+FIELD_TYPES = {name: hint for cls in SECTIONS.values() for name, hint in get_type_hints(cls).items()}
 
 
 def _coerce(key: str, value: Any) -> Any:

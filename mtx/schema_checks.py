@@ -8,6 +8,8 @@ own numeric flags use the same ranges through `mtx.cli.ranged`.
 from __future__ import annotations
 
 import math
+import types
+import typing
 from typing import Any
 
 
@@ -48,35 +50,33 @@ def in_range(value, valid: str) -> bool:
     return value >= float(bound) if op == ">=" else value > float(bound)
 
 
-def _type_name(hint: str) -> tuple[type, ...] | None:
-    """The Python types a field annotation (a string under `from __future__ import annotations`) admits."""
-    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "tuple[str, ...]": (tuple,)}
-    admitted = ()
-    for part in (p.strip() for p in hint.split("|")):
-        if part == "None":
-            continue
-        if part not in kinds:
-            return None  # not checked here
-        admitted += kinds[part]
-    return admitted
+def field_types(hint) -> tuple[tuple[type, ...], bool]:
+    """A field's resolved annotation -> (the types it names, None aside; whether it admits None):
+    `int | None` -> ((int,), True), `tuple[str, ...]` -> ((tuple,), False)."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    args = typing.get_args(hint) if union else (hint,)
+    named = tuple(typing.get_origin(a) or a for a in args if a is not type(None))
+    return named, len(named) < len(args)
 
 
 _KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", tuple: "a list of paths"}
 
 
-def check_field(name: str, hint: str, value: Any) -> None:
-    """One field's type (config files and Python callers can pass anything) and numeric range."""
+def check_field(name: str, hint, value: Any) -> None:
+    """One field's type (config files and Python callers can pass anything) and numeric range; `hint` is its resolved
+    annotation."""
     flag = "--" + name.replace("_", "-")
-    admitted = _type_name(hint)
-    if value is None and "None" in hint or admitted is None:
+    kinds, optional = field_types(hint)
+    if value is None and optional:
         return
-    bad_type = not isinstance(value, admitted) or (isinstance(value, bool) and bool not in admitted)
+    admitted = kinds + ((int,) if float in kinds else ())  # an integer is a fine float
+    bad_type = not isinstance(value, admitted) or (isinstance(value, bool) and bool not in kinds)
     if name == "data_path" and not bad_type:
         bad_type = not all(isinstance(v, str) for v in value)
     if value is None or bad_type:
-        kind = _KIND_WORDS[admitted[-1]]
-        raise ValueError(f"{flag} must be {kind}, got {value!r}; fix the flag or the config file's {name}.")
-    if name not in RANGES or isinstance(value, (bool, str, tuple)):
+        raise ValueError(f"{flag} must be {_KIND_WORDS[kinds[0]]}, got {value!r}; fix the flag or the config file's "
+                         f"{name}.")
+    if name not in RANGES:
         return
     valid = RANGES[name]
     if not math.isfinite(value) or not in_range(value, valid):

@@ -63,8 +63,8 @@ class ShardedModel:
         # training state, fp32 master weights and Adam's moments alike, along one more dimension (`data_dim`).
         data = mesh.shape[DATA] if cfg.parallel.use_distributed_optimizer else 1
         self.master_specs = map_specs(  # the training step's shard_map specs
-            lambda spec, x, stored: with_axis(spec, shard_over(spec, stored.spec, x.shape, DATA, data), DATA, x.ndim),
-            self.param_specs, self.abstract_params, self.param_shardings)
+            lambda spec, x: with_axis(spec, shard_over(spec, x.shape, DATA, data), DATA, x.ndim),
+            self.param_specs, self.abstract_params)
         self.master_shardings = map_specs(
             lambda spec, master, x, stored: NamedSharding(mesh, with_axis(stored.spec, data_dim(master), DATA, x.ndim)),
             self.param_specs, self.master_specs, self.abstract_params, self.param_shardings)

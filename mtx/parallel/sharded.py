@@ -46,17 +46,15 @@ def fit_spec(spec: P, shape, mesh: jax.sharding.Mesh) -> P:
     return P(*(axis if fits(axis, dim) else None for axis, dim in zip(spec, shape)))
 
 
-def shard_over(spec: P, stored: P, shape, axis: str, size: int) -> int | None:
+def shard_over(spec: P, shape, axis: str, size: int) -> int | None:
     """The dimension of a parameter to split over one more mesh axis (the distributed optimizer's "data"): the first
-    one that neither its declared layout (`spec`, the shard_map's) nor its stored one (`stored`) splits and that
-    `size` divides; None when there is none (the parameter then stays whole on every rank of `axis`)."""
+    one that its declared layout does not split (nor, then, its stored one, which only drops axes: `fit_spec`) and
+    that `size` divides; None when there is none (the parameter then stays whole on every rank of `axis`)."""
     if size == 1:
         return None
-    padded = lambda s: tuple(s) + (None,) * (len(shape) - len(s))
-    for dim, (declared, kept, n) in enumerate(zip(padded(spec), padded(stored), shape)):
-        if declared is None and kept is None and n % size == 0:
-            return dim
-    return None
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return next((dim for dim, (declared, n) in enumerate(zip(entries, shape)) if declared is None and n % size == 0),
+                None)
 
 
 def with_axis(spec: P, dim: int | None, axis: str, ndim: int) -> P:
