@@ -82,13 +82,17 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         y_BSD, pullback = jax.vjp(forward, params, x_BSD)
         return y_BSD, residuals.split(pullback, params, x_BSD)
 
-    def stored_backward(grads, x_BSD, kept, dy_BSD, mb, chunk):
-        """Pulls dy back through a chunk whose forward kept its residuals -> (grads + this chunk's, 0, dx)."""
+    def stored_backward(grads, saved, kept, at, arrived_BSD, dy_BSD, mb, chunk):
+        """Pulls dy back through a chunk whose forward kept its input and residuals in ring slot `at` (read here,
+        inside the branch, so XLA can feed them to their consumers in place) -> (grads + this chunk's, 0, dx)."""
+        x_BSD = jax.lax.dynamic_index_in_dim(saved, at, 0, keepdims=False)
+        kept = [jax.lax.dynamic_index_in_dim(ring, at, 0, keepdims=False) for ring in kept]
         d_params, dx_BSD = residuals.join(kept, params, x_BSD)(dy_BSD)
         return jax.tree.map(jnp.add, grads, d_params), _typed(jnp.zeros((), jnp.float32)), dx_BSD
 
-    def last_backward(grads, x_BSD, kept, dy_BSD, mb, chunk):
-        """The last virtual stage: its forward, the head and loss, and their backward, in one tick."""
+    def last_backward(grads, saved, kept, at, x_BSD, dy_BSD, mb, chunk):
+        """The last virtual stage: its forward, the head and loss, and their backward, in one tick (its input is
+        this tick's arrival, `x_BSD`)."""
         def forward_and_loss(params, x_BSD):
             model, batch_B, y_BSD = chunk_forward(params, x_BSD, mb, chunk)
             return _typed(objective.head_loss(model, y_BSD, batch_B, counts))
@@ -97,31 +101,34 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         d_params, dx_BSD = pullback(_typed(jnp.asarray(scale, jnp.float32)))
         return jax.tree.map(jnp.add, grads, d_params), loss * scale, dx_BSD.astype(dy_BSD.dtype)
 
-    def idle_backward(grads, x_BSD, kept, dy_BSD, mb, chunk):
-        return grads, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(x_BSD)
+    def idle_backward(grads, saved, kept, at, x_BSD, dy_BSD, mb, chunk):
+        return grads, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(dy_BSD)
+
+    def forward_into_ring(x_BSD, saved, kept, slot, mb, chunk):
+        """The forward slot, writing its input and residuals into ring slot `slot` inside the branch (no copy of
+        them out of the branch)."""
+        y_BSD, new_kept = forward_slot(x_BSD, mb, chunk)
+        saved = jax.lax.dynamic_update_index_in_dim(saved, x_BSD, slot, 0)
+        kept = [jax.lax.dynamic_update_index_in_dim(ring, leaf, slot, 0) for ring, leaf in zip(kept, new_kept)]
+        return y_BSD, saved, kept
 
     def tick(carry, t):
         recv_fwd, recv_bwd, saved, kept, grads, loss_sum = carry
         f_mb, f_chunk = table["fwd_mb"][t, stage], table["fwd_chunk"][t, stage]
         b_mb, b_chunk = table["bwd_mb"][t, stage], table["bwd_chunk"][t, stage]
-        # Forward slot: keep the input and the residuals (ring slot t mod K; the entry it overwrites finished its
+        # Forward slot: keep the input and the residuals in ring slot t mod K (the entry it overwrites finished its
         # backward), unless it is the last virtual stage (its backward, this same tick, runs its forward).
-        slot = t % k_slots
-        saved = jax.lax.dynamic_update_index_in_dim(saved, recv_fwd, slot, 0)
         run_forward = (f_mb >= 0) & (f_chunk * p + stage != last_stage)
-        y_BSD, new_kept = jax.lax.cond(
-            run_forward, forward_slot, lambda x, *_: (jnp.zeros_like(x), residuals.zeros()),
-            recv_fwd, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
-        kept = [jax.lax.dynamic_update_index_in_dim(ring, leaf, slot, 0) for ring, leaf in zip(kept, new_kept)]
+        y_BSD, saved, kept = jax.lax.cond(
+            run_forward, forward_into_ring, lambda x, saved, kept, *_: (jnp.zeros_like(x), saved, kept),
+            recv_fwd, saved, kept, t % k_slots, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
         # Backward slot: the input and residuals this (microbatch, chunk) kept at its forward (the timetable says
-        # which tick).
+        # which tick); the last virtual stage's input is this tick's arrival.
         at = table["bwd_saved_at"][t, stage] % k_slots
         branch = jnp.where(b_mb < 0, 0, jnp.where(b_chunk * p + stage == last_stage, 1, 2))
         grads, loss, dx_BSD = jax.lax.switch(
             branch, (idle_backward, last_backward, stored_backward),
-            grads, jax.lax.dynamic_index_in_dim(saved, at, 0, keepdims=False),
-            [jax.lax.dynamic_index_in_dim(ring, at, 0, keepdims=False) for ring in kept],
-            recv_bwd, jnp.maximum(b_mb, 0), jnp.maximum(b_chunk, 0))
+            grads, saved, kept, at, recv_fwd, recv_bwd, jnp.maximum(b_mb, 0), jnp.maximum(b_chunk, 0))
         to_next = [(i, (i + 1) % p) for i in range(p)]  # activations: device s -> s + 1 (P - 1 -> 0: next chunk)
         to_prev = [(i, (i - 1) % p) for i in range(p)]  # input gradients: s -> s - 1
         return (jax.lax.ppermute(y_BSD, PIPELINE, to_next), jax.lax.ppermute(dx_BSD, PIPELINE, to_prev), saved,
