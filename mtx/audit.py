@@ -31,131 +31,26 @@ audits the GPU compilation instead (async start/done pairs count once; same coun
 from __future__ import annotations
 
 import argparse
-import itertools
+from collections import Counter
 import json
 import os
-import re
 import sys
-from collections import Counter
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config
+from mtx.hlo import KINDS, collectives, loop_collectives, summarize
 from mtx.models.stack import save_matmul_outputs
 from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
 from mtx.parallel.sharded import named_shardings, partition_specs
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"%(?P<name>\S+) = (?P<shape>.+?) (?P<kind>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\("
-                 r"(?P<operands>[^)]*)\)(?P<attrs>.*)$")
 _NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,gpu-all-reduce-combiner"}  # see the docstring
-_DIMS = re.compile(r"[a-z][a-z0-9]*\[([\d,]*)\]")
-
-
-# ---- HLO text -> collectives ----
-
-def _axis_groups(axis_sizes: dict[str, int]) -> dict[frozenset, str]:
-    """For every subset of the mesh axes of size > 1, its replica groups (flattened mesh positions) -> "a,b"."""
-    names, shape = list(axis_sizes), tuple(axis_sizes.values())
-    ids = np.arange(int(np.prod(shape))).reshape(shape)
-    big = [i for i, n in enumerate(shape) if n > 1]
-    table = {}
-    for k in range(len(big), 0, -1):  # smaller subsets last, so they win where size-1 axes make groups equal
-        for subset in itertools.combinations(big, k):
-            rest = [i for i in range(len(shape)) if i not in subset]
-            rows = ids.transpose(rest + list(subset)).reshape(-1, int(np.prod([shape[i] for i in subset])))
-            table[frozenset(frozenset(r.tolist()) for r in rows)] = ",".join(names[i] for i in subset)
-    return table
-
-
-def _parse_groups(attrs: str, num_devices: int) -> list[list[int]] | None:
-    """Replica groups in any of XLA's three printed forms: {{0,1},{2,3}}, [2,4]<=[4,2]T(1,0), mesh[...] {'a'}."""
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
-        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
-        axes = [a.strip() for a in m.group(2).split(",")]
-        if any(":" in a for a in axes):
-            return None  # a sub-axis ('model':(1)2), which no audited program uses
-        inverse = {label: groups for groups, label in _axis_groups(sizes).items()}
-        spanned = ",".join(a for a in sizes if f"'{a}'" in axes and sizes[a] > 1)
-        if not spanned:
-            return [[i] for i in range(num_devices)]
-        return [sorted(g) for g in inverse[spanned]] if spanned in inverse else None
-    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs):
-        dims = [int(d) for d in m.group(3).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if m.group(4):
-            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
-    if m := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs):
-        groups = [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-        return groups or [list(range(num_devices))]  # {} means one group of every device
-    if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs):  # collective-permute
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
-    return None
-
-
-def _axes_of(groups: list[list[int]] | None, table: dict[frozenset, str], permute: bool) -> str | None:
-    """The mesh axes the groups span; None when every group is a single device (nothing moves)."""
-    if groups is None:
-        return "?"
-    if all(len(set(g)) <= 1 for g in groups):
-        return None
-    if permute:  # pairs: the smallest axis subset whose groups each hold both ends of every pair
-        fits = [(len(label.split(",")), label) for part, label in table.items()
-                if all(any(set(pair) <= grp for grp in part) for pair in groups)]
-        return min(fits)[1] if fits else "?"
-    return table.get(frozenset(frozenset(g) for g in groups), "?")
-
-
-def collectives(hlo: str, axis_sizes: dict[str, int]) -> list[tuple[str, str, int]]:
-    """Every collective of compiled HLO text as (kind, axes, elements); an async start/done pair counts once."""
-    table, n = _axis_groups(axis_sizes), int(np.prod(list(axis_sizes.values())))
-    ops = [m for line in hlo.splitlines() if (m := _OP.search(line))]
-    starts = {m["name"]: m for m in ops if m["phase"] == "-start"}
-    found = []
-    for m in ops:
-        if m["phase"] == "-start":
-            continue  # counted at its -done, whose result is the collective's output (a start returns a tuple)
-        if m["phase"] == "-done":  # the replica groups are printed on the start
-            start = starts.get(m["operands"].split()[-1].lstrip("%"))
-            attrs = start["attrs"] if start else ""
-        else:
-            attrs = m["attrs"]
-        axes = _axes_of(_parse_groups(attrs, n), table, permute=m["kind"] == "collective-permute")
-        if axes is not None:
-            elements = sum(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in _DIMS.findall(m["shape"]))
-            found.append((m["kind"], axes, elements))
-    return found
-
-
-def summarize(forward: list, forward_backward: list) -> dict:
-    """Counts by kind and by "kind axes", elements by "kind axes", and the ops, for forward and backward.
-
-    Backward is (forward+backward) - forward: per key a signed difference, per op a multiset difference.
-    """
-    def tally(ops):
-        by_axis, elements = Counter(), Counter()
-        for kind, axes, n in ops:
-            by_axis[f"{kind} {axes}"] += 1
-            elements[f"{kind} {axes}"] += n
-        return by_axis, elements
-
-    (fa, fe), (ba, be) = tally(forward), tally(forward_backward)
-    keys = sorted(set(fa) | set(ba))
-    by_axis = {"forward": dict(fa), "backward": {k: ba[k] - fa[k] for k in keys if ba[k] != fa[k]}}
-    elements = {"forward": dict(fe), "backward": {k: be[k] - fe[k] for k in keys if be[k] != fe[k]}}
-    kinds = {phase: {kind: sum(n for k, n in by_axis[phase].items() if k.split()[0] == kind) for kind in KINDS}
-             for phase in ("forward", "backward")}
-    ops = {"forward": sorted(forward), "backward": sorted((Counter(forward_backward) - Counter(forward)).elements())}
-    return {**kinds, "by_axis": by_axis, "elements": elements,
-            "ops": {k: [{"kind": a, "axes": b, "elements": c} for a, b, c in v] for k, v in ops.items()}}
 
 
 # ---- what is compiled ----
@@ -192,10 +87,14 @@ def _mesh(cfg: Config, *, pipeline: bool = False):
                      p.tensor_model_parallel_size)
 
 
-def _audit(mesh, forward, forward_backward, args) -> dict:
+def _audit(mesh, forward, forward_backward, args, *, hlo: list | None = None) -> dict:
+    """Collectives of forward and forward+backward (backward = the difference); `hlo` receives their HLO texts."""
     sizes = dict(mesh.shape)
-    compiled = [jax.jit(fn).lower(*args).compile(compiler_options=_NO_COMBINER) for fn in (forward, forward_backward)]
-    return summarize(*(collectives(c.as_text(), sizes) for c in compiled))
+    compiled = [jax.jit(fn).lower(*args).compile(compiler_options=_NO_COMBINER).as_text()
+                for fn in (forward, forward_backward)]
+    if hlo is not None:
+        hlo.extend(compiled)
+    return summarize(*(collectives(text, sizes) for text in compiled))
 
 
 def audit_layer(cfg: Config) -> dict:
@@ -270,9 +169,11 @@ def audit_loss(cfg: Config) -> dict:
 
 def audit_pipeline(cfg: Config) -> dict:
     """Collectives of a whole pipelined training step's loss and gradients (mtx/step.py), with the pipeline's
-    shifts counted per step. GPipe: one collective-permute in the body of the tick scan, which runs M + P - 1 times
-    forward and again backward. 1F1B / interleaved: two in the body of one scan of forward and backward slots (the
-    activations to the next stage, the input gradients to the previous one), run once a tick."""
+    shifts counted per step: the collective-permutes over "pipeline" in the body of a tick scan run once a tick.
+    GPipe: one in the body of the tick scan, which runs M + P - 1 times forward and again backward. 1F1B /
+    interleaved: two in the body of one scan of forward and backward slots (the activations to the next stage, the
+    input gradients to the previous one). Outside the ticks, uneven or virtual stages move the layers stored on
+    another device into each device's chunk slots, and their gradients back, once a step (`layer exchange`)."""
     from mtx.sharded_model import ShardedModel
     from mtx.step import TrainStep
 
@@ -283,19 +184,25 @@ def audit_pipeline(cfg: Config) -> dict:
     t, m = cfg.training, cfg.model
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), jnp.int32, sharding=model.batch_sharding)
     forward = lambda p, x, step: train_step.loss_and_grads(p, x, step)[0]  # the backward is dead code here
-    report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step))
+    hlo = []
+    report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step), hlo=hlo)
     schedule = model.pipeline
-    permutes = {phase: [op for op in report["ops"][phase]
-                        if op["kind"] == "collective-permute" and op["axes"] == "pipeline"]
-                for phase in ("forward", "backward")}
     report["schedule"] = {"schedule": schedule.kind, "stages": schedule.stages, "virtual_stages": schedule.virtual,
                           "microbatches": schedule.microbatches, "layers_per_stage": list(schedule.counts),
                           "ticks": schedule.ticks, "ideal_bubble": schedule.bubble}
-    if schedule.kind != "gpipe":  # one program: the backward is not dead code in the loss-only compile
-        permutes = {"forward and backward": permutes["forward"] + permutes["backward"]}
-    report["per_step"] = {phase: {"collective-permute pipeline": len(ops) * schedule.ticks,
-                                  "elements_each": sorted({op["elements"] for op in ops})}
-                          for phase, ops in permutes.items()}
+    permutes = lambda ops: Counter(op for op in ops if op[:2] == ("collective-permute", "pipeline"))
+    sizes = dict(mesh.shape)
+    every, ticked = [permutes(collectives(text, sizes)) for text in hlo], [permutes(loop_collectives(text, sizes))
+                                                                         for text in hlo]
+    if schedule.kind == "gpipe":  # backward = (forward + backward) - forward, as everywhere in the audit
+        phases = {"forward": ticked[0], "backward": ticked[1] - ticked[0]}
+    else:  # one program: the backward is not dead code in the loss-only compile
+        phases = {"forward and backward": ticked[1]}
+    report["per_step"] = {phase: {"collective-permute pipeline": ops.total() * schedule.ticks,
+                                  "elements_each": sorted({op[2] for op in ops})} for phase, ops in phases.items()}
+    exchange = every[1] - ticked[1]
+    report["layer_exchange"] = {"collective-permute pipeline": exchange.total(),
+                                "elements": sum(op[2] * n for op, n in exchange.items())}
     return report
 
 
@@ -386,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             for phase, row in pipe["per_step"].items():
                 print(f"  per step, {phase}: {row['collective-permute pipeline']} collective-permutes over pipeline "
                       f"of {row['elements_each']} elements each")
+            exchange = pipe["layer_exchange"]
+            if exchange["collective-permute pipeline"]:
+                print(f"  per step, layer exchange (chunk slots and their gradients): "
+                      f"{exchange['collective-permute pipeline']} collective-permutes, {exchange['elements']:,} elements")
         if "data_parallel" in report:
             data = report["data_parallel"]["data"]
             kind = "distributed" if cfg.parallel.use_distributed_optimizer else "replicated"

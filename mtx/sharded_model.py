@@ -5,11 +5,12 @@ schedule, where batches go, and the sharded computations that every caller share
 states (evaluation, scoring) and the evaluation loss (GPT's next-token loss and BERT's MLM + SOP alike, through the
 model family's objective, mtx/objectives.py). It holds no optimizer: the training step (mtx/step.py) adds that.
 
-Parameters cross the boundary as global arrays in their stored (canonical) layout; `stage_params` regathers the layer
-stack into equal per-device slots when an uneven layout or virtual stages need it, and `canonical_grads` undoes that
-for gradients. Forward-only uses (evaluation, scoring, decoding) run GPipe's forward ticks with one contiguous stage
-per device (`forward_pipeline`, laid out by `forward_params`), whatever schedule trains. A parameter is part of the
-layer stack exactly when its declared spec has the "pipeline" axis.
+Parameters cross the boundary as global arrays in their stored (canonical) layout: the layer stack in layer order,
+split into contiguous blocks over "pipeline". Inside the training step, `local_slots` fills each device's equal chunk
+slots from it when an uneven layout or virtual stages need them (moving only the layers stored elsewhere), and
+autodiff brings the gradients back. Forward-only uses (evaluation, scoring, decoding) run GPipe's forward ticks with
+one contiguous stage per device (`forward_pipeline`, laid out by `forward_params`), whatever schedule trains. A
+parameter is part of the layer stack exactly when its declared spec has the "pipeline" axis.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from mtx.models.bert import BERT
 from mtx.models.gpt import GPT
 from mtx.objectives import micro_loss, objective_for
 from mtx.parallel.mesh import DATA, PIPELINE
-from mtx.parallel.pipeline import Schedule, from_slots, pipelined_final_hidden, pipelined_loss, to_slots
-from mtx.parallel.sharded import (init_sharded, is_stacked, map_specs, named_shardings, partition_specs,
-                                  data_dim, shard_over, split_abstract, with_axis)
+from mtx.parallel.pipeline import Schedule, SlotExchange, pipelined_final_hidden, pipelined_loss, to_slots
+from mtx.parallel.sharded import (fit_spec, init_sharded, is_stacked, map_specs, named_shardings,
+                                  partition_specs, shard_over, split_abstract, with_axis)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -62,12 +63,12 @@ class ShardedModel:
         # The distributed optimizer (--use-distributed-optimizer) also splits each parameter over "data" in the
         # training state, fp32 master weights and Adam's moments alike, along one more dimension (`data_dim`).
         data = mesh.shape[DATA] if cfg.parallel.use_distributed_optimizer else 1
-        self.master_specs = map_specs(  # the training step's shard_map specs
+        self.master_specs = map_specs(  # the training state's layout, and the training step's shard_map specs
             lambda spec, x: with_axis(spec, shard_over(spec, x.shape, DATA, data), DATA, x.ndim),
-            self.param_specs, self.abstract_params)
-        self.master_shardings = map_specs(
-            lambda spec, master, x, stored: NamedSharding(mesh, with_axis(stored.spec, data_dim(master), DATA, x.ndim)),
-            self.param_specs, self.master_specs, self.abstract_params, self.param_shardings)
+            map_specs(lambda spec, x: fit_spec(spec, x.shape, mesh), self.param_specs, self.abstract_params),
+            self.abstract_params)
+        self.master_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.master_specs,
+                                             is_leaf=lambda x: isinstance(x, P))
         self.num_microbatches = num_microbatches(cfg, mesh)
         self.pipeline = (Schedule(cfg.stage_layer_counts(), self.num_microbatches, cfg.virtual_stages, cfg.schedule)
                          if mesh.shape[PIPELINE] > 1 else None)
@@ -92,11 +93,10 @@ class ShardedModel:
         return ShardedModel(self.cfg.replace(sequence_parallel=False), self.mesh)
 
     # ---- layouts ----
-    def stage_params(self, params, schedule: Schedule | None = None, specs=None):
-        """Uneven or virtual stages of `schedule` (default: training's): the layer stack regathered into equal
-        per-device chunk slots, split over "pipeline" and laid out by `specs` (default: the declared ones; the
-        training step passes `master_specs`)."""
-        schedule = schedule or self.pipeline
+    def forward_params(self, params):
+        """`params` laid out for the forward-only schedule (evaluation, scoring, decoding): with uneven or virtual
+        stages, the layer stack regathered into equal per-device slots of contiguous layers, split over "pipeline"."""
+        schedule = self.forward_pipeline
         if schedule is None or not schedule.regathered:
             return params
 
@@ -106,25 +106,22 @@ class ShardedModel:
             whole = jax.sharding.reshard(a, NamedSharding(self.mesh, P(None, *spec[1:])))
             return jax.sharding.reshard(to_slots(whole, schedule), NamedSharding(self.mesh, spec))
 
-        return map_specs(regather, params, self.param_specs if specs is None else specs)
+        return map_specs(regather, params, self.param_specs)
 
-    def forward_params(self, params):
-        """`params` laid out for the forward-only schedule (evaluation, scoring, decoding)."""
-        return self.stage_params(params, self.forward_pipeline)
-
-    def canonical_grads(self, grads):
-        """Gradients of `stage_params`' slots (laid out by `master_specs`) -> gradients laid out like the training
-        state's parameters."""
+    def local_slots(self, params):
+        """Inside the training step's shard_map: this device's stored parameters -> the same with the layer stack in
+        its chunk slots for uneven or virtual stages (`SlotExchange`: only the layers stored on another device move,
+        by `ppermute`); differentiable, so the slots' gradients pull back to the stored layout."""
         if self.pipeline is None or not self.pipeline.regathered:
-            return grads
+            return params
 
-        def scatter_back(g, spec, sharding):  # slots -> whole stack -> stored like the parameter
+        def slots(a, spec, stored):
             if not is_stacked(spec):
-                return g
-            whole = jax.sharding.reshard(g, NamedSharding(self.mesh, P(None, *spec[1:])))
-            return jax.sharding.reshard(from_slots(whole, self.pipeline), sharding)
+                return a
+            rows = a.shape[0] if PIPELINE in stored else sum(self.pipeline.counts)
+            return SlotExchange.plan(self.pipeline, rows)(a)
 
-        return map_specs(scatter_back, grads, self.master_specs, self.master_shardings)
+        return map_specs(slots, params, self.param_specs, self.master_specs)
 
     def put_batch(self, batch_np):
         """A host batch (an array or a dict of arrays, leading axis G) -> global arrays split over "data" (the same

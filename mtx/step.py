@@ -30,18 +30,18 @@ from mtx.sharded_model import DTYPES, ShardedModel
 from mtx.state import TrainState, abstract_state, init_state, optimizer_for
 
 
-def gradient_axes(param_specs, sequence_parallel: bool):
+def gradient_axes(param_specs, stored_specs, sequence_parallel: bool):
     """Per parameter, the mesh axes its gradient is summed over once per step (and its copy cast to vary over inside
     the step, so autodiff inserts no earlier reduction): "data" always; "pipeline" for the parameters every stage
-    holds (those not in the layer stack); "model" for the layer stack's replicated LayerNorms and biases under
-    sequence parallelism, which each rank applies to its own rows only (Megatron's all-reduce of the
-    sequence-parallel LayerNorm gradients). Not the heads' replicated parameters: they act on the gathered, identical
-    rows."""
-    def axes(spec):
+    holds (those not in the layer stack, and a stack that P does not divide, stored whole on every stage); "model"
+    for the layer stack's replicated LayerNorms and biases under sequence parallelism, which each rank applies to its
+    own rows only (Megatron's all-reduce of the sequence-parallel LayerNorm gradients). Not the heads' replicated
+    parameters: they act on the gathered, identical rows."""
+    def axes(spec, stored):
         layer_replicated = sequence_parallel and is_stacked(spec) and MODEL not in spec
-        return (DATA, *(() if is_stacked(spec) else (PIPELINE,)), *((MODEL,) if layer_replicated else ()))
+        return (DATA, *(() if is_stacked(stored) else (PIPELINE,)), *((MODEL,) if layer_replicated else ()))
 
-    return jax.tree.map(axes, param_specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(axes, param_specs, stored_specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _reduce(g, axes, dim):
@@ -91,9 +91,10 @@ class TrainStep:
         first = jax.lax.axis_index(DATA) * rows
         keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
         # Each rank differentiates its own copy: gradients stay local until the explicit reductions below.
-        reduce_axes = gradient_axes(model.param_specs, cfg.sequence_parallel)
+        reduce_axes = gradient_axes(model.param_specs, model.master_specs, cfg.sequence_parallel)
         params = map_specs(self._gather_master, params, model.param_specs, model.master_specs)
         params = jax.tree.map(vary, params, reduce_axes, is_leaf=lambda x: isinstance(x, tuple))
+        params, to_stored = jax.vjp(model.local_slots, params)  # uneven or virtual stages: the layers' chunk slots
 
         if model.pipeline is not None and model.pipeline.kind != "gpipe":  # 1F1B: the backward written out
             loss, grads = one_f_one_b(model.graphdef, params, model.objective, batch_M, model.pipeline, counts,
@@ -121,6 +122,7 @@ class TrainStep:
                 zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
                          jax.tree.map(jnp.zeros_like, params))
                 (loss, grads), _ = jax.lax.scan(micro, zeros, (batch_M, keys_MB))
+        grads, = to_stored(grads)
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
         # holds (embeddings, final LN) also sum their per-stage parts over "pipeline", and with sequence parallelism
         # the layers' replicated LayerNorms and biases their per-rank (per-rows) parts over "model".
@@ -151,8 +153,8 @@ class TrainStep:
         loss, grads = jax.shard_map(
             self._local_loss_and_grads, mesh=self.mesh,
             in_specs=(model.master_specs, P(DATA), P(), P()), out_specs=(P(), model.master_specs),
-        )(model.stage_params(params, specs=model.master_specs), batch, key, jnp.asarray(scale, jnp.float32))
-        return loss, model.canonical_grads(grads)
+        )(params, batch, key, jnp.asarray(scale, jnp.float32))
+        return loss, grads
 
     def _train_step(self, state: TrainState, batch):
         t = self.cfg.training

@@ -5,10 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config, load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.pipeline import Schedule
+from mtx.parallel.sharded import is_stacked, partition_specs, split_abstract
+from mtx.sharded_model import build_model
 from mtx.step import TrainStep
 
 DEEP = Config().replace(**load_preset("configs/tiny.toml")).replace(num_layers=8, hidden_dropout=0.0,
@@ -75,6 +78,12 @@ def test_audit_counts_two_shifts_a_tick():
         assert report["schedule"]["ticks"] == ticks
         assert report["per_step"] == {"forward and backward": {"collective-permute pipeline": 2 * ticks,
                                                                "elements_each": [b * s * h]}}
+        # Interleaved: device s holds chunks s and s + 2 of 4 layers stored [0 1 | 2 3], so each device receives one
+        # layer from the other (every stacked parameter), and sends its gradient back.
+        exchange = report["layer_exchange"]
+        specs = partition_specs(split_abstract(build_model(cfg))[1])
+        stacked = [spec for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)) if is_stacked(spec)]
+        assert exchange["collective-permute pipeline"] == (2 * len(stacked) if v == 2 else 0)
         assert report["schedule"]["ideal_bubble"] == pytest.approx(1 / (4 * v + 1))
 
 

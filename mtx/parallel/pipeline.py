@@ -151,12 +151,49 @@ def to_slots(layer_params, schedule: Schedule):
     return jax.tree.map(lambda a: a[index], layer_params)
 
 
-def from_slots(slot_grads, schedule: Schedule):
-    """Gradients of the slots -> gradients of the canonical stack. Every layer sits in exactly one active slot, so
-    this is a gather; inactive (padding) slots carry zero gradient and are dropped."""
-    active = np.flatnonzero(schedule.slot_active())
-    slot_of_layer = jnp.asarray(active[np.argsort(schedule.slot_layers()[active], kind="stable")])
-    return jax.tree.map(lambda g: g[slot_of_layer], slot_grads)
+@dataclass(frozen=True)
+class SlotExchange:
+    """How each device's chunk slots are filled from the stored layer stack inside shard_map, moving over "pipeline"
+    only the layers stored on another device: the stack is stored split into contiguous (L / P, ...) blocks (or, when
+    P does not divide L, whole on every device: then nothing moves).
+
+    sends[o - 1]: (P, n_o) rows each device sends to the device o after it (padded with row 0 to the longest list;
+    n_o = 0: no send);
+    gather: (P, V slots) row of each slot in [own block, received from o = 1, ..., received from o = P - 1]."""
+
+    sends: tuple[np.ndarray, ...]
+    gather: np.ndarray
+
+    @classmethod
+    def plan(cls, schedule: Schedule, stored_rows: int) -> "SlotExchange":
+        p, per_device = schedule.stages, schedule.virtual * schedule.slots
+        layers_DJ = schedule.slot_layers().reshape(p, per_device)
+        if stored_rows != sum(schedule.counts):  # contiguous blocks of L / P layers
+            source_DJ, row_DJ = np.divmod(layers_DJ, stored_rows)
+        else:  # the whole stack on every device
+            source_DJ, row_DJ = np.arange(p)[:, None] + 0 * layers_DJ, layers_DJ
+        offset_DJ = (np.arange(p)[:, None] - source_DJ) % p
+        wanted = [[row_DJ[(d + o) % p][offset_DJ[(d + o) % p] == o] for d in range(p)] for o in range(p)]
+        width = [max(len(rows) for rows in wanted[o]) for o in range(p)]
+        sends = tuple(np.array([np.pad(rows, (0, width[o] - len(rows))) for rows in wanted[o]], np.int32)
+                      .reshape(p, width[o]) for o in range(1, p))
+        starts = np.cumsum([0, stored_rows, *width[1:]])
+        gather = np.zeros((p, per_device), np.int32)
+        for d in range(p):
+            for o in range(p):
+                at = np.flatnonzero(offset_DJ[d] == o)
+                gather[d, at] = row_DJ[d, at] if o == 0 else starts[o] + np.arange(len(at))
+        return cls(sends, gather)
+
+    def __call__(self, stored):
+        """Inside shard_map: this device's stored (rows, ...) block -> its (V slots, ...) chunk slots. Differentiable:
+        the gradients of the slots pull back to the stored block (the sends reversed)."""
+        p = len(self.sends) + 1
+        stage = jax.lax.axis_index(PIPELINE)
+        received = [jax.lax.ppermute(jnp.take(stored, jnp.asarray(rows)[stage], axis=0), PIPELINE,
+                                     [(s, (s + o) % p) for s in range(p)])
+                    for o, rows in enumerate(self.sends, start=1) if rows.size]
+        return jnp.take(jnp.concatenate([stored, *received]), jnp.asarray(self.gather)[stage], axis=0)
 
 
 def pipeline_ticks(stage_fn, inputs_M, schedule: Schedule, state=None):
