@@ -90,10 +90,10 @@ class BERT(nnx.Module):
             x_BSD = self.embedding_layernorm(x_BSD)
         return dropout(x_BSD, self.hidden_dropout, None if keys_B is None else fold(keys_B, 0))
 
-    def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
+    def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, real_layers=None):
         """Runs the held layers on (B, S, D): see ParallelTransformer.__call__."""
         return self.stack(self.layers, x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=first_layer,
-                          active_L=active_L)
+                          real_layers=real_layers)
 
     def final_hidden(self, x_BSD):
         """Output of the layer stack -> the final hidden states, replicated over "model" (the final LayerNorm of

@@ -70,15 +70,15 @@ class GPT(nnx.Module):
         h_BSD = self.final_layernorm(x_BSD)
         return gather_from_model_parallel(h_BSD, axis=0) if self.sequence_parallel else h_BSD
 
-    def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
+    def transform(self, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, real_layers=None):
         """Runs the layers held in self.layers (all L, or one pipeline stage's) on (B, S, D): see
         ParallelTransformer.__call__."""
         return self.stack(self.layers, x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=first_layer,
-                          active_L=active_L)
+                          real_layers=real_layers)
 
-    def transform_cached(self, x_BTD, cache: KVCache, start_B, *, active_L=None, write=None):
+    def transform_cached(self, x_BTD, cache: KVCache, start_B, *, real_layers=None, write=None):
         """Inference through the held layers with their KV caches: see ParallelTransformer.decode."""
-        return self.stack.decode(self.layers, x_BTD, cache, start_B, active_L=active_L, write=write)
+        return self.stack.decode(self.layers, x_BTD, cache, start_B, real_layers=real_layers, write=write)
 
     def head_loss(self, x_BSD, targets_BS, *, label_smoothing: float = 0.0):
         """Final LN, tied output layer and vocab-parallel cross-entropy: (B, S, D) (this rank's B / tp rows with

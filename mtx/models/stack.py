@@ -11,7 +11,9 @@ Dimension letters as in mtx/models/transformer.py. Everything runs in the local 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -30,6 +32,16 @@ from mtx.parallel.random import fold
 KV_CACHE_SPEC = KVCache(P(PIPELINE, DATA, None, MODEL, None), P(PIPELINE, DATA, None, MODEL, None))
 
 LAYER_INPUT = "layer_input"  # checkpoint name of each layer's input (what `full` recomputation keeps)
+
+
+
+class RealLayers(NamedTuple):
+    """How many of a pipeline stage's held layers are real (a traced scalar; the rest are padding of an uneven
+    layout), and the counts it can take (static, sorted)."""
+
+    count: jax.Array
+    choices: tuple[int, ...]
+
 
 _SAVED_PRIMITIVES = ("dot_product_attention_fwd", "psum", "all_gather", "reduce_scatter", "ppermute")
 
@@ -93,20 +105,20 @@ class ParallelTransformer:
 
         return make_layers(rngs)
 
-    def __call__(self, layers: TransformerLayer, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0, active_L=None):
+    def __call__(self, layers: TransformerLayer, x_BSD, *, mask_BS=None, keys_B=None, first_layer=0,
+                 real_layers: RealLayers | None = None):
         """Runs the held layers (all L, or one pipeline stage's) on (B, S, D) (this rank's rows with sequence
         parallelism).
 
         keys_B: one dropout key per sequence (None: no dropout); first_layer: global index of the first held layer
-        (dropout keys follow the global layer index); active_L: optional bool per held layer, an inactive layer
-        (padding of an uneven pipeline stage) passes x through unchanged.
+        (dropout keys follow the global layer index); real_layers: with uneven pipeline stages, how many of the held
+        layers are real (the rest, padding, pass x through): one `lax.switch` over the counts it can take, each
+        branch running exactly its layers (a `cond` per layer would cost a branch decision per layer).
         """
         graphdef, stacked = nnx.split(layers)
-        num_held = jax.tree.leaves(stacked)[0].shape[0]
-        masked = active_L is not None
 
         def body(x_BSD, inputs):  # one compiled layer, run once per held layer
-            layer_state, i, active = inputs
+            layer_state, i = inputs
             layer_keys = None if keys_B is None else fold(keys_B, first_layer + i + 1)
             return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys), None
 
@@ -115,20 +127,23 @@ class ParallelTransformer:
             body = lambda x_BSD, inputs: layer(checkpoint_name(x_BSD, LAYER_INPUT), inputs)
         elif self.recompute == "matmuls":  # keep the matmuls' outputs; recompute LN, GeLU, bias adds, dropout
             body = jax.checkpoint(body, policy=save_matmul_outputs)
-        if masked:  # an inactive slot (padding of an uneven stage) runs no layer
-            layer_or_skip = body
-            body = lambda x_BSD, inputs: (jax.lax.cond(inputs[2], lambda x: layer_or_skip(x, inputs)[0],
-                                                       lambda x: x, x_BSD), None)
-        active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
-        x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
-        if self.scan_layers:
-            x_BSD, _ = jax.lax.scan(body, x_BSD, (stacked, jnp.arange(num_held), active_L))
-        else:  # unrolled: each layer's saved activations are buffers of their own, not slices of a stacked one
-            per_layer = jax.tree.map(_unstack, stacked)
-            for i in range(num_held):
+
+        def run_first(n, x_BSD):  # the first n held layers
+            if self.scan_layers:
+                held = jax.tree.map(lambda a: a[:n], stacked)
+                return jax.lax.scan(body, x_BSD, (held, jnp.arange(n)))[0] if n else x_BSD
+            per_layer = jax.tree.map(_unstack, stacked)  # unrolled: each layer's saved activations are own buffers
+            for i in range(n):
                 x_BSD, _ = body(x_BSD, (jax.tree.map(lambda parts: parts[i], per_layer,
-                                                     is_leaf=lambda x: isinstance(x, tuple)), i, active_L[i]))
-        return x_BSD
+                                                     is_leaf=lambda x: isinstance(x, tuple)), i))
+            return x_BSD
+
+        x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
+        if real_layers is None:
+            return run_first(jax.tree.leaves(stacked)[0].shape[0], x_BSD)
+        count, choices = real_layers
+        index = jnp.searchsorted(jnp.asarray(choices), count)
+        return jax.lax.switch(index, [functools.partial(run_first, n) for n in choices], x_BSD)
 
     def empty_cache(self, layers: TransformerLayer, batch: int, window: int) -> KVCache:
         """A zero KV cache for the held layers: (held L, B, S_max, n_local, H) each, typed like its spec
@@ -139,24 +154,25 @@ class ParallelTransformer:
         zeros = vary(zeros, (DATA, PIPELINE, MODEL))
         return KVCache(zeros, zeros)
 
-    def decode(self, layers: TransformerLayer, x_BTD, cache: KVCache, start_B, *, active_L=None, write=None):
+    def decode(self, layers: TransformerLayer, x_BTD, cache: KVCache, start_B, *, real_layers=None, write=None):
         """Inference through the held layers with their KV caches: (B, T, D) new tokens at positions start_B + t,
         cache (held L, B, S_max, n_local, H) each -> ((B, T, D), updated cache).
 
-        The cache is stacked per layer and scanned alongside the layer parameters (one compiled layer). active_L as
-        in `__call__`; write: optional bool, False leaves the cache as it was (a pipeline stage off its tick).
+        The cache is stacked per layer and scanned alongside the layer parameters (one compiled layer). real_layers
+        as in `__call__` (here a padding layer runs and its output is dropped: decoding is latency-bound, one
+        compiled layer); write: optional bool, False leaves the cache as it was (a pipeline stage off its tick).
         """
         assert not self.sequence_parallel, "decoding runs whole rows: build its model with sequence parallelism off"
         graphdef, stacked = nnx.split(layers)
         num_held = jax.tree.leaves(stacked)[0].shape[0]
-        masked = active_L is not None
+        masked = real_layers is not None
 
         def body(x_BTD, inputs):
             layer_state, layer_cache, active = inputs
             y_BTD, layer_cache = nnx.merge(graphdef, layer_state).decode(x_BTD, layer_cache, start_B, write=write)
             return (jnp.where(active, y_BTD, x_BTD) if masked else y_BTD), layer_cache
 
-        active_L = active_L if masked else jnp.ones((num_held,), jnp.bool_)
+        active_L = jnp.arange(num_held) < real_layers.count if masked else jnp.ones((num_held,), jnp.bool_)
         x_BTD = vary_like(x_BTD, stacked)
         x_BTD, cache = jax.lax.scan(body, x_BTD, (stacked, cache, active_L))
         return x_BTD, cache

@@ -64,7 +64,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         """The forward of virtual stage chunk P + stage on microbatch mb: embedding first if it is stage 0."""
         model = nnx.merge(graphdef, params)
         batch_B, keys_B = microbatch(mb)
-        first_layer, active_L = schedule.local_layers(chunk)
+        first_layer, real_layers = schedule.local_layers(chunk)
         layers_def, layers_state = nnx.split(model.layers)
         layers_state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * slots, slots), layers_state)
         # Only virtual stage 0 embeds (a cond, so the other stages run no lookup and no all-reduce over "model").
@@ -72,7 +72,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
                              lambda: vary(objective.embed(model, batch_B, keys_B), varying_axes(x_BSD)),
                              lambda: x_BSD)
         y_BSD = model.stack(nnx.merge(layers_def, layers_state), x_BSD, mask_BS=objective.attention_mask(batch_B),
-                            keys_B=keys_B, first_layer=first_layer, active_L=active_L)
+                            keys_B=keys_B, first_layer=first_layer, real_layers=real_layers)
         return model, batch_B, y_BSD
 
     def forward_slot(x_BSD, mb, chunk):

@@ -131,18 +131,15 @@ class Schedule:
         return np.array([offsets[k] + min(i, max(self.counts[k] - 1, 0)) for k in self._device_major()
                          for i in range(self.slots)])
 
-    def slot_active(self) -> np.ndarray:
-        """(P V slots,) True where a slot holds a real layer of its chunk."""
-        return np.array([i < self.counts[k] for k in self._device_major() for i in range(self.slots)])
-
     def local_layers(self, chunk=0):
-        """Inside shard_map: (global index of this device's chunk's first layer, its slots' active flags or None when
-        the virtual stages are even), for ParallelTransformer's first_layer and active_L."""
+        """Inside shard_map: (global index of this device's chunk's first layer, how many of its slots are real
+        layers, or None when the virtual stages are even), for ParallelTransformer's first_layer and real_layers."""
+        from mtx.models.stack import RealLayers
+
         k = chunk * self.stages + jax.lax.axis_index(PIPELINE)
         counts = jnp.asarray(self.counts)
         first_layer = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)[:-1]])[k]
-        active_L = jnp.arange(self.slots) < counts[k] if self.padded else None
-        return first_layer, active_L
+        return first_layer, (RealLayers(counts[k], tuple(sorted(set(self.counts)))) if self.padded else None)
 
 
 def to_slots(layer_params, schedule: Schedule):
@@ -231,13 +228,13 @@ def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None, mask_M
     rows each with sequence parallelism), meaningful on the last stage only. `model` is the local (this stage's)
     model; x0 the embeddings; mask_MBS the padding masks (BERT), which every stage reads for the microbatch it is
     running."""
-    first_layer, active_L = schedule.local_layers()
+    first_layer, real_layers = schedule.local_layers()
 
     def stage_fn(x_BSD, mb, on_tick, state):
         keys_B = None if keys_MB is None else keys_MB[mb]
         mask_BS = None if mask_MBS is None else mask_MBS[mb]
         return model.transform(x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=first_layer,
-                               active_L=active_L), state
+                               real_layers=real_layers), state
 
     return pipeline_ticks(stage_fn, x0_MBSD, schedule)[0]
 
@@ -292,10 +289,10 @@ def pipelined_decode(model, x_BTD, cache, start_B, schedule: Schedule):
     cache) at tick s on what stage s - 1 sent; -> the last stage's output (B, T, D) on every stage, this stage's
     cache."""
     schedule = schedule.with_microbatches(1)
-    _, active_L = schedule.local_layers()
+    _, real_layers = schedule.local_layers()
 
     def stage_fn(x_in_BTD, mb, on_tick, cache):
-        return model.transform_cached(x_in_BTD, cache, start_B, active_L=active_L, write=on_tick)
+        return model.transform_cached(x_in_BTD, cache, start_B, real_layers=real_layers, write=on_tick)
 
     ys_BTD, cache = pipeline_ticks(stage_fn, vary(x_BTD, [PIPELINE])[None], schedule, cache)
     return last_stage_to_all(ys_BTD[0]), cache
