@@ -26,7 +26,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    train(plan)
+    from mtx.checkpoint import CheckpointError
+
+    try:
+        train(plan)
+    except CheckpointError as e:  # damage to a checkpoint that only reading its arrays finds
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -54,15 +54,18 @@ def check_writable(path: str | Path, flag: str) -> None:
 def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
     if entry.name == "config.json":
-        return _is_mtx_config(entry)
+        return is_mtx_config(entry)
     if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (the tmp: a resume cut short while it rewrote it)
         return entry.is_file()
-    if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name):
-        return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix)
+    if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
+                           or (entry.name.endswith(".broken") and entry.name[:-7].isdigit())):
+        return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix; a
+        # broken one that a resumed run set aside, mtx/run.py)
     return False
 
 
-def _is_mtx_config(path: Path) -> bool:
+def is_mtx_config(path: Path) -> bool:
+    """Whether `path` is a config.json that mtx wrote (a run directory's, or a checkpoint's)."""
     try:
         sections = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -22,7 +22,7 @@ from mtx.config import Config
 from mtx.data import build_dataset
 from mtx.data.prefetch import prefetch
 from mtx.distributed import barrier, is_main_process
-from mtx.files import check_run_dir, check_writable
+from mtx.files import check_run_dir, check_writable, is_mtx_config
 from mtx.metrics import MetricsLogger, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
 from mtx.sharded_model import ShardedModel
@@ -48,6 +48,8 @@ class Plan:
     cfg: Config
     dataset: object
     run_dir: Path
+    load_step: int | None = None  # the step of --load to resume from (None: a fresh start)
+    set_aside: tuple[Path, ...] = ()  # broken steps of --load after load_step, renamed <step>.broken before saving
 
 
 def prepare(cfg: Config) -> Plan:
@@ -59,19 +61,7 @@ def prepare(cfg: Config) -> Plan:
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     t = cfg.training
     resuming = bool(t.load)
-    if t.load:
-        if not is_checkpoint_dir(t.load):
-            raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
-        ckpt = Checkpointer(t.load)
-        step = ckpt.latest_step() if t.ckpt_step is None else t.ckpt_step
-        if step not in ckpt.steps():
-            raise ValueError(f"--load {t.load} has no step {step} (it has {ckpt.steps()}); pass one of those "
-                             "to --ckpt-step.")
-        check_compatible(ckpt.saved_config(step).model, cfg.model, t.load)
-        if t.save and Path(t.save) == Path(t.load) and step != ckpt.latest_step():
-            raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
-                             "--save directory.")
-        ckpt.close()
+    load_step, set_aside = _resume_point(cfg) if t.load else (None, ())
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, "--save" if t.save else "--run-dir")  # never over a file mtx did not write
     if t.tensorboard_dir:
@@ -81,8 +71,52 @@ def prepare(cfg: Config) -> Plan:
                          "resume it, or choose a new --save directory.")
     if (run_dir / "metrics.jsonl").exists() and not resuming:
         raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
-                         "--run-dir (or --save), or --load its checkpoint to resume.")
-    return Plan(cfg, dataset, run_dir)
+                         f"--run-dir (or --save), or pass --load {run_dir} to resume it (or restart it, if it "
+                         "stopped before its first checkpoint).")
+    return Plan(cfg, dataset, run_dir, load_step, set_aside)
+
+
+def _resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...]]:
+    """(The step of --load to resume from, None to restart a run that stopped before its first checkpoint
+    finished; the broken later steps to set aside when resuming into the same --save directory)."""
+    t = cfg.training
+    load = Path(t.load)
+    if not is_checkpoint_dir(load):
+        if is_mtx_config(load / "config.json"):  # an mtx run directory without a finished step
+            if is_main_process():
+                print(f"mtx: --load {load} holds no finished checkpoint (its run stopped before the first save "
+                      "completed); starting it again from step 0.")
+            return None, ()
+        raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
+    ckpt = Checkpointer(load)
+    try:
+        steps = ckpt.steps()
+        if t.ckpt_step is not None and t.ckpt_step not in steps:
+            raise ValueError(f"--load {t.load} has no step {t.ckpt_step} (it has {steps}); pass one of those "
+                             "to --ckpt-step.")
+        broken = {}
+        for step in ([t.ckpt_step] if t.ckpt_step is not None else reversed(steps)):
+            if (problem := ckpt.problem(step)) is None:
+                break
+            broken[step] = problem
+        else:
+            intact = [s for s in steps if s not in broken and ckpt.problem(s) is None]
+            step, problem = next(iter(broken.items()))
+            raise ValueError(f"--load {t.load}: step {step} is broken ({problem}); "
+                             + (f"pass --ckpt-step {intact[-1]}, the newest intact step." if intact else
+                                "no step is intact: start a new run."))
+        if broken and is_main_process():
+            print("\n".join(f"mtx: --load {t.load}: step {s} is broken ({p}); resuming from step {step}, the newest "
+                            "intact one." for s, p in broken.items()))
+        check_compatible(ckpt.saved_config(step).model, cfg.model, t.load)
+        later = [s for s in steps if s > step]
+        if t.save and Path(t.save) == load and any(s not in broken for s in later):
+            raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
+                             "--save directory.")
+        set_aside = tuple(load / str(s) for s in later) if t.save and Path(t.save) == load else ()
+        return step, set_aside
+    finally:
+        ckpt.close()
 
 
 def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
@@ -98,11 +132,14 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        for step_dir in plan.set_aside:  # kept, not deleted: the new steps of this run take their numbers
+            step_dir.rename(step_dir.with_name(f"{step_dir.name}.broken"))
+    barrier("mtx: broken steps set aside")
 
     saver = Checkpointer(t.save) if t.save else None
-    if t.load:
+    if plan.load_step is not None:
         loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
-        state = loader.restore(train_step.abstract_state(), cfg, step=t.ckpt_step)
+        state = loader.restore(train_step.abstract_state(), cfg, step=plan.load_step)
         if loader is not saver:
             loader.close()
     else:

@@ -1,0 +1,103 @@
+"""Recovery from broken checkpoints and from runs that stopped early: found before any device work, said in one
+line, and never a dead end (mtx/checkpoint.py `problem`, mtx/run.py `_resume_point`)."""
+
+import json
+import shutil
+
+import pytest
+
+from mtx.checkpoint import MANIFEST, CheckpointError
+from mtx.config import Config, load_preset
+from mtx.run import prepare, train
+
+TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 4-step run that saved steps 2 and 4 (and its losses)."""
+    path = tmp_path_factory.mktemp("saved") / "run"
+    result = train(TINY.replace(train_iters=4, save_interval=2, log_interval=1, save=str(path)), progress=False)
+    return path, result.losses
+
+
+def _data_file(step_dir):
+    return max((step_dir / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+
+
+def _drop_model_key(step_dir):
+    (step_dir / MANIFEST).unlink()  # a step from before the file record: only the config check can see it
+    metadata = step_dir / "config" / "metadata"
+    config = json.loads(metadata.read_text())
+    del config["model"]["hidden_size"]
+    metadata.write_text(json.dumps(config))
+
+
+DAMAGE = {  # what was done to step 4 -> what the message says
+    "truncated": (lambda d: _data_file(d).write_bytes(_data_file(d).read_bytes()[:10]), "has 10 bytes"),
+    "deleted": (lambda d: _data_file(d).unlink(), "is missing"),
+    "emptied config": (lambda d: (d / "config" / "metadata").write_text(""), "config/metadata has 0 bytes"),
+    "config item missing": (_drop_model_key, "its config lacks model.hidden_size"),
+    "emptied metadata, no record": (lambda d: ((d / MANIFEST).unlink(), (d / "state" / "_METADATA").write_text("")),
+                                    "state/_METADATA is empty"),
+}
+
+
+def _damaged(saved, tmp_path, how):
+    path = tmp_path / "run"
+    shutil.copytree(saved[0], path)
+    DAMAGE[how][0](path / "4")
+    return path
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_broken_step_falls_back_to_the_newest_intact_one(saved, tmp_path, capsys, how):
+    path = _damaged(saved, tmp_path, how)
+    plan = prepare(TINY.replace(train_iters=6, load=str(path), save=str(path)))
+    out = capsys.readouterr().out
+    assert plan.load_step == 2 and plan.set_aside == (path / "4",)
+    assert "step 4 is broken (" in out and DAMAGE[how][1] in out and "resuming from step 2" in out, out
+    with pytest.raises(ValueError, match=r"step 4 is broken .*; pass --ckpt-step 2, the newest intact step"):
+        prepare(TINY.replace(train_iters=6, load=str(path), ckpt_step=4, run_dir=str(tmp_path / "other")))
+
+
+def test_resuming_past_a_broken_step_keeps_it_and_retraces_the_run(saved, tmp_path):
+    """The broken step is renamed aside (not deleted); the resumed run re-trains steps 3-4 exactly as the first
+    did and saves its own step 4."""
+    path = _damaged(saved, tmp_path, "truncated")
+    resumed = train(TINY.replace(train_iters=6, save_interval=2, log_interval=1, load=str(path), save=str(path)),
+                    progress=False)
+    assert [resumed.losses[s] for s in (3, 4)] == [saved[1][s] for s in (3, 4)]
+    assert (path / "4.broken").is_dir() and {p.name for p in path.iterdir()} >= {"2", "4", "6", "4.broken"}
+
+
+def test_no_intact_step_and_unreadable_arrays_are_one_line_errors(saved, tmp_path):
+    path = _damaged(saved, tmp_path, "deleted")
+    (path / "2" / "config" / "metadata").write_text("")
+    with pytest.raises(ValueError, match="step 4 is broken .*no step is intact: start a new run"):
+        prepare(TINY.replace(train_iters=6, load=str(path), run_dir=str(tmp_path / "a")))
+    # Bytes changed in place (same size): only reading the arrays finds it, after the checks.
+    path = tmp_path / "same_size"
+    shutil.copytree(saved[0], path)
+    data = _data_file(path / "4")
+    data.write_bytes(data.read_bytes()[:10] + bytes(data.stat().st_size - 20) + data.read_bytes()[-10:])
+    plan = prepare(TINY.replace(train_iters=6, load=str(path), run_dir=str(tmp_path / "b")))
+    with pytest.raises(CheckpointError, match=r"step 4 could not be read \(.*\); pass --ckpt-step 2") as error:
+        train(plan, progress=False)
+    assert "\n" not in str(error.value)
+
+
+def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
+    """Killed while writing its first checkpoint, a run leaves its config, metrics and orbax's unfinished step: a new
+    run is refused the directory (naming --load), and --load restarts it from step 0."""
+    path = tmp_path / "run"
+    path.mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        shutil.copy(saved[0] / name, path / name)
+    shutil.copytree(saved[0] / "2" / "config", path / "2.orbax-checkpoint-tmp-1" / "config")
+    with pytest.raises(ValueError, match=f"pass --load {path} to resume it"):
+        prepare(TINY.replace(train_iters=2, save=str(path)))
+    restarted = train(TINY.replace(train_iters=2, log_interval=1, load=str(path), save=str(path)), progress=False)
+    assert [restarted.losses[s] for s in (1, 2)] == [saved[1][s] for s in (1, 2)]
+    steps = [json.loads(line)["step"] for line in (path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and (path / "2").is_dir()
