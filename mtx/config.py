@@ -1,11 +1,9 @@
 """The one typed configuration schema: model, parallelism, optimizer, training and data.
 
 The defaults are the embedded default run (`python train.py`): a small GPT (4 layers, width 128) on the built-in
-corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs.
-
-Field names are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), so a Megatron user recognizes every
-knob; every field name is unique across sections, which lets `train.py` map flags and preset keys to fields without a
-table. Each field carries its flag's help text as metadata (`_f`), which mtx/cli.py turns into `--help`.
+corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs. Field names
+are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), unique across sections, so flags and preset keys
+map to fields without a table; each field carries its flag's help (`_f`, shown by mtx/cli.py's `--help`).
 `Config.validate()` is the one place where bad combinations are refused, before any device work.
 """
 
@@ -171,6 +169,9 @@ class TrainingConfig:
     run_dir: str | None = _f(None, "where metrics and the resolved config go when --save is not given")
     tensorboard_dir: str | None = _f(None, "TensorBoard event directory")
     generate_tokens: int = _f(200, "tokens of a sample printed after training; 0 disables")
+    exit_interval: int | None = _f(None, "stop after the first step divisible by this, saving a checkpoint")
+    exit_duration_in_mins: float | None = _f(None, "stop after this many minutes of training, saving a checkpoint")
+    exit_signal_handler: bool = _f(True, "on SIGTERM/SIGINT, finish the step, save a checkpoint and exit 0")
 
     @property
     def compute_dtype(self) -> str:
@@ -204,8 +205,8 @@ class Config:
 
     @property
     def sequence_parallel(self) -> bool:
-        """Whether the layers split the residual stream by rows over "model": --sequence-parallel with TP > 1 (with
-        one model rank there is nothing to split, as in Megatron). The one switch every layer reads."""
+        """--sequence-parallel with TP > 1 (one model rank has nothing to split, as in Megatron): whether the layers
+        split the residual stream by rows over "model"; the one switch every layer reads."""
         return self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1
 
     def replace(self, **flat: Any) -> "Config":
@@ -294,8 +295,7 @@ class Config:
                                   "samples; use at least 8.")
 
     def stage_layer_counts(self) -> tuple[int, ...]:
-        """Transformer layers of each (virtual) pipeline stage, P x V of them in pipeline order: virtual stage c P + s
-        is chunk c of device s (mtx/parallel/layout.py)."""
+        """Layers of each (virtual) pipeline stage, P x V in pipeline order (mtx/parallel/layout.py)."""
         from mtx.parallel.layout import stage_layer_counts
 
         p = self.parallel

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ class RunResult:
     run_dir: Path
     losses: dict[int, float] = field(default_factory=dict)  # step -> training loss, at every step
     sample: str | None = None
+    stopped: str | None = None  # why the run stopped before --train-iters (a signal, --exit-interval, ...)
 
 
 @dataclass
@@ -156,59 +159,112 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     pending, interval_start, interval_steps = [], time.perf_counter(), 0
     batches = prefetch(lambda step: model.put_batch(dataset.batch("train", step, t.global_batch_size)),
                        range(start, t.train_iters), depth=cfg.data.prefetch_depth)
-    for step, batch in zip(range(start, t.train_iters), batches):
-        state, metrics = train_step(state, batch)
-        pending.append((step + 1, metrics))
-        if step == start:  # the first step compiles: time the interval from its end
-            jax.block_until_ready(metrics)
-            interval_start = time.perf_counter()
-        else:
-            interval_steps += 1
-        last = step + 1 == t.train_iters
-        if (step + 1) % t.log_interval == 0 or last:
-            fetched = jax.device_get(pending)  # the only host sync of the interval
-            elapsed = time.perf_counter() - interval_start
-            result.losses.update((s, float(m["loss"])) for s, m in fetched)
-            s, m = fetched[-1]
-            timing = (throughput(tokens_per_step * interval_steps, elapsed, flops_per_token, mesh.size)
-                      if interval_steps else {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
-            record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                      "loss_scale": float(m["loss_scale"]),
-                      "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
-                      "step_time_s": elapsed / interval_steps if interval_steps else None, **timing}
-            logger.log(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}",
-                            mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
-            bar.update(len(fetched))
-            pending, interval_steps = [], 0
-        if t.eval_interval and ((step + 1) % t.eval_interval == 0 or last) and dataset.num_samples("valid"):
-            val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
-            if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
-                logger.log({"step": step + 1, "val_loss": val})
-                if main:
-                    bar.write(f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}")
+    with _StopRequests(t) as stops:  # until the last checkpoint is written
+        for step, batch in zip(range(start, t.train_iters), batches):
+            state, metrics = train_step(state, batch)
+            pending.append((step + 1, metrics))
+            if step == start:  # the first step compiles: time the interval from its end
+                jax.block_until_ready(metrics)
+                interval_start = time.perf_counter()
             else:
-                logger.log({"step": step + 1, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
-                if main:
-                    bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50.0)):.2f}")
-        if saver and t.save_interval and (step + 1) % t.save_interval == 0:
-            saver.save(state, cfg)
-        if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
-            interval_start = time.perf_counter()
-    batches.close()  # (an error in the loop closes it when the generator is collected)
-    bar.close()
-    if saver:
-        if saver.latest_step() != int(jax.device_get(state.step)):
-            saver.save(state, cfg)
-        saver.wait()
-        saver.close()
+                interval_steps += 1
+            final = step + 1 == t.train_iters
+            result.stopped = None if final else stops.reason(step + 1)
+            last = final or result.stopped is not None
+            if (step + 1) % t.log_interval == 0 or last:
+                fetched = jax.device_get(pending)  # the only host sync of the interval
+                elapsed = time.perf_counter() - interval_start
+                result.losses.update((s, float(m["loss"])) for s, m in fetched)
+                s, m = fetched[-1]
+                timing = (throughput(tokens_per_step * interval_steps, elapsed, flops_per_token, mesh.size)
+                          if interval_steps else {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
+                record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                          "loss_scale": float(m["loss_scale"]),
+                          "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
+                          "step_time_s": elapsed / interval_steps if interval_steps else None, **timing}
+                logger.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}",
+                                mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
+                bar.update(len(fetched))
+                pending, interval_steps = [], 0
+            if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
+                val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
+                if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
+                    logger.log({"step": step + 1, "val_loss": val})
+                    if main:
+                        bar.write(f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}")
+                else:
+                    ppl = math.exp(min(val, 50.0))
+                    logger.log({"step": step + 1, "val_loss": val, "val_ppl": ppl})
+                    if main:
+                        bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {ppl:.2f}")
+            if saver and t.save_interval and (step + 1) % t.save_interval == 0:
+                saver.save(state, cfg)
+            if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
+                interval_start = time.perf_counter()
+            if result.stopped:
+                break
+        batches.close()  # (an error in the loop closes it when the generator is collected)
+        bar.close()
+        if saver:
+            if saver.latest_step() != int(jax.device_get(state.step)):
+                saver.save(state, cfg)
+            saver.wait()
+            saver.close()
     logger.close()
     result.state = state
-    if t.generate_tokens and not cfg.model.is_bert:  # BERT is no left-to-right generator
+    if result.stopped:
+        if main:
+            where = (f"checkpoint saved in {t.save}: resume with --load {t.save}" if saver else
+                     "no --save, so nothing was saved")
+            print(f"\nmtx: stopped after step {int(jax.device_get(state.step))} ({result.stopped}); {where}.")
+    elif t.generate_tokens and not cfg.model.is_bert:  # BERT is no left-to-right generator
         result.sample = sample_text(model, state.params, dataset, t.generate_tokens, t.seed)
         if main:
             print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
     return result
+
+
+class _StopRequests:
+    """Why training should stop before --train-iters, checked after each step: SIGTERM or SIGINT (with
+    --exit-signal-handler, the default: the step finishes, a checkpoint is saved, the process exits 0; a second
+    SIGINT interrupts at once), --exit-interval, --exit-duration-in-mins. With several processes all must stop at the
+    same step: signals and the clock are agreed on at logging steps (a host sync there anyway), the interval is the
+    same everywhere."""
+
+    def __init__(self, t):
+        self.t, self.start, self.signal, self.previous = t, time.monotonic(), None, {}
+
+    def __enter__(self) -> "_StopRequests":
+        if self.t.exit_signal_handler and threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def reason(self, step: int) -> str | None:
+        t = self.t
+        if t.exit_interval and step % t.exit_interval == 0:
+            return f"--exit-interval {t.exit_interval}"
+        minutes = (time.monotonic() - self.start) / 60
+        local = (f"{self.signal} received" if self.signal else f"--exit-duration-in-mins {t.exit_duration_in_mins}"
+                 if t.exit_duration_in_mins and minutes >= t.exit_duration_in_mins else None)
+        if jax.process_count() == 1:
+            return local
+        if step % t.log_interval:
+            return None
+        from jax.experimental import multihost_utils
+
+        anyone = bool(np.any(multihost_utils.process_allgather(np.int32(local is not None))))
+        return local or ("another process was asked to stop" if anyone else None)
 
 
 def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:

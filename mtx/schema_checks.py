@@ -33,6 +33,7 @@ RANGES = {
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
     "initial_loss_scale": "> 0", "loss_scale_window": ">= 1", "min_loss_scale": "> 0", "log_interval": ">= 1",
     "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
+    "exit_interval": ">= 1", "exit_duration_in_mins": "> 0",
     "generate_tokens": ">= 0",
     # data
     "prefetch_depth": ">= 0", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",

@@ -101,3 +101,36 @@ def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
     assert [restarted.losses[s] for s in (1, 2)] == [saved[1][s] for s in (1, 2)]
     steps = [json.loads(line)["step"] for line in (path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2] and (path / "2").is_dir()
+
+
+def test_signals_and_exit_flags_stop_after_a_step_with_a_checkpoint(saved, tmp_path, monkeypatch, capsys):
+    """SIGTERM mid-run, --exit-interval and --exit-duration-in-mins each stop after the step, save it, and say how to
+    resume; resuming continues the same trajectory."""
+    import os
+    import signal
+
+    from mtx.step import TrainStep
+
+    call = TrainStep.__call__
+    calls = []
+
+    def preempted(self, state, batch):  # the scheduler's SIGTERM arrives during the second step
+        calls.append(None)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return call(self, state, batch)
+
+    monkeypatch.setattr(TrainStep, "__call__", preempted)
+    path = tmp_path / "run"
+    r = train(TINY.replace(train_iters=4, log_interval=1, save=str(path)), progress=False)
+    monkeypatch.setattr(TrainStep, "__call__", call)
+    assert r.stopped == "SIGTERM received" and int(r.state.step) == 2 and (path / "2").is_dir()
+    assert f"stopped after step 2 (SIGTERM received); checkpoint saved in {path}: resume with --load" in \
+        capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler lives as long as the run
+    resumed = train(TINY.replace(train_iters=4, log_interval=1, save=str(path), load=str(path), exit_interval=3),
+                    progress=False)
+    assert resumed.stopped == "--exit-interval 3" and [resumed.losses[3]] == [saved[1][3]] and (path / "3").is_dir()
+    r = train(TINY.replace(train_iters=4, exit_duration_in_mins=1e-9, run_dir=str(tmp_path / "d")), progress=False)
+    assert r.stopped == "--exit-duration-in-mins 1e-09" and int(r.state.step) == 1
+    assert "no --save, so nothing was saved" in capsys.readouterr().out
