@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.models.stack import KV_CACHE_SPEC
+from mtx.parallel.compat import all_gather_invariant
 from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.ops import gather_from_model_parallel
 from mtx.parallel.pipeline import pipelined_decode
@@ -80,7 +81,8 @@ class CachedDecoder:
     prefill(params, tokens_BS, lengths_B) -> (logits_BV, cache): tokens right-padded to (B, S_max).
     decode(params, cache, tokens_B, positions_B) -> (logits_BV, cache): one token per row at its position (the
     number of tokens already in that row's cache, < S_max); the cache is donated.
-    B must be a multiple of the data-parallel size; logits are float32 over the padded vocabulary.
+    B must be a multiple of the data-parallel size; logits are float32 over the padded vocabulary, every row on every
+    device (so each process of a multi-host run samples all rows alike and reads them without a transfer).
     """
 
     def __init__(self, model):
@@ -90,7 +92,7 @@ class CachedDecoder:
         self.batch_multiple = model.mesh.shape[DATA]
         self.rows = NamedSharding(model.mesh, P(DATA))
         specs, mesh = model.param_specs, model.mesh
-        out_specs = (P(DATA, None), KV_CACHE_SPEC)
+        out_specs = (P(), KV_CACHE_SPEC)  # logits on every device: each process samples every row
         prefill = jax.shard_map(self._local_prefill, mesh=mesh, in_specs=(specs, P(DATA), P(DATA)),
                                 out_specs=out_specs)
         decode = jax.shard_map(self._local_decode, mesh=mesh, in_specs=(specs, KV_CACHE_SPEC, P(DATA), P(DATA)),
@@ -124,7 +126,8 @@ class CachedDecoder:
             x_BTD, cache = pipelined_decode(model, x_BTD, cache, start_B, schedule)
         x_BD = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
         local_BV = model.embedding.attend(model.final_layernorm(x_BD))  # this rank's vocab slice
-        return gather_from_model_parallel(local_BV.astype(jnp.float32)), cache
+        logits_BV = gather_from_model_parallel(local_BV.astype(jnp.float32))
+        return all_gather_invariant(logits_BV, DATA, axis=0), cache
 
     # ---- host side ----
     def windows(self, rows: list[list[int]]):
@@ -133,7 +136,11 @@ class CachedDecoder:
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = row
         lengths = np.array([len(row) for row in rows], np.int32)
-        return jax.device_put(tokens, self.rows), jax.device_put(lengths, self.rows)
+        return self.put(tokens), self.put(lengths)
+
+    def put(self, a: np.ndarray) -> jax.Array:
+        """A host array (the same on every process) split over "data" by rows."""
+        return jax.make_array_from_callback(a.shape, self.rows, lambda index: a[index])
 
 
 
@@ -185,7 +192,7 @@ def generate(model, params, prompts: list[list[int]], max_new_tokens: int, *, te
             logits, cache = dec.prefill(params, *dec.windows([h[st:] for h, st in zip(histories_now, starts)]))
             positions = np.array([len(h) - st for h, st in zip(histories_now, starts)], np.int32)
         else:
-            logits, cache = dec.decode(params, cache, tokens_B, jax.device_put(positions, dec.rows))
+            logits, cache = dec.decode(params, cache, tokens_B, dec.put(positions))
             positions = positions + 1
         tokens_B = sample(logits, jax.random.fold_in(key, i))
         out.append(tokens_B)

@@ -4,6 +4,7 @@ peer dies. Each run is a real `python train.py` subprocess, as a cluster launche
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +62,17 @@ def _wait(procs, timeout=TIMEOUT):
     return outs
 
 
+def _await_steps(procs, metrics: Path, lines: int):
+    """Waits until `metrics` holds `lines` lines (the processes keep running)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail(f"the 2-process run did not log {lines} lines:\n" + procs[0].communicate()[0][-3000:])
+        time.sleep(0.2)
+
+
 def _losses(run_dir) -> dict[int, float]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # complete lines only
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
@@ -97,9 +109,22 @@ def test_two_processes_on_a_2x2x2_mesh_train_like_one(reference, tmp_path):
     """Data and pipeline both cross the two processes; tensor parallelism stays inside each."""
     run = tmp_path / "piped"
     outs = _wait(_launch(["--train-iters", "10", "--run-dir", str(run), "--tensor-model-parallel-size", "2",
-                          "--pipeline-model-parallel-size", "2"]))
+                          "--pipeline-model-parallel-size", "2", "--generate-tokens", "8"]))
     assert "mesh data=2 pipeline=2 model=2 on 8 cpu device(s)" in outs[0]
     _close(_losses(run), _losses(reference), range(1, 11), "2 processes, mesh (2, 2, 2)")
+    assert "--- sample (8 tokens) ---" in outs[0]  # decoding across both processes, at the end of the run
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step_with_a_checkpoint(tmp_path):
+    run = tmp_path / "stopped"
+    procs = _launch(["--train-iters", "200", "--save", str(run), "--save-interval", "1000",
+                     "--tensor-model-parallel-size", "4"])
+    _await_steps(procs, run / "metrics.jsonl", 2)
+    procs[1].send_signal(signal.SIGTERM)  # a scheduler preempts one host
+    outs = _wait(procs)  # both exit 0
+    last = max(_losses(run))
+    assert f"stopped after step {last} (another process was asked to stop); checkpoint saved in {run}" in outs[0]
+    assert max(int(p.name) for p in run.iterdir() if p.name.isdigit()) == last < 200
 
 
 def test_one_process_checkpoint_resumes_on_two_with_pipeline_and_a_dead_peer_stops_the_run(reference, tmp_path):
@@ -107,15 +132,7 @@ def test_one_process_checkpoint_resumes_on_two_with_pipeline_and_a_dead_peer_sto
     procs = _launch(["--train-iters", "200", "--load", str(reference), "--ckpt-step", "10", "--save", str(run),
                      "--save-interval", "1000", "--pipeline-model-parallel-size", "2",
                      "--tensor-model-parallel-size", "2"])
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + TIMEOUT
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            for p in procs:
-                p.kill()
-            pytest.fail("the 2-process run resumed from step 10 did not log steps 11 and 12:\n"
-                        + procs[0].communicate()[0][-3000:])
-        time.sleep(0.2)
+    _await_steps(procs, run / "metrics.jsonl", 3)
     _close(_losses(run), _losses(reference), [11, 12], "2 processes, mesh (2, 2, 2), resumed from 1 process")
     procs[1].kill()  # a host dies mid-run
     t0 = time.monotonic()
