@@ -130,7 +130,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(task(loaded)))
+    result = task(loaded)  # every process takes part in the computation
+    from mtx.distributed import is_main_process
+
+    if is_main_process():  # and one prints it
+        print(json.dumps(result))
     return 0
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mtx.parallel.compat import all_gather_invariant
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL
 from mtx.parallel.ops import model_rank
@@ -61,10 +62,12 @@ def make_scorer(model):
         nll_BS = vocab_parallel_cross_entropy(logits_BSV, targets_BS, vocab_size=vocab_size)
         correct_BS = vocab_parallel_argmax(logits_BSV, vocab_size) == targets_BS
         real_BS = mask_BS > 0
-        return jnp.where(real_BS, nll_BS, 0.0), correct_BS & real_BS
+        # Every row to every device, so that each process of a multi-host run reads all of them.
+        return (all_gather_invariant(jnp.where(real_BS, nll_BS, 0.0), DATA, axis=0),
+                all_gather_invariant(correct_BS & real_BS, DATA, axis=0))
 
     sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA), P(DATA), P(DATA)),
-                            out_specs=(P(DATA), P(DATA)), check_vma=True)
+                            out_specs=(P(), P()), check_vma=True)
     return jax.jit(lambda params, inputs, targets, mask: sharded(model.forward_params(params), inputs, targets, mask))
 
 

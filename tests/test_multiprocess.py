@@ -147,6 +147,28 @@ def test_one_process_checkpoint_resumes_on_two_with_pipeline_and_a_dead_peer_sto
     print(f"process 0 exited {procs[0].returncode} {time.monotonic() - t0:.1f} s after its peer died:\n{out[-1500:]}")
 
 
+def test_eval_runs_on_two_processes_like_on_one(reference, tmp_path):
+    """eval.py's scoring and generation with several processes: the same JSON as one process of 8 devices."""
+    (tmp_path / "wiki.txt").write_text("= Title =\n the cat sat on the mat , and the dog sat on the log . \n" * 6)
+    tasks = [["wikitext", "--data-path", str(tmp_path / "wiki.txt"), "--overlapping-eval", "8"],
+             ["generate", "--prompt", "The ", "--max-new-tokens", "6", "--temperature", "0"]]
+    for task in tasks:
+        argv = [sys.executable, "eval.py", *task, "--load", str(reference), "--tensor-model-parallel-size", "2"]
+        one = subprocess.run(argv, cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=TIMEOUT)
+        dist = ["--coordinator-address", f"localhost:{_free_port()}", "--num-processes", "2"]
+        procs = [subprocess.Popen([*argv, *dist, "--process-id", str(i)], cwd=ROOT, env=_env(4),
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(2)]
+        outs = _wait(procs)
+        assert one.returncode == 0, one.stderr[-2000:]
+        json_lines = lambda out: [line for line in out.splitlines() if line.startswith("{")]  # (gloo logs too)
+        expected, got = json.loads(one.stdout), json.loads(json_lines(outs[0])[-1])
+        assert json_lines(outs[1]) == []  # one process prints
+        if task[0] == "wikitext":
+            assert got.pop("loss") == pytest.approx(expected.pop("loss"), rel=1e-5)
+            got.pop("ppl"), expected.pop("ppl"), got.pop("adjusted_ppl"), expected.pop("adjusted_ppl")
+        assert got == expected
+
+
 def test_tensor_parallelism_must_stay_inside_a_process():
     from mtx.parallel.mesh import check_tensor_parallel_fits
 
