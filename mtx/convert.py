@@ -52,6 +52,8 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
     _check(not hf.get("add_cross_attention", False), "config.json adds cross-attention; mtx GPT has none.")
     _check(hf.get("tie_word_embeddings", True), "config.json has tie_word_embeddings false; mtx ties lm_head "
            "to wte, so only tied models convert.")
+    missing = [key for key in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size") if key not in hf]
+    _check(not missing, f"config.json lacks {', '.join(missing)}; pass a GPT-2 config.json (save_pretrained).")
     values = dict(
         num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
         ffn_hidden_size=hf.get("n_inner"), seq_length=hf["n_positions"], max_position_embeddings=hf["n_positions"],
@@ -60,7 +62,19 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
         init_method_std=hf.get("initializer_range", 0.02), tensor_model_parallel_size=1)
     if seed is not None:
         values["seed"] = seed
-    return Config().replace(**values).validate()
+    try:
+        return Config().replace(**values).validate()
+    except ValueError as e:  # name config.json's keys, not train.py's flags
+        message = str(e)
+        for flag, key in _HF_KEYS.items():
+            message = message.replace(flag, key)
+        raise ValueError(f"config.json: {message}") from None
+
+
+_HF_KEYS = {"--num-layers": "n_layer", "--hidden-size": "n_embd", "--num-attention-heads": "n_head",
+            "--ffn-hidden-size": "n_inner", "--max-position-embeddings": "n_positions", "--seq-length": "n_positions",
+            "--vocab-size": "vocab_size", "--hidden-dropout": "resid_pdrop", "--attention-dropout": "attn_pdrop",
+            "--layernorm-epsilon": "layer_norm_epsilon", "--init-method-std": "initializer_range"}
 
 
 def config_to_hf(m: ModelConfig) -> dict:
@@ -144,7 +158,13 @@ def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     d = Path(hf_dir)
     _check(d.is_dir(), f"--hf-dir {d}: no such directory; pass a local Hugging Face GPT-2 directory.")
     _check((d / "config.json").is_file(), f"--hf-dir {d} has no config.json; pass a Hugging Face model directory.")
-    hf = json.loads((d / "config.json").read_text())
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except ValueError as e:
+        raise ValueError(f"--hf-dir {d}: config.json is not valid JSON ({e}); pass a Hugging Face model "
+                         "directory.") from None
+    _check(isinstance(hf, dict), f"--hf-dir {d}: config.json is not a JSON object; pass a Hugging Face model "
+           "directory.")
     index = d / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
              else ["model.safetensors"] if (d / "model.safetensors").is_file() else [])

@@ -6,6 +6,7 @@ is installed (the GPU machine).
 """
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -182,7 +183,21 @@ def test_errors_are_one_line(tmp_path):
     with pytest.raises(ValueError, match="holds no checkpoint"):
         to_hf(tmp_path / "c0", tmp_path / "out")
     assert main(["from-hf", "--hf-dir", str(tmp_path / "missing"), "--save", str(tmp_path / "c4")]) == 2
-    for e in ("c0", "c1", "c2", "c3", "c4", "out"):
+    # config.json itself malformed: not JSON, not an object, a key missing, a value train.py would refuse
+    for name, text, needle in [("notjson", "{n_layer: 2", "config.json is not valid JSON"),
+                               ("list", "[1, 2]", "config.json is not a JSON object"),
+                               ("nohead", {"n_head": None}, "config.json lacks n_head"),
+                               ("heads", {"n_head": 7}, "config.json: n_embd 64 is not divisible by n_head 7"),
+                               ("layers", {"n_layer": 0}, "config.json: n_layer must be >= 1")]:
+        write_hf(tmp_path / name, 1000)
+        if isinstance(text, dict):
+            hf = json.loads((tmp_path / name / "config.json").read_text())
+            hf.update(text)
+            text = json.dumps({k: v for k, v in hf.items() if v is not None})
+        (tmp_path / name / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            from_hf(tmp_path / name, tmp_path / "c5")
+    for e in ("c0", "c1", "c2", "c3", "c4", "c5", "out"):
         assert not (tmp_path / e).exists(), "a refused conversion must not leave a directory behind"
 
 

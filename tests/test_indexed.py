@@ -166,7 +166,14 @@ def test_preprocess_errors(tmp_path, capsys):
     assert "exactly one" in _refused(capsys, out)
     (tmp_path / "empty.jsonl").write_text("")
     assert "holds no documents" in _refused(capsys, ["--input", str(tmp_path / "empty.jsonl"), *out])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "empty.jsonl"]  # nothing written
+    (tmp_path / "number.jsonl").write_text('{"text": "ok"}\n{"text": 42}\n')
+    assert "number.jsonl line 2: 'text' is int '42', not a string" in _refused(
+        capsys, ["--input", str(tmp_path / "number.jsonl"), *out])
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
+    assert "--input " + str(tmp_path / "binary.txt") + " is not UTF-8 text" in _refused(
+        capsys, ["--input", str(tmp_path / "binary.txt"), *out])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "binary.txt", "empty.jsonl",
+                                                          "number.jsonl"]  # nothing written
 
 
 def test_preprocess_never_replaces_a_dataset_unless_told(tmp_path, capsys):
@@ -177,8 +184,12 @@ def test_preprocess_never_replaces_a_dataset_unless_told(tmp_path, capsys):
     before = Path(written + ".bin").read_bytes()
     assert "exist(s) already" in _refused(capsys, ["--input", str(tmp_path / "b.jsonl"), *prefix])
     assert Path(written + ".bin").read_bytes() == before
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"text": ["not", "text"]}\n')
+    assert "not a string" in _refused(capsys, ["--input", str(tmp_path / "c.jsonl"), *prefix, "--overwrite"])
+    assert Path(written + ".bin").read_bytes() == before  # a failed --overwrite leaves the old dataset whole
     preprocess(["--input", str(tmp_path / "b.jsonl"), *prefix, "--overwrite"])
     assert Path(written + ".bin").read_bytes() != before
+    assert not list(tmp_path.glob("*.tmp"))
     (tmp_path / "file").write_text("")
     assert "is a file, not a directory" in _refused(
         capsys, ["--input", str(tmp_path / "a.jsonl"), "--output-prefix", str(tmp_path / "file" / "x")])

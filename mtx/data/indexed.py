@@ -18,6 +18,7 @@ maps the .bin, so a corpus larger than memory costs only the pages that batches 
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -45,7 +46,9 @@ class IndexedDatasetWriter:
     """Streams sequences into PREFIX.bin and writes PREFIX.idx on `close()`; use as a context manager.
 
     `add_document(ids)` writes a one-sequence document; `add_item(ids)` ... `end_document()` writes a document of
-    several sequences (Megatron's sentence-split layout).
+    several sequences (Megatron's sentence-split layout). Both files are written under a temporary name and take
+    their names together at `close()`, so an existing dataset of that prefix stays whole until the new one is
+    complete; `abort()` (or an exception inside the `with`) removes the partial files instead.
     """
 
     def __init__(self, prefix: str | Path, dtype=np.int32):
@@ -54,7 +57,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"indexed datasets store {', '.join(str(np.dtype(t)) for t in DTYPES.values())}, not "
                              f"{self.dtype}; pass one of those.")
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
-        self._bin = open(f"{self.prefix}.bin", "wb")
+        self._bin = open(f"{self.prefix}.bin.tmp", "wb")
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
 
@@ -86,7 +89,7 @@ class IndexedDatasetWriter:
         sizes = np.asarray(self._sizes, np.int32)
         starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]).astype(np.int64)
         pointers = starts * self.dtype.itemsize  # byte offsets: the sequences lie back to back
-        with open(f"{self.prefix}.idx", "wb") as f:
+        with open(f"{self.prefix}.idx.tmp", "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", _CODES[self.dtype]))
@@ -95,12 +98,20 @@ class IndexedDatasetWriter:
             f.write(sizes.tobytes(order="C"))
             f.write(pointers[:len(sizes)].tobytes(order="C"))  # [:0] when there are no sequences
             f.write(np.asarray(self._doc_idx, np.int64).tobytes(order="C"))
+        for suffix in (".bin", ".idx"):
+            os.replace(f"{self.prefix}{suffix}.tmp", f"{self.prefix}{suffix}")
+
+    def abort(self) -> None:
+        """Drops what was written; files of this prefix from before stay as they were."""
+        self._bin.close()
+        for suffix in (".bin.tmp", ".idx.tmp"):
+            Path(f"{self.prefix}{suffix}").unlink(missing_ok=True)
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.abort() if kind is not None else self.close()
 
 
 class IndexedDataset:

@@ -74,12 +74,10 @@ def _preprocess(args) -> list[str]:
                             tokens += len(ids)
                         writer.end_document()
                 count += 1
-    except ValueError as e:  # a bad input line: leave no half-written dataset behind
-        for writer, prefix in zip(writers, prefixes):
-            writer.close()
-            for suffix in (".bin", ".idx"):
-                Path(prefix + suffix).unlink(missing_ok=True)
-        raise e
+    except BaseException:  # a bad input line, an interrupt: no half-written dataset, older outputs untouched
+        for writer in writers:
+            writer.abort()
+        raise
     for writer in writers:
         writer.close()
     print(f"wrote {count} documents, {tokens} tokens: {', '.join(p + '.bin/.idx' for p in prefixes)}")
@@ -114,22 +112,34 @@ def _documents(args) -> Iterator[dict[str, str]]:
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"--input {path}: no such file; pass JSONL or plain-text files.")
-        if path.suffix not in (".jsonl", ".json"):
-            text = path.read_text(encoding="utf-8")
-            for doc in split_documents(text) if args.split_sentences else [text]:
-                yield {key: doc for key in args.json_keys}
-            continue
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    yield {key: record[key] for key in args.json_keys}
-                except (ValueError, KeyError, TypeError):
-                    raise ValueError(f"--input {path} line {number} is not a JSON object with the --json-keys "
-                                     f"{' '.join(args.json_keys)}; fix the line or pass the right --json-keys.") \
-                        from None
+        try:
+            if path.suffix not in (".jsonl", ".json"):
+                text = path.read_text(encoding="utf-8")
+                for doc in split_documents(text) if args.split_sentences else [text]:
+                    yield {key: doc for key in args.json_keys}
+                continue
+            with path.open(encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        yield _record(line, path, number, args.json_keys)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--input {path} is not UTF-8 text (byte {e.start}: {e.reason}); pass text or JSONL "
+                             "files.") from None
+
+
+def _record(line: str, path: Path, number: int, keys) -> dict[str, str]:
+    """One JSONL line -> its --json-keys fields, each a string."""
+    try:
+        record = json.loads(line)
+        fields = {key: record[key] for key in keys}
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--input {path} line {number} is not a JSON object with the --json-keys {' '.join(keys)}; "
+                         "fix the line or pass the right --json-keys.") from None
+    for key, value in fields.items():
+        if not isinstance(value, str):
+            raise ValueError(f"--input {path} line {number}: {key!r} is {type(value).__name__} {str(value)[:40]!r}, "
+                             "not a string; fix the line.")
+    return fields
 
 
 def _chain(first, rest):
