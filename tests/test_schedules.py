@@ -110,3 +110,29 @@ def test_1f1b_keeps_activations_only(monkeypatch, recompute, per_layer):
     if per_layer:  # each layer's input (stacked when the layers are scanned); the token ids aside
         floats = sum(leaf.size for leaf in kept if jnp.issubdtype(leaf.dtype, jnp.floating))
         assert floats == cfg.model.num_layers // 2 * per_layer * b * s * d
+
+
+@pytest.mark.parametrize("counts,v", [((10, 10, 10, 10), 2), ((21, 19), 1), ((3, 2, 2, 1), 2), ((2, 3), 1),
+                                      ((1, 2, 1, 3, 2, 1), 2), ((2, 1, 3, 2, 1, 3, 2, 2), 2), ((3, 1, 2, 2), 1)])
+def test_slot_exchange_fills_every_slot_moving_only_other_devices_layers(counts, v):
+    """SlotExchange's plan, run on numpy: each device's slots get exactly Schedule.slot_layers, and the only rows sent
+    are layers a device needs from another (the stack stored in contiguous blocks, or whole when P does not divide
+    L)."""
+    from mtx.parallel.pipeline import SlotExchange
+
+    schedule = Schedule(counts, 4, v, "interleaved" if v > 1 else "1f1b")
+    layers, p = sum(counts), schedule.stages
+    rows = layers // p if layers % p == 0 else layers
+    plan = SlotExchange.plan(schedule, rows)
+    stored = [np.arange(layers)[d * rows:(d + 1) * rows] if rows != layers else np.arange(layers) for d in range(p)]
+    slots = []
+    for d in range(p):
+        received = [stored[(d - o) % p][sends[(d - o) % p]] for o, sends in enumerate(plan.sends, start=1)]
+        slots.append(np.concatenate([stored[d], *received])[plan.gather[d]])
+    np.testing.assert_array_equal(np.concatenate(slots), schedule.slot_layers())
+    needed = sum(len(set(schedule.slot_layers().reshape(p, -1)[d]) - set(stored[d])) for d in range(p))
+    assert sum(sends.shape[1] for sends in plan.sends) * p >= needed
+    if counts == (21, 19):  # device 0 needs layer 20 from device 1, device 1 nothing: one row each way, padded
+        assert [sends.shape for sends in plan.sends] == [(2, 1)]
+    if rows == layers:  # stored whole: nothing moves
+        assert all(sends.size == 0 for sends in plan.sends)
