@@ -12,16 +12,19 @@ import jax
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None = None, process_id: int | None = None,
-               *, heartbeat_timeout: int = 100) -> None:
+               *, heartbeat_timeout: int = 100, recoverable: bool = False) -> None:
     """Joins the processes of one run; a no-op without a coordinator address (one process, the default).
 
     "auto" lets JAX read the launcher's environment (SLURM, Open MPI, TPU pods). A process that stops answering
-    for `heartbeat_timeout` seconds makes every other process exit with an error instead of waiting forever.
+    for `heartbeat_timeout` seconds makes every other process exit with an error instead of waiting forever: the
+    coordination service aborts them, or with `recoverable` (training: JAX's recoverability mode) their next
+    collective fails with a Python error that `lost_peer` turns into one line.
     """
     if coordinator_address is None:
         return
     # CPU collectives across processes go through gloo (XLA's default CPU runtime has none); GPUs and TPUs ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_recoverability", recoverable)
     timeouts = dict(initialization_timeout=max(heartbeat_timeout, 60), heartbeat_timeout_seconds=heartbeat_timeout,
                     shutdown_timeout_seconds=max(heartbeat_timeout, 10))
     if coordinator_address == "auto":
@@ -45,3 +48,16 @@ def barrier(name: str) -> None:
 
         multihost_utils.sync_global_devices(name)
 
+
+_PEER_LOST = ("Gloo", "Connection reset", "Connection refused", "UNAVAILABLE", "heartbeat", "DEADLINE_EXCEEDED",
+              "NCCL", "Socket closed")
+
+
+def lost_peer(error: Exception, save: str | None) -> str | None:
+    """The one-line message for a collective that failed because another process went away (None for any other
+    error, and with one process): what happened and how to resume."""
+    first = (str(error).strip().splitlines() or [""])[0][:160]
+    if jax.process_count() == 1 or not any(marker in str(error) for marker in _PEER_LOST):
+        return None
+    resume = f"resume with --load {save} once every host is back" if save else "restart it once every host is back"
+    return f"another process of this run stopped answering ({first}); this one stops too: {resume}."

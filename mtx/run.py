@@ -242,7 +242,7 @@ class _StopRequests:
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # (None: set outside Python)
         self.previous = {}
 
     def _on_signal(self, signum, frame) -> None:
