@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 
@@ -58,7 +59,7 @@ def _written_by_mtx(entry: Path) -> bool:
     if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (the tmp: a resume cut short while it rewrote it)
         return entry.is_file()
     if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
-                           or (entry.name.endswith(".broken") and entry.name[:-7].isdigit())):
+                           or re.fullmatch(r"\d+\.broken\d*", entry.name)):
         return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix; a
         # broken one that a resumed run set aside, mtx/run.py)
     return False

@@ -8,6 +8,7 @@ shared filesystem and meets the others before anything is written; only process 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import signal
@@ -136,7 +137,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         for step_dir in plan.set_aside:  # kept, not deleted: the new steps of this run take their numbers
-            step_dir.rename(step_dir.with_name(f"{step_dir.name}.broken"))
+            _set_aside(step_dir)
     barrier("mtx: broken steps set aside")
 
     saver = Checkpointer(t.save) if t.save else None
@@ -223,6 +224,12 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         if main:
             print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
     return result
+
+
+def _set_aside(step_dir: Path) -> None:
+    """Renames a broken checkpoint step to <step>.broken (<step>.broken1, ... when an earlier resume took that)."""
+    names = (step_dir.with_name(f"{step_dir.name}.broken{k or ''}") for k in itertools.count())
+    step_dir.rename(next(name for name in names if not name.exists()))
 
 
 class _StopRequests:

@@ -196,3 +196,15 @@ def test_kill_9_at_random_moments_resumes_to_the_uninterrupted_run_bitwise(tmp_p
     states = [Checkpointer(path).restore(step.abstract_state(), cfg, step=10) for path in (reference, killed)]
     for a, b in zip(*(jax.tree.leaves(jax.device_get(s)) for s in states)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_steps_set_aside_twice_keep_both_and_stay_mtx_files(tmp_path):
+    from mtx.files import check_run_dir
+    from mtx.run import _set_aside
+
+    for _ in range(2):
+        (tmp_path / "4").mkdir()
+        (tmp_path / "4" / "x").write_text("kept")
+        _set_aside(tmp_path / "4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4.broken", "4.broken1"]
+    check_run_dir(tmp_path, "--save")  # what mtx set aside does not make the directory foreign
