@@ -2,11 +2,14 @@
 
 XLA's CPU platform makes `--xla_force_host_platform_device_count=N` devices when JAX starts its backends (the first
 device query or computation), not when jax is imported. Only the CPU platform reads the flag, so on a GPU host
-`jax.devices()` still lists the GPUs. This module imports nothing of JAX, so entry points call it first.
+`jax.devices()` still lists the GPUs. This module imports nothing of JAX at import, so entry points call it first.
+And if the host has GPUs but JAX runs on CPU (a jaxlib without CUDA: `pip install -e .` alone), `check_accelerator`
+says so loudly instead of letting a run train on simulated devices.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -44,3 +47,21 @@ def _backends_started() -> bool:
     bridge = sys.modules.get("jax._src.xla_bridge")
     started = getattr(bridge, "backends_are_initialized", None)
     return bool(started and started())
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this host's drivers expose (NVIDIA device nodes; AMD's ROCm interface), whatever JAX uses."""
+    return sorted(glob.glob("/dev/nvidia[0-9]*")) + (["/dev/kfd"] if os.path.exists("/dev/kfd") else [])
+
+
+def check_accelerator() -> str | None:
+    """A warning when the host has GPUs but JAX runs on CPU without being told to (JAX_PLATFORMS), else None."""
+    import jax
+
+    gpus = visible_gpus()
+    if not gpus or jax.default_backend() != "cpu" or os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return None
+    return (f"mtx: WARNING: this host has {len(gpus)} GPU(s) ({', '.join(gpus[:4])}) but JAX runs on the CPU (a "
+            "jaxlib without GPU support), so this run uses simulated CPU devices. Install the CUDA build: pip install "
+            "-e '.[cuda12]' (or '.[cuda13]'); set JAX_PLATFORMS=cpu to mean the CPU.")
+

@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
 from mtx.data import build_dataset
 from mtx.data.prefetch import prefetch
+from mtx.devices import check_accelerator
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable, is_mtx_config
 from mtx.metrics import MetricsLogger, throughput
@@ -59,6 +61,8 @@ class Plan:
 def prepare(cfg: Config) -> Plan:
     """Everything that can fail on bad input, with no device work: config, data, directories, checkpoint."""
     num_devices = len(jax.devices())
+    if (warning := check_accelerator()) and is_main_process():
+        print(warning, file=sys.stderr)
     cfg.validate(num_devices)
     check_tensor_parallel_fits(cfg.parallel.tensor_model_parallel_size, jax.local_device_count(), jax.process_count())
     dataset = build_dataset(cfg)

@@ -57,3 +57,19 @@ def test_flag_and_bad_counts():
     assert cpu_devices_flag(8) == "--xla_force_host_platform_device_count=8"
     with pytest.raises(ValueError, match="at least one"):
         simulate_cpu_devices(0)
+
+
+def test_gpus_left_unused_are_reported(monkeypatch):
+    """A host with GPUs whose JAX runs on CPU (a jaxlib without CUDA) gets a warning naming the install; none when
+    there are no GPUs or JAX_PLATFORMS=cpu says the CPU is meant."""
+    import mtx.devices as devices
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ["/dev/nvidia0", "/dev/nvidia1"])
+    warning = devices.check_accelerator()
+    assert "this host has 2 GPU(s)" in warning and "pip install -e '.[cuda12]'" in warning
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert devices.check_accelerator() is None
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(devices, "visible_gpus", lambda: [])
+    assert devices.check_accelerator() is None
