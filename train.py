@@ -20,8 +20,7 @@ def main(argv=None) -> int:
         cfg = parse_config(argv)
         p = cfg.parallel
         # Multi-host: join the other processes before anything asks JAX for a device.
-        initialize(p.coordinator_address, p.num_processes, p.process_id, heartbeat_timeout=p.distributed_timeout,
-                   recoverable=True)
+        initialize(p.coordinator_address, p.num_processes, p.process_id, heartbeat_timeout=p.distributed_timeout)
         from mtx.run import prepare, train
 
         plan = prepare(cfg)

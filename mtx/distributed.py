@@ -12,19 +12,18 @@ import jax
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None = None, process_id: int | None = None,
-               *, heartbeat_timeout: int = 100, recoverable: bool = False) -> None:
+               *, heartbeat_timeout: int = 100) -> None:
     """Joins the processes of one run; a no-op without a coordinator address (one process, the default).
 
     "auto" lets JAX read the launcher's environment (SLURM, Open MPI, TPU pods). A process that stops answering
     for `heartbeat_timeout` seconds makes every other process exit with an error instead of waiting forever: the
-    coordination service aborts them, or with `recoverable` (training: JAX's recoverability mode) their next
-    collective fails with a Python error that `lost_peer` turns into one line.
+    coordination service aborts them, unless a collective with the dead process fails first, with a Python error
+    that train.py reports in one line (`lost_peer`).
     """
     if coordinator_address is None:
         return
     # CPU collectives across processes go through gloo (XLA's default CPU runtime has none); GPUs and TPUs ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_enable_recoverability", recoverable)
     timeouts = dict(initialization_timeout=max(heartbeat_timeout, 60), heartbeat_timeout_seconds=heartbeat_timeout,
                     shutdown_timeout_seconds=max(heartbeat_timeout, 10))
     if coordinator_address == "auto":
