@@ -34,7 +34,6 @@ KV_CACHE_SPEC = KVCache(P(PIPELINE, DATA, None, MODEL, None), P(PIPELINE, DATA, 
 LAYER_INPUT = "layer_input"  # checkpoint name of each layer's input (what `full` recomputation keeps)
 
 
-
 class RealLayers(NamedTuple):
     """How many of a pipeline stage's held layers are real (a traced scalar; the rest are padding of an uneven
     layout), and the counts it can take (static, sorted)."""
@@ -159,8 +158,8 @@ class ParallelTransformer:
         cache (held L, B, S_max, n_local, H) each -> ((B, T, D), updated cache).
 
         The cache is stacked per layer and scanned alongside the layer parameters (one compiled layer). real_layers
-        as in `__call__` (here a padding layer runs and its output is dropped: decoding is latency-bound, one
-        compiled layer); write: optional bool, False leaves the cache as it was (a pipeline stage off its tick).
+        as in `__call__`, but here a padding layer runs and its output is dropped (one compiled layer, as before);
+        write: optional bool, False leaves the cache as it was (a pipeline stage off its tick).
         """
         assert not self.sequence_parallel, "decoding runs whole rows: build its model with sequence parallelism off"
         graphdef, stacked = nnx.split(layers)
