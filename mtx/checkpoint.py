@@ -85,15 +85,18 @@ class Checkpointer:
             except (OSError, ValueError):
                 return "state/_METADATA is unreadable"
         try:
-            saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            saved = self._saved_dict(step)
         except Exception as e:  # orbax and JSON raise many kinds
             return f"its config is unreadable ({_first_line(e)})"
         missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in saved.get("model", {})]
         return f"its config lacks model.{missing[0]}" if missing else None
 
     def saved_config(self, step: int) -> Config:
-        restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        return Config.from_dict(restored["config"])
+        return Config.from_dict(self._saved_dict(step))
+
+    def _saved_dict(self, step: int) -> dict:
+        """The config saved with `step`, as written (sections of fields)."""
+        return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
     def restore(self, abstract_state, cfg: Config, step: int | None = None):
         """The state at `step` (default: latest), laid out like `abstract_state` (shapes and target shardings)."""

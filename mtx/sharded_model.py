@@ -115,11 +115,15 @@ class ShardedModel:
         if self.pipeline is None or not self.pipeline.regathered:
             return params
 
+        plans = {}  # one plan per stored layout (split in blocks, or whole), shared by the stacked parameters
+
         def slots(a, spec, stored):
             if not is_stacked(spec):
                 return a
             rows = a.shape[0] if PIPELINE in stored else sum(self.pipeline.counts)
-            return SlotExchange.plan(self.pipeline, rows)(a)
+            if rows not in plans:
+                plans[rows] = SlotExchange.plan(self.pipeline, rows)
+            return plans[rows](a)
 
         return map_specs(slots, params, self.param_specs, self.master_specs)
 
