@@ -1,0 +1,128 @@
+"""`python -m mtx.plot`: PNG curves from hand-written metrics.jsonl files (no training), resumed runs, bad input."""
+
+import json
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib", reason="mtx.plot draws with matplotlib: pip install matplotlib")
+
+from mtx import plot  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+CONFIG = {"model": {"seq_length": 8}, "parallel": {}, "optimizer": {}, "training": {"global_batch_size": 4}}
+
+
+def _run(path, records, config=CONFIG):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _train(step, loss, **more):
+    return {"step": step, "loss": loss, "lr": 1e-4 * step, "grad_norm": 1.0 / step, "loss_scale": 1.0,
+            "step_time_s": 0.5, "tokens_per_s": 64.0, "tflops_per_device": 0.1, "mfu": None, **more}
+
+
+def _refused(capsys, argv) -> str:
+    """Bad input: exit status 2 and exactly one line on stderr (returned), no traceback."""
+    with pytest.raises(SystemExit) as e:
+        plot.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    return err.strip()
+
+
+def test_runs_to_pngs(tmp_path, capsys):
+    # run a: validation records and MFU; run b: no MFU (CPU), a null tokens_per_s, no validation
+    a = _run(tmp_path / "a", [_train(2, 5.0, mfu=0.4), {"step": 2, "val_loss": 4.9, "val_ppl": 134.3},
+                              _train(4, 4.0, mfu=0.5), {"step": 4, "val_loss": 3.9, "val_ppl": 49.4}])
+    b = _run(tmp_path / "b", [_train(2, 6.0, tokens_per_s=None), _train(4, 5.5)])
+    out = tmp_path / "figures"
+    written = plot.main([str(a), str(b), "--out", str(out), "--x", "steps", "tokens"])
+    names = {f"{stem}_{x}.png" for stem in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+             for x in ("steps", "tokens")}
+    assert {p.name for p in written} == names and {p.name for p in out.iterdir()} == names
+    for path in written:
+        data = path.read_bytes()
+        assert data.startswith(PNG) and data.rstrip().endswith(b"IEND\xaeB`\x82") and len(data) > 5000
+        assert plot._made_here(path)
+    assert "wrote 10 figures" in capsys.readouterr().out
+    run_b = plot._read_run(b, need_tokens=True)
+    assert plot._points(run_b, "tokens_per_s", "steps") == ([4], [64.0])  # the null is left out
+    assert plot._points(run_b, "loss", "tokens") == ([2 * 32, 4 * 32], [6.0, 5.5])  # global batch 4 x seq 8
+    assert plot._points(run_b, "mfu", "steps") == ([], [])
+
+
+def test_missing_fields_are_skipped(tmp_path):
+    """No MFU and no validation in any run: those figures are not drawn (not an error)."""
+    a = _run(tmp_path / "a", [_train(1, 5.0), _train(2, 4.0)])
+    written = plot.main([str(a), "--out", str(tmp_path / "out")])
+    assert [p.name for p in written] == ["loss_steps.png", "lr_steps.png", "grad_norm_steps.png",
+                                         "tokens_per_s_steps.png"]
+
+
+def test_resumed_run_continues_the_curve(tmp_path):
+    """Records logged again after a resume (steps 4 and 6 re-run from a checkpoint at step 3) replace the earlier
+    ones from that step on, per kind: the curve is the run that went on."""
+    records = [_train(2, 5.0), {"step": 2, "val_loss": 4.5}, _train(4, 4.0), {"step": 4, "val_loss": 3.5},
+               _train(6, 3.0), _train(4, 4.1), _train(6, 3.1), {"step": 6, "val_loss": 2.9}, _train(8, 2.0)]
+    run = plot._read_run(_run(tmp_path / "r", records), need_tokens=False)
+    assert plot._points(run, "loss", "steps") == ([2, 4, 6, 8], [5.0, 4.1, 3.1, 2.0])
+    assert plot._points(run, "val_loss", "steps") == ([2, 4, 6], [4.5, 3.5, 2.9])
+
+
+def test_tokens_from_records_need_no_config(tmp_path, capsys):
+    """Records that carry their own `tokens` are plotted against them; without them and without config.json
+    --x tokens is refused."""
+    counted = _run(tmp_path / "counted", [_train(1, 5.0, tokens=100), _train(3, 4.0, tokens=300)], config=None)
+    assert plot._points(plot._read_run(counted, need_tokens=True), "loss", "tokens") == ([100, 300], [5.0, 4.0])
+    plot.main([str(counted), "--out", str(tmp_path / "o1"), "--x", "tokens"])
+    bare = _run(tmp_path / "bare", [_train(1, 5.0)], config=None)
+    err = _refused(capsys, [str(bare), "--out", str(tmp_path / "o2"), "--x", "tokens"])
+    assert "has no config.json" in err and err.endswith("use --x steps.")
+    assert not (tmp_path / "o2").exists()
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    good = _run(tmp_path / "good", [_train(1, 5.0)])
+    out = ["--out", str(tmp_path / "out")]
+    assert "does-not-exist is not a directory" in _refused(capsys, [str(tmp_path / "does-not-exist"), *out])
+    (tmp_path / "empty").mkdir()
+    assert "empty holds no metrics.jsonl" in _refused(capsys, [str(good), str(tmp_path / "empty"), *out])
+    broken = _run(tmp_path / "broken", [_train(1, 5.0)])
+    with (broken / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 2, "loss": 4.\n')  # cut short
+    assert "metrics.jsonl line 2 is not a JSON object with an integer step" in _refused(capsys, [str(broken), *out])
+    (broken / "metrics.jsonl").write_text('{"loss": 4.0}\n')
+    assert "line 1 is not a JSON object" in _refused(capsys, [str(broken), *out])
+    (tmp_path / "file").write_text("")
+    assert "is a file, not a directory" in _refused(capsys, [str(good), "--out", str(tmp_path / "file")])
+    quiet = _run(tmp_path / "quiet", [])
+    assert "holds no values to plot yet" in _refused(capsys, [str(quiet), *out])
+    assert "invalid choice" in _refused(capsys, [str(good), "--x", "wall"])
+    assert not (tmp_path / "out").exists()  # nothing written by any of them
+
+
+def test_never_writes_over_foreign_files(tmp_path, capsys):
+    good = _run(tmp_path / "good", [_train(1, 5.0), _train(2, 4.0)])
+    out = tmp_path / "out"
+    first = plot.main([str(good), "--out", str(out)])
+    again = plot.main([str(good), "--out", str(out)])  # its own files: replaced
+    assert first == again and all(plot._made_here(p) for p in again)
+    (out / "lr_steps.png").write_bytes(PNG + b"someone else's image")
+    (out / "notes.txt").write_text("kept")
+    err = _refused(capsys, [str(good), "--out", str(out)])
+    assert "holds lr_steps.png, not written by mtx.plot" in err and err.endswith("choose another --out.")
+    assert (out / "lr_steps.png").read_bytes() == PNG + b"someone else's image"
+    assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".png")) == ["notes.txt"]  # no tmp files
+
+
+def test_without_matplotlib(tmp_path, capsys, monkeypatch):
+    good = _run(tmp_path / "good", [_train(1, 5.0)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    err = _refused(capsys, [str(good), "--out", str(tmp_path / "out")])
+    assert err == "error: mtx.plot needs matplotlib, which is not installed; pip install matplotlib."
+    assert not (tmp_path / "out").exists()
