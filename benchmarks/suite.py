@@ -2,6 +2,7 @@
 
     python benchmarks/suite.py --rows 1gpu 2gpu [--out results.jsonl] [--steps 5 --warmup 2]
     python benchmarks/suite.py --rows 4gpu --baseline results.jsonl     # efficiency against 1-GPU rows run earlier
+    python benchmarks/suite.py --table-only --baseline a.jsonl b.jsonl --plot docs/scaling.png   # the table, drawn
 
 Rows are named groups (ROWS below): mtx rows run `benchmarks/bench.py`, the baselines `benchmarks/plain_gpt.py`
 (plain JAX, no shard_map) and `benchmarks/torch_gpt.py` (torch.compile nanoGPT). Each row runs in its own process
@@ -165,7 +166,9 @@ def run_row(row, steps, warmup, timeout) -> dict:
     return {**row, "command": prefix + " ".join(["python", row["script"], *own, *row["args"]]), "result": result}
 
 
-def table(records) -> str:
+def scaling(records) -> list[tuple[str, float] | None]:
+    """Each record's scaling, as the table shows it: ("weak", efficiency), ("strong", speedup), ("tokens", tokens/s
+    ratio at another global batch) or None (a 1-GPU row, a failed row, or no 1-GPU row to compare with)."""
     # mtx's 1-GPU rows by model and layers scanned or not ("1.2B, 1 GPU", "1.2B, 1 GPU, scanned layers"); scanned
     # by the row's flags, not its name (records from before --scan-layers existed were named scanned and were not)
     scanned = lambda r: "--scan-layers" in r.get("args", ())
@@ -175,31 +178,81 @@ def table(records) -> str:
     plain_one_gpu = {r["model"]: r["result"] for r in records
                      if r["script"] == "benchmarks/plain_gpt.py" and r["gpus"] == 1 and "error" not in r["result"]}
     base = one_gpu.get(("gpt_1.2b", False))
+    out = []
+    for r in records:
+        x, found = r["result"], None
+        if r["gpus"] > 1 and "error" not in x:  # mtx's rows against mtx's 1-GPU row of the same program (scanned
+            # or unrolled layers), GSPMD's (scanned layers) against plain JAX's
+            same = (plain_one_gpu.get(r["model"]) if r["script"] == "benchmarks/plain_gpt.py" else
+                    one_gpu.get((r["model"], scanned(r))))
+            if "weak" in r["name"] and base:
+                found = ("weak", x["tflops_per_device"] / base["tflops_per_device"])
+            elif same and x["global_batch"] == same["global_batch"]:
+                found = ("strong", x["tokens_per_s"] / same["tokens_per_s"])
+            elif same:
+                found = ("tokens", x["tokens_per_s"] / same["tokens_per_s"])
+        out.append(found)
+    return out
+
+
+def table(records) -> str:
     head = ("| row | GPUs | params | global batch | step (s) | tokens/s | TFLOP/s per GPU | MFU | peak mem (GiB) | "
             "scaling |\n|---|---|---|---|---|---|---|---|---|---|")
     out = [head]
-    for r in records:
+    for r, found in zip(records, scaling(records)):
         x = r["result"]
         if "error" in x:
             out.append(f"| {r['name']} | {r['gpus']} | | | | {x['error'][:80]} | | | | |")
             continue
-        scaling = ""
-        if r["gpus"] > 1:  # mtx's rows against mtx's 1-GPU row of the same program (scanned or unrolled layers),
-            # GSPMD's (scanned layers) against plain JAX's
-            same = (plain_one_gpu.get(r["model"]) if r["script"] == "benchmarks/plain_gpt.py" else
-                    one_gpu.get((r["model"], scanned(r))))
-            if "weak" in r["name"] and base:
-                scaling = f"weak {x['tflops_per_device'] / base['tflops_per_device']:.0%}"
-            elif same and x["global_batch"] == same["global_batch"]:
-                scaling = f"strong {x['tokens_per_s'] / same['tokens_per_s']:.2f}x"
-            elif same:
-                scaling = f"{x['tokens_per_s'] / same['tokens_per_s']:.2f}x tokens/s"
+        kind, value = found or ("", 0.0)
+        scale = {"weak": f"weak {value:.0%}", "strong": f"strong {value:.2f}x", "tokens": f"{value:.2f}x tokens/s",
+                 "": ""}[kind]
         gb = x.get("global_batch", x.get("micro_batch"))
         mfu = f"{x['mfu']:.1%}" if x.get("mfu") else "n/a"
         out.append(f"| {r['name']} | {r['gpus']} | {x['params'] / 1e9:.2f}B | {gb} | {x['step_s']:.4f} | "
                    f"{x['tokens_per_s']:,.0f} | {x['tflops_per_device']:.1f} | {mfu} | "
-                   f"{x.get('peak_mem_gib', 0):.1f} | {scaling} |")
+                   f"{x.get('peak_mem_gib', 0):.1f} | {scale} |")
     return "\n".join(out)
+
+
+def plot(records, path) -> Path:
+    """The table as a figure (PNG): weak-scaling efficiency and strong-scaling speedup against GPUs beside the ideal,
+    and every row's MFU. Written through mtx.plot (marked; a file it did not write is never replaced)."""
+    from mtx.plot import pyplot, save_figure
+
+    plt = pyplot()
+    ok = [(r, found) for r, found in zip(records, scaling(records)) if "error" not in r["result"]]
+    if not ok:
+        raise ValueError("no successful rows to plot; run some rows first.")
+    fig = plt.figure(figsize=(11, 4 + 0.22 * len(ok)), dpi=100)
+    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1 + 0.22 * len(ok)])
+    most = max(r["gpus"] for r, _ in ok)
+    for col, (kind, title, ideal, ylabel) in enumerate((
+            ("weak", "weak scaling (model TFLOP/s per GPU / 1.2B on 1 GPU)", lambda g: 100.0, "efficiency (%)"),
+            ("strong", "strong scaling (same model and global batch)", lambda g: float(g), "speedup (x)"))):
+        ax = fig.add_subplot(grid[0, col])
+        ax.plot([1, most], [ideal(1), ideal(most)], ":", color="gray", label="ideal")
+        for r, found in ok:
+            if found and found[0] == kind:
+                y = 100 * found[1] if kind == "weak" else found[1]
+                ax.plot([1, r["gpus"]], [ideal(1), y], "o-", label=f"{r['name']}: {y:.0f}%" if kind == "weak"
+                        else f"{r['name']}: {y:.2f}x")
+        ax.set(title=title, xlabel="GPUs", ylabel=ylabel, xticks=sorted({1, *(r["gpus"] for r, _ in ok)}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    ax = fig.add_subplot(grid[1, :])
+    names = [f"{r['name']} ({r['gpus']} GPU{'s' if r['gpus'] > 1 else ''})" for r, _ in ok]
+    mfu = [100 * (r["result"].get("mfu") or 0.0) for r, _ in ok]
+    ax.barh(range(len(ok)), mfu, color=[f"C{min(r['gpus'], 8) - 1}" for r, _ in ok])
+    ax.set_yticks(range(len(ok)), names, fontsize="x-small")
+    ax.invert_yaxis()
+    ax.set_xlabel("MFU (%)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    try:
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -211,7 +264,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per row")
     ap.add_argument("--out", default=None, help="append each row's record (JSON) to this file")
-    ap.add_argument("--baseline", default=None, help="records of earlier rows (e.g. the 1-GPU ones) to scale against")
+    ap.add_argument("--baseline", nargs="+", default=(),
+                    help="files of records of earlier rows (e.g. the 1-GPU ones) to scale against")
+    ap.add_argument("--table-only", action="store_true",
+                    help="run no rows: tabulate (and --plot) the --baseline records")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the table as a figure into this file")
     ap.add_argument("--env", nargs="*", default=(), metavar="KEY=VALUE",
                     help="extra environment for every row (e.g. NCCL_PROTO=Simple), added to each row's name")
     args = ap.parse_args(argv)
@@ -221,9 +278,9 @@ def main(argv=None) -> int:
         if not sep or not key:
             ap.error(f"--env {item!r}: expected KEY=VALUE, e.g. --env NCCL_PROTO=Simple")
         extra_env[key] = value
-    earlier = [json.loads(l) for l in open(args.baseline)] if args.baseline else []
+    earlier = [json.loads(l) for name in args.baseline for l in open(name) if l.strip()]
     records = []
-    for group in args.rows:
+    for group in [] if args.table_only else args.rows:
         for row in ROWS[group]:
             if (args.only and not any(s in row["name"] for s in args.only)) or any(s in row["name"] for s in args.skip):
                 continue
@@ -237,6 +294,12 @@ def main(argv=None) -> int:
                 with open(args.out, "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
     print(table(earlier + records))
+    if args.plot:
+        try:
+            print(f"wrote {plot(earlier + records, args.plot)}")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -66,11 +66,11 @@ def plot(run_dirs: Sequence[str], out: str = "plots", x: Sequence[str] = ("steps
     if not figures:
         raise ValueError(f"{', '.join(run_dirs)}: metrics.jsonl holds no values to plot yet; let the run log a "
                          "step first (--log-interval).")
-    foreign = [name for name in figures if (out_dir / name).exists() and not _made_here(out_dir / name)]
+    foreign = [name for name in figures if (out_dir / name).exists() and not made_by_mtx_plot(out_dir / name)]
     if foreign:
         raise ValueError(f"--out {out_dir} holds {', '.join(foreign)}, not written by mtx.plot; mtx never writes "
                          "over them: choose another --out.")
-    plt = _pyplot()
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (stem, axis) in figures.items():
@@ -139,7 +139,8 @@ def _tokens_per_step(path: Path) -> int:
                          "training.global_batch_size and model.seq_length to count them; use --x steps.") from None
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or a ValueError naming the install."""
     try:
         import matplotlib
     except ImportError:
@@ -167,7 +168,7 @@ def _draw(plt, runs: dict, stem: str, axis: str, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
-        _save(fig, path)
+        save_figure(fig, path)
     finally:
         plt.close(fig)
     return path
@@ -181,8 +182,13 @@ def _points(run: dict, field: str, axis: str) -> tuple[list, list]:
     return xs, [value for _, _, value in points]
 
 
-def _save(fig, path: Path) -> None:
-    """Writes the PNG under a temporary name, then renames it: a file of that name is whole or untouched."""
+def save_figure(fig, path: str | Path) -> Path:
+    """Writes a matplotlib figure as a PNG marked as mtx.plot's, under a temporary name renamed when complete, so a
+    file of that name is whole or untouched; refuses (ValueError) to replace a file that does not carry the mark."""
+    path = Path(path)
+    if path.exists() and not made_by_mtx_plot(path):
+        raise ValueError(f"{path} exists and was not written by mtx.plot; mtx never writes over it: choose another "
+                         "path.")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -191,9 +197,10 @@ def _save(fig, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
 
 
-def _made_here(path: Path) -> bool:
+def made_by_mtx_plot(path: Path) -> bool:
     """Whether `path` is a PNG carrying mtx.plot's text chunk (Software = mtx.plot)."""
     try:
         data = path.read_bytes()

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_runs_to_pngs(tmp_path, capsys):
     for path in written:
         data = path.read_bytes()
         assert data.startswith(PNG) and data.rstrip().endswith(b"IEND\xaeB`\x82") and len(data) > 5000
-        assert plot._made_here(path)
+        assert plot.made_by_mtx_plot(path)
     assert "wrote 10 figures" in capsys.readouterr().out
     run_b = plot._read_run(b, need_tokens=True)
     assert plot._points(run_b, "tokens_per_s", "steps") == ([4], [64.0])  # the null is left out
@@ -111,7 +112,7 @@ def test_never_writes_over_foreign_files(tmp_path, capsys):
     out = tmp_path / "out"
     first = plot.main([str(good), "--out", str(out)])
     again = plot.main([str(good), "--out", str(out)])  # its own files: replaced
-    assert first == again and all(plot._made_here(p) for p in again)
+    assert first == again and all(plot.made_by_mtx_plot(p) for p in again)
     (out / "lr_steps.png").write_bytes(PNG + b"someone else's image")
     (out / "notes.txt").write_text("kept")
     err = _refused(capsys, [str(good), "--out", str(out)])
@@ -126,3 +127,31 @@ def test_without_matplotlib(tmp_path, capsys, monkeypatch):
     err = _refused(capsys, [str(good), "--out", str(tmp_path / "out")])
     assert err == "error: mtx.plot needs matplotlib, which is not installed; pip install matplotlib."
     assert not (tmp_path / "out").exists()
+
+
+def test_suite_draws_its_table(tmp_path, capsys):
+    """benchmarks/suite.py --plot draws the table of a results file (fabricated here: the repository stores none)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import suite
+
+    rows = {r["name"]: r for group in ("1gpu", "2gpu") for r in suite.ROWS[group]}
+    result = lambda tokens_per_s, tflops, gb: {"step_s": 0.3, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+                                               "mfu": tflops / 989, "params": 1.2e9, "global_batch": gb,
+                                               "peak_mem_gib": 40.0}
+    records = [{**rows["1.2B, 1 GPU"], "result": result(60000.0, 480.0, 16)},
+               {**rows["1.2B, 1 GPU, mb 24"], "result": {"error": "out of memory"}},
+               {**rows["2.5B, TP 2 (weak)"], "result": result(46000.0, 384.0, 16)},
+               {**rows["1.2B, TP 2 (strong)"], "result": result(90000.0, 360.0, 16)},
+               {**rows["1.2B, DP 2"], "result": result(112000.0, 450.0, 32)}]
+    assert suite.scaling(records) == [None, None, ("weak", 0.8), ("strong", 1.5), ("tokens", 112000 / 60000)]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = tmp_path / "scaling.png"
+    assert suite.main(["--table-only", "--baseline", str(results), "--plot", str(png)]) == 0
+    assert "| 2.5B, TP 2 (weak) | 2 |" in capsys.readouterr().out  # the table, from the file: no row was run
+    assert png.read_bytes().startswith(PNG) and plot.made_by_mtx_plot(png)
+    assert suite.main(["--table-only", "--baseline", str(results), "--plot", str(png)]) == 0  # its own: replaced
+    png.write_bytes(PNG + b"another image")
+    assert suite.main(["--table-only", "--baseline", str(results), "--plot", str(png)]) == 2
+    assert "was not written by mtx.plot" in capsys.readouterr().err
+    assert png.read_bytes() == PNG + b"another image"
