@@ -4,7 +4,8 @@ The defaults are the embedded default run (`python train.py`): a small GPT (4 la
 corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs. Field names
 are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), unique across sections, so flags and preset keys
 map to fields without a table; each field carries its flag's help (`_f`, shown by mtx/cli.py's `--help`).
-`Config.validate()` is the one place where bad combinations are refused, before any device work.
+`Config.validate()` is the one place where bad values and combinations are refused, before any device work
+(the checks themselves: mtx/schema_checks.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from mtx.schema_checks import check_field
+from mtx.schema_checks import check_combinations, check_field
 
 
 def _f(default: Any, help: str) -> Any:
@@ -230,69 +231,13 @@ class Config:
                                 if k not in _REMOVED_FIELDS})
 
     def validate(self, num_devices: int | None = None) -> "Config":
-        """Refuses a bad value or combination with one sentence naming the flag and the fix; returns self."""
-        for part in (getattr(self, section) for section in SECTIONS):  # every field's type and range first
+        """Refuses a bad value or combination with one sentence naming the flag and the fix; returns self. Every
+        field's type and range first, then the combinations (mtx/schema_checks.py)."""
+        for part in (getattr(self, section) for section in SECTIONS):
             for f in dataclasses.fields(part):
                 check_field(f.name, FIELD_TYPES[f.name], getattr(part, f.name))
-        m, p, t, o = self.model, self.parallel, self.training, self.optimizer
-        _check(o.min_lr <= o.lr or o.lr_decay_style == "constant",
-               f"--min-lr {o.min_lr} is above --lr {o.lr}; the schedule decays from --lr down to --min-lr.")
-        _check(p.process_id is None or p.num_processes is None or p.process_id < p.num_processes,
-               f"--process-id {p.process_id} must be below --num-processes {p.num_processes}.")
-        tp = p.tensor_model_parallel_size
-        _check(m.hidden_size % m.num_attention_heads == 0,
-               f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
-               "choose a hidden size that is a multiple of the head count.")
-        _check(m.num_attention_heads % tp == 0,
-               f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size "
-               f"{tp}; use a TP size that divides the head count.")
-        _check(m.ffn_size % tp == 0,
-               f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}.")
-        _check(m.padded_vocab_size % (tp * m.make_vocab_size_divisible_by) == 0,
-               f"--tensor-model-parallel-size {tp} does not divide the padded vocabulary "
-               f"{m.padded_vocab_size} into multiples of 128; use a TP size of at most 8.")
-        _check(m.max_positions >= m.seq_length,
-               f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
-               "raise it to at least the sequence length.")
-        _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
-               f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
-               f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
-        self._validate_pipeline()
-        self.stage_layer_counts()  # refuses layers that do not split over the stages as asked
-        _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
-        _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),
-               f"--recompute-granularity must be full, selective or matmuls, got {t.recompute_granularity!r}.")
-        _check(o.lr_decay_style in ("constant", "linear", "cosine"),
-               f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
-        _check(not (t.use_flash_attn and m.attention_dropout > 0),
-               "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
-        self._validate_model_type()
-        if num_devices is not None:
-            from mtx.parallel.mesh import resolve_sizes
-
-            dp, _, _ = resolve_sizes(p.data_parallel_size, p.pipeline_model_parallel_size, tp, num_devices)
-            _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                   f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
-                   f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of "
-                   f"{t.micro_batch_size * dp}.")
+        check_combinations(self, num_devices)
         return self
-
-    def _validate_model_type(self) -> None:
-        m, d = self.model, self.data
-        _check(m.model_type in ("gpt", "bert"), f"--model-type must be gpt or bert, got {m.model_type!r}.")
-        _check(m.layernorm_placement in ("pre", "post"),
-               f"--layernorm-placement must be pre or post, got {m.layernorm_placement!r}.")
-        if not m.is_bert:
-            _check(m.layernorm_placement == "pre",
-                   "--layernorm-placement post is only implemented for --model-type bert; drop it for GPT.")
-            return
-        _check(d.tokenizer_type in (None, "BertWordPieceLowerCase") and d.merge_file is None,
-               "--model-type bert needs BERT's WordPiece vocabulary: pass --vocab-file vocab.txt (BERT's) without "
-               "--merge-file, and --tokenizer-type BertWordPieceLowerCase or none.")
-        _check(not m.bert_binary_head or m.num_tokentypes >= 2,
-               f"--num-tokentypes {m.num_tokentypes} cannot tell sentence A from B; use 2, or --bert-no-binary-head.")
-        _check(m.seq_length >= 8, f"--seq-length {m.seq_length} is too short for BERT's [CLS] A [SEP] B [SEP] "
-                                  "samples; use at least 8.")
 
     def stage_layer_counts(self) -> tuple[int, ...]:
         """Layers of each (virtual) pipeline stage, P x V in pipeline order (mtx/parallel/layout.py)."""
@@ -325,38 +270,6 @@ class Config:
         """The pipeline schedule that runs: gpipe, 1f1b, or interleaved (1F1B over V > 1 virtual stages)."""
         return "interleaved" if self.virtual_stages > 1 else self.parallel.pipeline_schedule
 
-    def _validate_pipeline(self) -> None:
-        p, pp = self.parallel, self.parallel.pipeline_model_parallel_size
-        v, n = p.virtual_pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
-        _check(p.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
-               f"--pipeline-schedule must be gpipe, 1f1b or interleaved, got {p.pipeline_schedule!r}.")
-        if n is not None:
-            _check(self.model.num_layers % (pp * n) == 0,
-                   f"--num-layers {self.model.num_layers} does not split into --pipeline-model-parallel-size {pp} x "
-                   f"virtual stages of --num-layers-per-virtual-pipeline-stage {n}; choose N dividing "
-                   f"{self.model.num_layers // pp if self.model.num_layers % pp == 0 else 'layers / stages'}.")
-            _check(v is None or v * pp * n == self.model.num_layers,
-                   f"--virtual-pipeline-model-parallel-size {v} and --num-layers-per-virtual-pipeline-stage {n} "
-                   f"disagree ({v} x {pp} stages x {n} != {self.model.num_layers} layers); pass one of them.")
-        virtual = self.virtual_stages
-        if virtual > 1:
-            _check(p.pipeline_model_parallel_layout is not None or self.model.num_layers % (pp * virtual) == 0,
-                   f"--num-layers {self.model.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-                   f"--virtual-pipeline-model-parallel-size {virtual}; choose V so that stages x V divides the layers, "
-                   "or give a --pipeline-model-parallel-layout.")
-            _check(pp > 1, "virtual pipeline stages split the pipeline stages; pass --pipeline-model-parallel-size "
-                           "> 1 with them.")
-            _check(p.pipeline_schedule != "gpipe",
-                   "--pipeline-schedule gpipe runs one stage per device; drop the virtual stages or use 1f1b / "
-                   "interleaved.")
-            _check(p.num_layers_in_first_pipeline_stage is None and p.num_layers_in_last_pipeline_stage is None,
-                   "--num-layers-in-first/last-pipeline-stage do not combine with virtual stages; give a "
-                   "--pipeline-model-parallel-layout with one '|'-separated stage per virtual stage instead.")
-        else:
-            _check(p.pipeline_schedule != "interleaved" or pp == 1,
-                   "--pipeline-schedule interleaved needs virtual stages: pass --virtual-pipeline-model-parallel-size "
-                   "V > 1 (or --num-layers-per-virtual-pipeline-stage, or a layout with V x stages stages).")
-
     def data_parallel_size(self, num_devices: int) -> int:
         from mtx.parallel.mesh import resolve_sizes
 
@@ -376,11 +289,6 @@ def _coerce(key: str, value: Any) -> Any:
     if key == "data_path" and value is not None:
         return tuple([value] if isinstance(value, str) else value)
     return value
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def load_preset(path: str | Path) -> dict[str, Any]:
