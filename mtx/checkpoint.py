@@ -9,6 +9,10 @@ Once a step is finished mtx records every file of it with its size (`mtx_files.j
 damaged later (a file deleted, truncated or emptied) is found before anything is loaded (`Checkpointer.problem`):
 resuming then falls back to the newest intact step (mtx/run.py). A step without that record (its run died between
 the step's end and the record) is checked for readable config and metadata and for empty files instead.
+
+Saves are synchronous unless `async_save` (--async-save): orbax then writes the step on a background thread while
+training goes on, and `wait` (at the next save, and before the run ends or stops) finishes it and records its files.
+With `keep_last` (--keep-last-n-checkpoints) `wait` then deletes the older steps that only mtx wrote (see `_prune`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
@@ -32,10 +37,15 @@ class CheckpointError(ValueError):
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path):
+    """The orbax checkpoints of one directory: save (sync or async), record, prune, check and restore steps."""
+
+    def __init__(self, directory: str | Path, *, async_save: bool = False, keep_last: int | None = None,
+                 keep_every: int | None = None):
         self.directory = Path(directory).absolute()
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(create=True, max_to_keep=None))
+        self.async_save, self.keep_last, self.keep_every = async_save, keep_last, keep_every
+        self._unrecorded: list[int] = []  # steps saved here whose files are not recorded yet
+        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            create=True, max_to_keep=None, enable_async_checkpointing=async_save))
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())
@@ -44,38 +54,63 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, state, cfg: Config) -> None:
+        """Saves the state and config as step `state.step`; returns once the step is on disk and recorded, or with
+        async_save as soon as its arrays are copied off the devices (`wait` finishes it)."""
         self.wait()  # the previous step is finished (long since, at any save interval): record its files first
         step = int(jax.device_get(state.step))
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(cfg.to_dict())))
+        self._unrecorded.append(step)
+        if not self.async_save:
+            self.wait()
 
     def wait(self) -> None:
-        """Waits for the save in flight, then records the files of every finished step that lacks the record."""
+        """Waits for the save in flight, records the files of the steps saved here (only these: a step found
+        without its record may have been damaged since it was written), then with keep_last deletes the steps no
+        longer kept. A Checkpointer that only reads writes nothing."""
         self._manager.wait_until_finished()
-        if not is_main_process():
+        steps, self._unrecorded = self._unrecorded, []
+        if not steps or not is_main_process():
             return
-        for step in self.steps():
+        for step in steps:
             path = self.directory / str(step)
             if (path / "commit_success.txt").exists() and not (path / MANIFEST).exists():
                 files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
                 tmp = path / f"{MANIFEST}.tmp"
                 tmp.write_text(json.dumps(files, indent=0) + "\n")
                 os.replace(tmp, path / MANIFEST)
+        if self.keep_last is not None:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Deletes the steps that --keep-last-n-checkpoints / --keep-checkpoint-every no longer keep. Only a step that
+        matches its file record exactly (intact, and nothing in it that mtx did not write) is ever deleted, and only
+        once `keep_last` newer steps are intact: the newest step, a broken or unrecorded step, and a step that a
+        fallback from broken newer ones would resume are kept. Each goes in two moves, renamed to <step>.deleting
+        (no longer a step to any reader) and then removed; a leftover from a run killed in between goes next time."""
+        for leftover in self.directory.glob("*.deleting"):
+            if leftover.name.split(".")[0].isdigit():
+                shutil.rmtree(leftover, ignore_errors=True)
+        steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+        intact = [s for s in steps if self._recorded_problem(self.directory / str(s)) is None]
+        kept = set(intact[-self.keep_last:]) | set(steps[-1:])
+        kept |= {s for s in steps if self.keep_every and s % self.keep_every == 0}
+        doomed = [s for s in intact if s not in kept and self._only_recorded_files(self.directory / str(s))]
+        for step in doomed:
+            path = self.directory / str(step)
+            trash = path.with_name(f"{step}.deleting")
+            path.rename(trash)
+            shutil.rmtree(trash)
+        if doomed:
+            self._manager.reload()  # orbax's list of steps
 
     def problem(self, step: int) -> str | None:
         """Why `step` cannot be loaded (a file missing, truncated or emptied; an unreadable or incomplete config), in
         a few words; None when it is intact."""
         path = self.directory / str(step)
         if (path / MANIFEST).exists():
-            try:
-                files = json.loads((path / MANIFEST).read_text())
-            except ValueError:
-                return f"its file record {MANIFEST} is unreadable"
-            for name, size in files.items():
-                if not (path / name).is_file():
-                    return f"{name} is missing"
-                if (found := (path / name).stat().st_size) != size:
-                    return f"{name} has {found} bytes, {size} when saved"
+            if (problem := self._recorded_problem(path)) is not None:
+                return problem
         else:
             empty = [f for f in sorted(path.rglob("*")) if f.is_file() and f.stat().st_size == 0]
             if empty:
@@ -91,6 +126,27 @@ class Checkpointer:
         missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in saved.get("model", {})]
         return f"its config lacks model.{missing[0]}" if missing else None
 
+    @staticmethod
+    def _recorded_problem(path: Path) -> str | None:
+        """What differs between a step and its file record (a file missing or of another size), None when they
+        agree; a step without a readable record is never matched."""
+        try:
+            files = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return f"its file record {MANIFEST} is unreadable"
+        for name, size in files.items():
+            if not (path / name).is_file():
+                return f"{name} is missing"
+            if (found := (path / name).stat().st_size) != size:
+                return f"{name} has {found} bytes, {size} when saved"
+        return None
+
+    @staticmethod
+    def _only_recorded_files(path: Path) -> bool:
+        """Whether a step holds nothing but its recorded files and the record (nobody added anything)."""
+        recorded = set(json.loads((path / MANIFEST).read_text())) | {MANIFEST}
+        return all(str(f.relative_to(path)) in recorded for f in path.rglob("*") if not f.is_dir())
+
     def saved_config(self, step: int) -> Config:
         return Config.from_dict(self._saved_dict(step))
 
@@ -104,9 +160,25 @@ class Checkpointer:
         if step is None:
             raise ValueError(f"--load {self.directory} holds no checkpoint; pass a directory written by --save.")
         check_compatible(self.saved_config(step).model, cfg.model, self.directory)
+        return self._read(step, self._manager, ocp.args.StandardRestore(abstract_state))
+
+    def restore_params(self, abstract_state, cfg: Config, step: int):
+        """Only the fp32 weights of `step` (--finetune, --no-load-optim), laid out like `abstract_state.params`; the
+        optimizer state, two thirds of the bytes, is not read."""
+        check_compatible(self.saved_config(step).model, cfg.model, self.directory)
+        item = {"params": abstract_state.params}
+        args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(item))
+        # (a manager of its own: orbax binds a manager's item to one handler, and this one saves with StandardSave)
+        reader = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))
+            return self._read(step, reader, args)["params"]
+        finally:
+            reader.close()
+
+    def _read(self, step: int, manager, args):
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(state=args))
         except Exception as e:  # damage the file record could not see (same size, different bytes)
             older = [s for s in self.steps() if s < step]
             raise CheckpointError(
@@ -116,6 +188,8 @@ class Checkpointer:
         return restored["state"]
 
     def close(self) -> None:
+        """Finishes the save in flight (and its record) and releases orbax's threads."""
+        self.wait()
         self._manager.close()
 
 

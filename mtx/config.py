@@ -165,10 +165,28 @@ class TrainingConfig:
     eval_iters: int = _f(10, "validation batches per evaluation")
     save: str | None = _f(None, "checkpoint (and run) directory")
     save_interval: int | None = _f(None, "steps between checkpoints; None saves only at the end")
+    async_save: bool = _f(False, "write each checkpoint in the background while training goes on (finished before "
+                                 "the next save and before exit); off: each save is on disk before the next step")
+    keep_last_n_checkpoints: int | None = _f(
+        None, "delete older checkpoints of --save beyond its newest N intact ones (never the newest, never a broken "
+        "or foreign one); None keeps every checkpoint")
+    keep_checkpoint_every: int | None = _f(None, "with --keep-last-n-checkpoints: also keep every step divisible by K")
     load: str | None = _f(None, "checkpoint directory to resume from")
     ckpt_step: int | None = _f(None, "step to load from --load; None means the latest")
+    finetune: bool = _f(False, "load only the weights of --load: step 0, fresh optimizer, this run's --seed, new "
+                               "metrics (Megatron's --finetune)")
+    load_optim: bool = _f(True, "load --load's optimizer state; --no-load-optim: fresh Adam moments and loss scale "
+                                "(the step and the lr schedule continue)")
+    load_rng: bool = _f(True, "take --load's seed (mtx's RNG state: dropout masks and data order are functions of "
+                              "seed and step); --no-load-rng: this run's --seed")
+    use_checkpoint_args: bool = _f(False, "take the model architecture from --load's saved config; it wins over "
+                                          "flags and presets (each overridden value is printed)")
     run_dir: str | None = _f(None, "where metrics and the resolved config go when --save is not given")
-    tensorboard_dir: str | None = _f(None, "TensorBoard event directory")
+    tensorboard_dir: str | None = _f(None, "TensorBoard event directory (pip install 'mtx[tensorboard]')")
+    wandb_project: str | None = _f(None, "Weights & Biases project: the TensorBoard scalars are logged there too "
+                                         "(process 0; pip install 'mtx[wandb]'; WANDB_MODE=offline works)")
+    wandb_exp_name: str | None = _f(None, "W&B run name; None: the run directory's name")
+    wandb_save_dir: str | None = _f(None, "directory W&B writes its wandb/ folder into; None: the run directory")
     generate_tokens: int = _f(200, "tokens of a sample printed after training; 0 disables")
     exit_interval: int | None = _f(None, "stop after the first step divisible by this, saving a checkpoint")
     exit_duration_in_mins: float | None = _f(None, "stop after this many minutes of training, saving a checkpoint")

@@ -1,8 +1,9 @@
 """Where mtx may write, checked before any device work: it never writes over a file it did not create.
 
 A run directory (--save, --run-dir) must be new, empty, or hold only what mtx writes there: its config.json, its
-metrics.jsonl and orbax checkpoint steps. Tools that write files (mtx.data.preprocess) refuse existing outputs unless
-told to overwrite. Paths whose parent cannot be written, or that run through a regular file, are refused up front.
+metrics.jsonl, orbax checkpoint steps and W&B's wandb/ folder. Tools that write files (mtx.data.preprocess) refuse
+existing outputs unless told to overwrite. Paths whose parent cannot be written, or that run through a regular file,
+are refused up front.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def _written_by_mtx(entry: Path) -> bool:
     if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (the tmp: a resume cut short while it rewrote it)
         return entry.is_file()
     if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
-                           or re.fullmatch(r"\d+\.broken\d*", entry.name)):
+                           or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):
         return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix; a
-        # broken one that a resumed run set aside, mtx/run.py)
+        # broken one that a resumed run set aside, mtx/resume.py; one being deleted, mtx/checkpoint.py `_prune`)
+    if entry.name == "wandb" and entry.is_dir():
+        return True  # Weights & Biases' files, when --wandb-save-dir is not given (mtx/metrics.py)
     return False
 
 

@@ -1,4 +1,10 @@
-"""Training metrics: one JSON line per log interval, optional TensorBoard events, and a progress bar for people.
+"""Training metrics: one JSON line per log interval, optional TensorBoard and Weights & Biases, and the console.
+
+Each record of `metrics.jsonl` carries `tokens`, the tokens trained on up to its step (step x global batch x sequence
+length, so a resumed run continues the count), and `wall_time`, the Unix time in seconds when it was written (the
+clock of TensorBoard's events; a resumed run's records continue on the same axis). TensorBoard and W&B get the same
+scalars, every number of the record but its step and wall time, against the step. On a terminal the console shows a
+tqdm bar; otherwise (a batch job's log) one Megatron-style line per record (`log_line`).
 
 MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s, with the model FLOPs of
 `ModelConfig.flops_per_token()` (6N + 12 L D S). mfu is null where the peak is not known (e.g. CPU).
@@ -6,8 +12,10 @@ MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s, wi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,27 +31,58 @@ def peak_flops_per_device(device=None) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
+def check_trackers(tensorboard_dir: str | None, wandb_project: str | None) -> None:
+    """Refuses a tracker whose package is not installed, naming the extra to install (before any device work)."""
+    for flag, value, package in (("--tensorboard-dir", tensorboard_dir, "tensorboard"),
+                                 ("--wandb-project", wandb_project, "wandb")):
+        if value and not _installed(package):
+            raise ValueError(f"{flag} needs the {package} package, which is not installed: pip install "
+                             f"'mtx[{package}]'.")
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # a module set to None in sys.modules (import blocked)
+        return False
+
+
 class MetricsLogger:
-    """Appends metrics to `<run_dir>/metrics.jsonl` and, given a directory, to TensorBoard."""
+    """Appends metrics to `<run_dir>/metrics.jsonl` and, when asked, to TensorBoard and a W&B run.
+
+    `tokens_per_step` (global batch x sequence length) gives each record its `tokens`; `wandb` holds wandb.init's
+    project, name, dir and config (None: no W&B)."""
 
     def __init__(self, run_dir: str | Path, tensorboard_dir: str | None = None, *, enabled: bool = True,
-                 resumed_at: int | None = None):
+                 resumed_at: int | None = None, tokens_per_step: int | None = None,
+                 wandb: dict[str, Any] | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled  # False on every process but the first of a multi-host run: one writer per file
+        self.tokens_per_step = tokens_per_step
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resumed_at is not None and self.path.exists():
                 self._drop_after(resumed_at)
-        self._tb = _TensorBoard(tensorboard_dir) if tensorboard_dir and enabled else None
+        self._trackers = []
+        if enabled and tensorboard_dir:
+            self._trackers.append(_TensorBoard(tensorboard_dir))
+        if enabled and wandb:
+            self._trackers.append(_WandB(**wandb))
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Writes `record` with its tokens and wall time added; returns it as written."""
+        step = record["step"]
+        record = {"step": step, **({"tokens": step * self.tokens_per_step} if self.tokens_per_step else {}),
+                  **{k: v for k, v in record.items() if k != "step"}, "wall_time": time.time()}
         if not self.enabled:
-            return
+            return record
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            self._tb.scalars(record["step"], {k: v for k, v in record.items()
-                                              if k != "step" and isinstance(v, (int, float)) and v is not None})
+        scalars = {k: v for k, v in record.items()
+                   if k not in ("step", "wall_time") and isinstance(v, (int, float)) and v is not None}
+        for tracker in self._trackers:
+            tracker.scalars(step, scalars)
+        return record
 
     def _drop_after(self, step: int) -> None:
         """A run resumed at `step` re-runs the steps after it: their earlier records go (atomically: the file is
@@ -56,19 +95,18 @@ class MetricsLogger:
             os.replace(tmp, self.path)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 class _TensorBoard:
     """TensorBoard scalars through the `tensorboard` package's own event writer (no TensorFlow needed)."""
 
     def __init__(self, logdir: str):
-        try:
-            from tensorboard.compat.proto import event_pb2, summary_pb2
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError:
-            raise ValueError("--tensorboard-dir needs the tensorboard package; pip install 'mtx[tensorboard]'.")
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
         Path(logdir).mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(logdir)
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
@@ -81,6 +119,23 @@ class _TensorBoard:
         self._writer.close()
 
 
+class _WandB:
+    """One W&B run (wandb.init's project, name, dir and config), imported only when asked for: the optional extra
+    `pip install 'mtx[wandb]'`. WANDB_MODE=offline keeps it on disk (`wandb sync` uploads it later)."""
+
+    def __init__(self, project: str, name: str, dir: str, config: dict[str, Any]):
+        import wandb
+
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(project=project, name=name, dir=dir, config=config)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 def throughput(tokens: int, seconds: float, flops_per_token: float, num_devices: int) -> dict[str, float | None]:
     """tokens/s, model TFLOP/s per device and MFU (None without a known peak) of `tokens` processed in `seconds`."""
     tokens_per_s = tokens / seconds
@@ -88,3 +143,53 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, num_devices:
     peak = peak_flops_per_device()
     return {"tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
             "mfu": flops_per_device / peak if peak else None}
+
+
+def log_line(record: dict[str, Any], train_iters: int, global_batch_size: int, loss_name: str = "lm loss") -> str:
+    """A training record as Megatron prints it: ` iteration      10/     100 | consumed samples: ... |`."""
+    step = record["step"]
+    parts = [f"iteration {step:8d}/{train_iters:8d}", f"consumed samples: {step * global_batch_size:12d}"]
+    if record.get("step_time_s") is not None:
+        parts.append(f"elapsed time per iteration (ms): {1000 * record['step_time_s']:.1f}")
+    if record.get("tflops_per_device") is not None:
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {record['tflops_per_device']:.1f}")
+    parts += [f"learning rate: {record['lr']:.6E}", f"global batch size: {global_batch_size:5d}",
+              f"{loss_name}: {record['loss']:.6E}", f"loss scale: {record['loss_scale']:.1f}",
+              f"grad norm: {record['grad_norm']:.3f}",
+              f"number of skipped iterations: {record.get('skipped_steps', 0):3d}"]
+    return "".join(f" {part} |" for part in parts)
+
+
+class Progress:
+    """Training progress on the console: a tqdm bar when stdout is a terminal, else a `log_line` per training record
+    (a batch job's log sees lines, not carriage returns); nothing when disabled (other processes, quiet callers)."""
+
+    def __init__(self, start: int, train_iters: int, global_batch_size: int, *, enabled: bool = True,
+                 loss_name: str = "lm loss"):
+        self.train_iters, self.global_batch_size, self.loss_name = train_iters, global_batch_size, loss_name
+        self.mode = "off" if not enabled else "bar" if sys.stdout.isatty() else "lines"
+        self._bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=train_iters, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, record: dict[str, Any], steps: int) -> None:
+        """Shows a training record that covers `steps` more steps."""
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}",
+                                  mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
+            self._bar.update(steps)
+        elif self.mode == "lines":
+            print(log_line(record, self.train_iters, self.global_batch_size, self.loss_name), flush=True)
+
+    def write(self, text: str) -> None:
+        """A message between updates (validation results), printed even when the progress itself is off."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -8,7 +8,6 @@ shared filesystem and meets the others before anything is written; only process 
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import signal
@@ -27,9 +26,10 @@ from mtx.data import build_dataset
 from mtx.data.prefetch import prefetch
 from mtx.devices import check_accelerator
 from mtx.distributed import barrier, is_main_process
-from mtx.files import check_run_dir, check_writable, is_mtx_config
-from mtx.metrics import MetricsLogger, throughput
+from mtx.files import check_run_dir, check_writable
+from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
+from mtx.resume import from_checkpoint, load_state, resume_point, set_aside
 from mtx.sharded_model import ShardedModel
 from mtx.step import TrainStep
 
@@ -65,66 +65,29 @@ def prepare(cfg: Config) -> Plan:
         print(warning, file=sys.stderr)
     cfg.validate(num_devices)
     check_tensor_parallel_fits(cfg.parallel.tensor_model_parallel_size, jax.local_device_count(), jax.process_count())
+    t = cfg.training
+    check_trackers(t.tensorboard_dir, t.wandb_project)
+    load_step, broken_later, saved = resume_point(cfg) if t.load else (None, (), None)
+    if saved is not None:  # its seed (RNG state) and, with --use-checkpoint-args, its architecture, before the data
+        cfg = from_checkpoint(cfg, saved).validate(num_devices)
     dataset = build_dataset(cfg)
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
-    t = cfg.training
-    resuming = bool(t.load)
-    load_step, set_aside = _resume_point(cfg) if t.load else (None, ())
+    if load_step is not None:
+        check_compatible(saved.model, cfg.model, t.load)
+    resuming = bool(t.load) and not t.finetune  # a fine-tuned run is a new run: new metrics, from step 0
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, "--save" if t.save else "--run-dir")  # never over a file mtx did not write
-    if t.tensorboard_dir:
-        check_writable(t.tensorboard_dir, "--tensorboard-dir")
-    if t.save and is_checkpoint_dir(t.save) and not (t.load and Path(t.load) == Path(t.save)):
+    for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
+        if path:
+            check_writable(path, flag)
+    if t.save and is_checkpoint_dir(t.save) and not (resuming and Path(t.load) == Path(t.save)):
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")
     if (run_dir / "metrics.jsonl").exists() and not resuming:
         raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
                          f"--run-dir (or --save), or pass --load {run_dir} to resume it (or restart it, if it "
                          "stopped before its first checkpoint).")
-    return Plan(cfg, dataset, run_dir, load_step, set_aside)
-
-
-def _resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...]]:
-    """(The step of --load to resume from, None to restart a run that stopped before its first checkpoint
-    finished; the broken later steps to set aside when resuming into the same --save directory)."""
-    t = cfg.training
-    load = Path(t.load)
-    if not is_checkpoint_dir(load):
-        if is_mtx_config(load / "config.json"):  # an mtx run directory without a finished step
-            if is_main_process():
-                print(f"mtx: --load {load} holds no finished checkpoint (its run stopped before the first save "
-                      "completed); starting it again from step 0.")
-            return None, ()
-        raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
-    ckpt = Checkpointer(load)
-    try:
-        steps = ckpt.steps()
-        if t.ckpt_step is not None and t.ckpt_step not in steps:
-            raise ValueError(f"--load {t.load} has no step {t.ckpt_step} (it has {steps}); pass one of those "
-                             "to --ckpt-step.")
-        broken = {}
-        for step in ([t.ckpt_step] if t.ckpt_step is not None else reversed(steps)):
-            if (problem := ckpt.problem(step)) is None:
-                break
-            broken[step] = problem
-        else:
-            intact = [s for s in steps if s not in broken and ckpt.problem(s) is None]
-            step, problem = next(iter(broken.items()))
-            raise ValueError(f"--load {t.load}: step {step} is broken ({problem}); "
-                             + (f"pass --ckpt-step {intact[-1]}, the newest intact step." if intact else
-                                "no step is intact: start a new run."))
-        if broken and is_main_process():
-            print("\n".join(f"mtx: --load {t.load}: step {s} is broken ({p}); resuming from step {step}, the newest "
-                            "intact one." for s, p in broken.items()))
-        check_compatible(ckpt.saved_config(step).model, cfg.model, t.load)
-        later = [s for s in steps if s > step]
-        if t.save and Path(t.save) == load and any(s not in broken for s in later):
-            raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
-                             "--save directory.")
-        set_aside = tuple(load / str(s) for s in later) if t.save and Path(t.save) == load else ()
-        return step, set_aside
-    finally:
-        ckpt.close()
+    return Plan(cfg, dataset, run_dir, load_step, broken_later)
 
 
 def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
@@ -141,13 +104,14 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         for step_dir in plan.set_aside:  # kept, not deleted: the new steps of this run take their numbers
-            _set_aside(step_dir)
+            set_aside(step_dir)
     barrier("mtx: broken steps set aside")
 
-    saver = Checkpointer(t.save) if t.save else None
+    saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
+                         keep_every=t.keep_checkpoint_every) if t.save else None
     if plan.load_step is not None:
         loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
-        state = loader.restore(train_step.abstract_state(), cfg, step=plan.load_step)
+        state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
         if loader is not saver:
             loader.close()
     else:
@@ -156,67 +120,64 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     if main:
         _print_banner(cfg, mesh, model, start)
 
-    logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, resumed_at=start if t.load else None)
-    result = RunResult(state, model, run_dir)
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
+                 dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
+    logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step, wandb=wandb,
+                           resumed_at=start if t.load and not t.finetune else None)
+    result = RunResult(state, model, run_dir)
     flops_per_token = cfg.model.flops_per_token()
-    bar = _progress_bar(start, t.train_iters, progress and main)
+    console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
+                       loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
     pending, interval_start, interval_steps = [], time.perf_counter(), 0
     batches = prefetch(lambda step: model.put_batch(dataset.batch("train", step, t.global_batch_size)),
                        range(start, t.train_iters), depth=cfg.data.prefetch_depth)
-    with _StopRequests(t) as stops:  # until the last checkpoint is written
-        for step, batch in zip(range(start, t.train_iters), batches):
-            state, metrics = train_step(state, batch)
-            pending.append((step + 1, metrics))
-            if step == start:  # the first step compiles: time the interval from its end
-                jax.block_until_ready(metrics)
-                interval_start = time.perf_counter()
-            else:
-                interval_steps += 1
-            final = step + 1 == t.train_iters
-            result.stopped = None if final else stops.reason(step + 1)
-            last = final or result.stopped is not None
-            if (step + 1) % t.log_interval == 0 or last:
-                fetched = jax.device_get(pending)  # the only host sync of the interval
-                elapsed = time.perf_counter() - interval_start
-                result.losses.update((s, float(m["loss"])) for s, m in fetched)
-                s, m = fetched[-1]
-                timing = (throughput(tokens_per_step * interval_steps, elapsed, flops_per_token, mesh.size)
-                          if interval_steps else {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
-                record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                          "loss_scale": float(m["loss_scale"]),
-                          "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
-                          "step_time_s": elapsed / interval_steps if interval_steps else None, **timing}
-                logger.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s'] or 0:.0f}",
-                                mfu="n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%")
-                bar.update(len(fetched))
-                pending, interval_steps = [], 0
-            if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
-                val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
-                if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
-                    logger.log({"step": step + 1, "val_loss": val})
-                    if main:
-                        bar.write(f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}")
+    try:
+        with _StopRequests(t) as stops:  # until the last checkpoint is written
+            for step, batch in zip(range(start, t.train_iters), batches):
+                state, metrics = train_step(state, batch)
+                pending.append((step + 1, metrics))
+                if step == start:  # the first step compiles: time the interval from its end
+                    jax.block_until_ready(metrics)
+                    interval_start = time.perf_counter()
                 else:
-                    ppl = math.exp(min(val, 50.0))
-                    logger.log({"step": step + 1, "val_loss": val, "val_ppl": ppl})
+                    interval_steps += 1
+                final = step + 1 == t.train_iters
+                result.stopped = None if final else stops.reason(step + 1)
+                if (step + 1) % t.log_interval == 0 or final or result.stopped is not None:
+                    fetched = jax.device_get(pending)  # the only host sync of the interval
+                    elapsed = time.perf_counter() - interval_start
+                    result.losses.update((s, float(m["loss"])) for s, m in fetched)
+                    record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size)
+                    console.update(logger.log(record), len(fetched))
+                    pending, interval_steps = [], 0
+                if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
+                    val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
+                    if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
+                        logger.log({"step": step + 1, "val_loss": val})
+                        message = f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}"
+                    else:
+                        ppl = math.exp(min(val, 50.0))
+                        logger.log({"step": step + 1, "val_loss": val, "val_ppl": ppl})
+                        message = f"step {step + 1}: validation loss {val:.4f}, perplexity {ppl:.2f}"
                     if main:
-                        bar.write(f"step {step + 1}: validation loss {val:.4f}, perplexity {ppl:.2f}")
-            if saver and t.save_interval and (step + 1) % t.save_interval == 0:
+                        console.write(message)
+                if saver and t.save_interval and (step + 1) % t.save_interval == 0:
+                    saver.save(state, cfg)
+                if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
+                    interval_start = time.perf_counter()
+                if result.stopped:
+                    break
+            batches.close()  # (an error in the loop closes it when the generator is collected)
+            console.close()
+            if saver and saver.latest_step() != int(jax.device_get(state.step)):
                 saver.save(state, cfg)
-            if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
-                interval_start = time.perf_counter()
-            if result.stopped:
-                break
-        batches.close()  # (an error in the loop closes it when the generator is collected)
-        bar.close()
+            if saver:  # the last save (an async one too) is on disk and recorded before the run ends or stops
+                saver.wait()
+    finally:  # after an error too: a save in flight is finished, not cut off, and the trackers are closed
         if saver:
-            if saver.latest_step() != int(jax.device_get(state.step)):
-                saver.save(state, cfg)
-            saver.wait()
             saver.close()
-    logger.close()
+        logger.close()
     result.state = state
     if result.stopped:
         if main:
@@ -228,12 +189,6 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         if main:
             print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
     return result
-
-
-def _set_aside(step_dir: Path) -> None:
-    """Renames a broken checkpoint step to <step>.broken (<step>.broken1, ... when an earlier resume took that)."""
-    names = (step_dir.with_name(f"{step_dir.name}.broken{k or ''}") for k in itertools.count())
-    step_dir.rename(next(name for name in names if not name.exists()))
 
 
 class _StopRequests:
@@ -309,7 +264,12 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
               f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble (p-1)/(v m+p-1) = {sch.bubble:.1%}")
 
 
-def _progress_bar(start: int, total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
+def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float, devices: int) -> dict:
+    """The metrics record of a logging interval: the last step's values, skipped steps, and the interval's timing
+    over its `steps` timed steps (none when the interval held only the compiling first step)."""
+    s, m = fetched[-1]
+    timing = (throughput(tokens_per_step * steps, elapsed, flops_per_token, devices) if steps else
+              {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
+    return {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+            "loss_scale": float(m["loss_scale"]), "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
+            "step_time_s": elapsed / steps if steps else None, **timing}

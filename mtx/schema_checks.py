@@ -3,7 +3,7 @@ combinations that cannot run.
 
 `Config.validate` runs `check_field` on every field before anything computes with them, so a config file's
 `hidden_size = "sixty-four"` or a flag's `--adam-beta1 1.5` fails in one line naming the flag, then
-`check_combinations` on the whole config (TP dividing the heads, batch sizes, pipeline layouts); the
+`check_combinations` on the whole config (TP dividing the heads, batch sizes, pipeline layouts, checkpoint flags); the
 command-line tools' own numeric flags use the same ranges through `mtx.cli.ranged`.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import types
 import typing
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,8 +39,8 @@ RANGES = {
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
     "initial_loss_scale": "> 0", "loss_scale_window": ">= 1", "min_loss_scale": "> 0", "log_interval": ">= 1",
     "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
-    "exit_interval": ">= 1", "exit_duration_in_mins": "> 0",
-    "generate_tokens": ">= 0",
+    "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
+    "keep_checkpoint_every": ">= 1", "generate_tokens": ">= 0",
     # data
     "prefetch_depth": ">= 0", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",
 }
@@ -125,11 +126,27 @@ def check_combinations(cfg: Config, num_devices: int | None = None) -> None:
     _check(not (t.use_flash_attn and m.attention_dropout > 0),
            "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
     _check_model_type(cfg)
+    _check_checkpointing(t)
     if num_devices is not None:
         dp = cfg.data_parallel_size(num_devices)
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of {t.micro_batch_size * dp}.")
+
+
+def _check_checkpointing(t) -> None:
+    """What --load takes and what --save keeps."""
+    _check(t.keep_checkpoint_every is None or t.keep_last_n_checkpoints is not None,
+           "--keep-checkpoint-every K only spares steps from --keep-last-n-checkpoints (without it every checkpoint "
+           "is kept); pass --keep-last-n-checkpoints N with it.")
+    _check(t.keep_checkpoint_every is None or not t.save_interval or t.keep_checkpoint_every % t.save_interval == 0,
+           f"--keep-checkpoint-every {t.keep_checkpoint_every} is not a multiple of --save-interval {t.save_interval}, "
+           "so most of the steps it names are never saved; use a multiple of the save interval.")
+    for flag, on in (("--finetune", t.finetune), ("--use-checkpoint-args", t.use_checkpoint_args)):
+        _check(not on or t.load, f"{flag} reads the checkpoint of --load; pass --load DIR with it.")
+    _check(not t.finetune or not t.save or not t.load or Path(t.save).absolute() != Path(t.load).absolute(),
+           f"--finetune starts again from step 0, so its checkpoints would take the step numbers of --load {t.load}; "
+           "pass a new --save directory.")
 
 
 def _check_model_type(cfg: Config) -> None:

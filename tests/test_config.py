@@ -199,3 +199,33 @@ def test_tools_range_check_their_own_numbers(capsys, argv, message):
         status = e.code
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 2 and len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], errors
+
+
+def test_checkpoint_and_tracking_flags_parse_with_megatron_names():
+    t = parse_config(["--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args", "--async-save",
+                      "--keep-last-n-checkpoints", "3", "--keep-checkpoint-every", "100", "--load", "ckpt",
+                      "--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "w"]).training
+    assert (t.finetune, t.load_optim, t.load_rng, t.use_checkpoint_args, t.async_save) == (
+        True, False, False, True, True)
+    assert (t.keep_last_n_checkpoints, t.keep_checkpoint_every) == (3, 100)
+    assert (t.wandb_project, t.wandb_exp_name, t.wandb_save_dir) == ("p", "e", "w")
+    d = Config().training
+    assert (d.finetune, d.load_optim, d.load_rng, d.use_checkpoint_args, d.async_save) == (
+        False, True, True, False, False)
+    assert d.keep_last_n_checkpoints is None and d.wandb_project is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--keep-last-n-checkpoints", "0"], "--keep-last-n-checkpoints must be >= 1, got 0."),
+    (["--keep-last-n-checkpoints", "2", "--keep-checkpoint-every", "-5"], "--keep-checkpoint-every must be >= 1"),
+    (["--keep-checkpoint-every", "10"], "--keep-checkpoint-every K only spares steps from --keep-last-n-checkpoints"),
+    (["--keep-last-n-checkpoints", "2", "--keep-checkpoint-every", "150", "--save-interval", "100"],
+     "--keep-checkpoint-every 150 is not a multiple of --save-interval 100"),
+    (["--finetune"], "--finetune reads the checkpoint of --load; pass --load DIR with it."),
+    (["--use-checkpoint-args"], "--use-checkpoint-args reads the checkpoint of --load; pass --load DIR with it."),
+    (["--finetune", "--load", "ck", "--save", "ck"], "--finetune starts again from step 0"),
+])
+def test_checkpoint_flags_out_of_range_or_in_conflict_are_refused(argv, message):
+    with pytest.raises(ValueError) as e:
+        parse_config(argv).validate(8)
+    assert str(e.value).startswith(message)

@@ -1,5 +1,5 @@
 """Recovery from broken checkpoints and from runs that stopped early: found before any device work, said in one
-line, and never a dead end (mtx/checkpoint.py `problem`, mtx/run.py `_resume_point`)."""
+line, and never a dead end (mtx/checkpoint.py `problem`, mtx/resume.py `resume_point`)."""
 
 import json
 import shutil
@@ -200,11 +200,11 @@ def test_kill_9_at_random_moments_resumes_to_the_uninterrupted_run_bitwise(tmp_p
 
 def test_steps_set_aside_twice_keep_both_and_stay_mtx_files(tmp_path):
     from mtx.files import check_run_dir
-    from mtx.run import _set_aside
+    from mtx.resume import set_aside
 
     for _ in range(2):
         (tmp_path / "4").mkdir()
         (tmp_path / "4" / "x").write_text("kept")
-        _set_aside(tmp_path / "4")
+        set_aside(tmp_path / "4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["4.broken", "4.broken1"]
     check_run_dir(tmp_path, "--save")  # what mtx set aside does not make the directory foreign

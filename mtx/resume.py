@@ -1,0 +1,128 @@
+"""What a run takes from --load: which step, which of its settings, and which parts of its state.
+
+- The step: the newest intact one (or --ckpt-step), found before any device work (`resume_point`); broken later steps
+  are set aside (`set_aside`), never deleted.
+- Its settings (`from_checkpoint`): the seed, which is mtx's whole RNG state (data order and dropout masks are
+  functions of (seed, step)), unless --no-load-rng or --finetune; with --use-checkpoint-args the model architecture
+  too. As in Megatron the checkpoint's values win over flags and presets, and each one that differs is printed.
+- Its state (`load_state`): all of it; with --no-load-optim only the weights, around a fresh optimizer state and loss
+  scale, at the checkpoint's step and learning rate; with --finetune only the weights, at step 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mtx.checkpoint import Checkpointer, is_checkpoint_dir
+from mtx.config import Config, ModelConfig
+from mtx.distributed import is_main_process
+from mtx.files import is_mtx_config
+
+# The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
+# vocabulary size, which comes from the tokenizer (a mismatch is refused), nor dropout, smoothing and init.
+ARCHITECTURE = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in (
+    "vocab_size", "hidden_dropout", "attention_dropout", "label_smoothing", "init_method_std"))
+
+
+def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | None]:
+    """(The step of --load to resume from, None to restart a run that stopped before its first checkpoint finished;
+    the broken later steps to set aside when resuming into the same --save directory; the config saved with the
+    step, or the restarted run's config.json)."""
+    t = cfg.training
+    load = Path(t.load)
+    if not is_checkpoint_dir(load):
+        if is_mtx_config(load / "config.json"):  # an mtx run directory without a finished step
+            if t.finetune:
+                raise ValueError(f"--finetune needs the weights of a finished checkpoint, and --load {load} holds "
+                                 "none (its run stopped before the first save completed).")
+            if is_main_process():
+                print(f"mtx: --load {load} holds no finished checkpoint (its run stopped before the first save "
+                      "completed); starting it again from step 0.")
+            return None, (), Config.from_dict(json.loads((load / "config.json").read_text()))
+        raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
+    ckpt = Checkpointer(load)
+    try:
+        steps = ckpt.steps()
+        if t.ckpt_step is not None and t.ckpt_step not in steps:
+            raise ValueError(f"--load {t.load} has no step {t.ckpt_step} (it has {steps}); pass one of those "
+                             "to --ckpt-step.")
+        broken = {}
+        for step in ([t.ckpt_step] if t.ckpt_step is not None else reversed(steps)):
+            if (problem := ckpt.problem(step)) is None:
+                break
+            broken[step] = problem
+        else:
+            intact = [s for s in steps if s not in broken and ckpt.problem(s) is None]
+            step, problem = next(iter(broken.items()))
+            raise ValueError(f"--load {t.load}: step {step} is broken ({problem}); "
+                             + (f"pass --ckpt-step {intact[-1]}, the newest intact step." if intact else
+                                "no step is intact: start a new run."))
+        if broken and is_main_process():
+            print("\n".join(f"mtx: --load {t.load}: step {s} is broken ({p}); resuming from step {step}, the newest "
+                            "intact one." for s, p in broken.items()))
+        later = [s for s in steps if s > step]
+        if t.save and Path(t.save) == load and any(s not in broken for s in later):
+            raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
+                             "--save directory.")
+        set_aside = tuple(load / str(s) for s in later) if t.save and Path(t.save) == load else ()
+        return step, set_aside, ckpt.saved_config(step)
+    finally:
+        ckpt.close()
+
+
+def from_checkpoint(cfg: Config, saved: Config) -> Config:
+    """`cfg` with what it takes from the checkpoint's saved config: the seed (its RNG state) unless --no-load-rng or
+    --finetune, the ARCHITECTURE fields with --use-checkpoint-args. Prints each value that replaces another."""
+    t = cfg.training
+    taken = {}
+    if t.use_checkpoint_args:
+        taken.update((name, getattr(saved.model, name)) for name in ARCHITECTURE)
+    if t.load_rng and not t.finetune:
+        taken["seed"] = saved.training.seed
+    current = {**{name: getattr(cfg.model, name) for name in ARCHITECTURE}, "seed": t.seed}
+    changed = {name: value for name, value in taken.items() if current[name] != value}
+    if changed and is_main_process():
+        for name, value in changed.items():
+            flag = "--" + name.replace("_", "-")
+            why = (f"the checkpoint's RNG state; pass --no-load-rng to use {flag} {current[name]}" if name == "seed"
+                   else "--use-checkpoint-args: the checkpoint's arguments win")
+            print(f"mtx: --load {t.load}: {name} = {value!r} from the checkpoint, not {flag} {current[name]!r} "
+                  f"({why}).")
+    return cfg.replace(**changed) if changed else cfg
+
+
+def load_state(train_step, ckpt: Checkpointer, cfg: Config, step: int):
+    """The training state to start from, read from `step` of `ckpt` as --finetune and --no-load-optim say."""
+    t = cfg.training
+    abstract = train_step.abstract_state()
+    if t.load_optim and not t.finetune:
+        return ckpt.restore(abstract, cfg, step=step)
+    from mtx.state import state_with_params
+
+    fresh = state_with_params(train_step.model, ckpt.restore_params(abstract, cfg, step))
+    if t.finetune:
+        return fresh
+    shardings = jax.tree.map(lambda x: x.sharding, fresh)
+    return jax.jit(lambda s: _at_step(s, step), out_shardings=shardings, donate_argnums=0)(fresh)
+
+
+def _at_step(state, step: int):
+    """A fresh state moved to `step`: its step counter and its learning-rate schedule's count (so the lr continues
+    where the checkpoint left it, as the metrics report it); Adam's moments and bias correction start afresh."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    opt_state = jax.tree.map(lambda x: x._replace(count=jnp.asarray(step, x.count.dtype)) if is_schedule(x) else x,
+                             state.opt_state, is_leaf=is_schedule)
+    return state._replace(step=jnp.asarray(step, state.step.dtype), opt_state=opt_state)
+
+
+def set_aside(step_dir: Path) -> None:
+    """Renames a broken checkpoint step to <step>.broken (<step>.broken1, ... when an earlier resume took that)."""
+    names = (step_dir.with_name(f"{step_dir.name}.broken{k or ''}") for k in itertools.count())
+    step_dir.rename(next(name for name in names if not name.exists()))

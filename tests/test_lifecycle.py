@@ -1,0 +1,161 @@
+"""The checkpoint lifecycle: which steps --save keeps (--keep-last-n-checkpoints, --keep-checkpoint-every), saving in
+the background (--async-save), and what a run takes from --load (--finetune, --no-load-optim, --no-load-rng,
+--use-checkpoint-args). Tiny model, a few steps, 8 simulated CPU devices."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from mtx.checkpoint import MANIFEST, Checkpointer
+from mtx.config import Config, load_preset
+from mtx.run import prepare, train
+
+TINY = Config().replace(**load_preset("configs/tiny.toml"))  # dropout on: the RNG must resume too
+
+
+def run(tmp_path, name, **flags):
+    return train(TINY.replace(run_dir=str(tmp_path / name), log_interval=1, **flags), progress=False)
+
+
+def leaves(state):
+    return jax.tree.leaves(jax.device_get(state))
+
+
+def counts(state):
+    """(Adam's step count, the lr schedule's step count) of a training state."""
+    kinds = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+    found = [x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, kinds))
+             if isinstance(x, kinds)]
+    return tuple(int(next(x for x in found if isinstance(x, kind)).count) for kind in kinds)
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A 4-step run that saved steps 2 and 4: (its directory, its result)."""
+    path = tmp_path_factory.mktemp("base") / "run"
+    return path, train(TINY.replace(train_iters=4, save_interval=2, log_interval=1, save=str(path)), progress=False)
+
+
+@pytest.fixture(scope="module")
+def resumed(base, tmp_path_factory):
+    """The base run resumed from step 2 with everything loaded."""
+    return train(TINY.replace(train_iters=4, log_interval=1, load=str(base[0]), ckpt_step=2,
+                              run_dir=str(tmp_path_factory.mktemp("resumed") / "run")), progress=False)
+
+
+def test_retention_keeps_the_newest_n_and_every_kth_step(tmp_path):
+    path = tmp_path / "run"
+    run(tmp_path, "r", train_iters=6, save_interval=1, save=str(path), keep_last_n_checkpoints=2,
+        keep_checkpoint_every=4)
+    assert sorted(p.name for p in path.iterdir() if p.is_dir()) == ["4", "5", "6"]
+    assert all(Checkpointer(path).problem(s) is None for s in (4, 5, 6))
+
+
+def test_pruning_deletes_only_intact_steps_that_hold_nothing_but_mtx_files(tmp_path):
+    """Steps 1-6 of which 2 has no file record, 3 holds a file someone added and 5 (or 6) is truncated; a leftover
+    of an interrupted deletion and a folder that is no step. Keeping 1: the newest step stays, and when it is broken
+    so does the newest intact one (5), which a resume would fall back to; only 1 and 4 go."""
+    for broken in (5, 6):
+        folder = tmp_path / f"broken{broken}"
+        for s in range(1, 7):
+            (folder / str(s)).mkdir(parents=True)
+            (folder / str(s) / "a").write_text("x")
+            if s != 2:
+                (folder / str(s) / MANIFEST).write_text(json.dumps({"a": 1}))
+        (folder / "3" / "notes.txt").write_text("mine")
+        (folder / str(broken) / "a").write_text("")
+        (folder / "7.deleting").mkdir()
+        (folder / "notes").mkdir()
+        ckpt = Checkpointer(folder, keep_last=1)
+        ckpt._prune()
+        left = sorted(p.name for p in folder.iterdir())
+        assert left == ["2", "3", "5", "6", "notes"], (broken, left)
+        assert ckpt.steps() == [int(s) for s in left if s.isdigit()]
+
+
+def test_async_save_overlaps_the_next_steps_and_resumes_bitwise_like_a_sync_save(base, tmp_path, monkeypatch):
+    """Each step's save is finished and recorded before the next step runs (sync) or at the next save (async);
+    both stop at --exit-interval with every step recorded, the same state bit for bit, and resume identically."""
+    from mtx.step import TrainStep
+
+    call, seen = TrainStep.__call__, {}
+
+    def watched(self, state, batch):  # which steps are recorded when each step starts
+        seen.setdefault(self.model.cfg.training.save, []).append(
+            sorted(int(p.parent.name) for p in (tmp_path / "runs").glob(f"{mode}/*/{MANIFEST}")))
+        return call(self, state, batch)
+
+    monkeypatch.setattr(TrainStep, "__call__", watched)
+    results = {}
+    for mode in ("sync", "async"):
+        path = tmp_path / "runs" / mode
+        results[mode] = run(tmp_path, f"run_{mode}", train_iters=4, save_interval=1, exit_interval=3,
+                            save=str(path), async_save=mode == "async")
+        assert results[mode].stopped == "--exit-interval 3"
+        assert all(Checkpointer(path).problem(s) is None for s in (1, 2, 3))
+    assert seen[str(tmp_path / "runs" / "sync")] == [[], [1], [1, 2]]
+    assert seen[str(tmp_path / "runs" / "async")] == [[], [], [1]]
+    monkeypatch.setattr(TrainStep, "__call__", call)
+    for a, b in zip(leaves(results["sync"].state), leaves(results["async"].state)):
+        np.testing.assert_array_equal(a, b)
+    again = {mode: run(tmp_path, f"again_{mode}", train_iters=4, load=str(tmp_path / "runs" / mode), ckpt_step=2)
+             for mode in ("sync", "async")}
+    assert again["sync"].losses == again["async"].losses and set(again["sync"].losses) == {3, 4}
+    for a, b in zip(leaves(again["sync"].state), leaves(again["async"].state)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_finetune_loads_only_the_weights(base, tmp_path):
+    """At lr 0 the weights stay the loaded ones bit for bit; the step, the optimizer, the seed and the metrics
+    start afresh; --finetune into --load's own directory is refused."""
+    path, first = base
+    r = run(tmp_path, "ft", train_iters=2, load=str(path), finetune=True, lr=0.0, min_lr=0.0, seed=7)
+    for a, b in zip(leaves(r.state.params), leaves(first.state.params)):
+        np.testing.assert_array_equal(a, b)
+    assert int(r.state.step) == 2 and counts(r.state) == (2, 2)
+    assert [(x["step"], x["tokens"]) for x in records(r.run_dir)] == [(1, 512), (2, 1024)]
+    assert json.loads((r.run_dir / "config.json").read_text())["training"]["seed"] == 7
+    with pytest.raises(ValueError, match="--finetune starts again from step 0.*pass a new --save"):
+        prepare(TINY.replace(load=str(path), save=str(path), finetune=True))
+
+
+def test_no_load_optim_keeps_weights_step_and_lr_with_a_fresh_optimizer(base, resumed, tmp_path):
+    r = run(tmp_path, "fresh_optim", train_iters=4, load=str(base[0]), ckpt_step=2, load_optim=False)
+    assert r.losses[3] == resumed.losses[3] and r.losses[4] != resumed.losses[4]  # same weights, other moments
+    assert counts(r.state) == (2, 4) and counts(resumed.state) == (4, 4)  # Adam afresh, the lr schedule continues
+    assert [x["lr"] for x in records(r.run_dir)] == [x["lr"] for x in records(resumed.run_dir)]
+
+
+def test_the_seed_comes_from_the_checkpoint_unless_no_load_rng(base, resumed, tmp_path, capsys):
+    """mtx's RNG state is the seed (dropout and data order are functions of seed and step): a resume takes the
+    checkpoint's, saying so when --seed differs; --no-load-rng takes --seed."""
+    assert [resumed.losses[s] for s in (3, 4)] == [base[1].losses[s] for s in (3, 4)]
+    capsys.readouterr()
+    other = run(tmp_path, "seed7", train_iters=4, load=str(base[0]), ckpt_step=2, seed=7)
+    assert "seed = 1234 from the checkpoint, not --seed 7 (the checkpoint's RNG state; pass --no-load-rng" in \
+        capsys.readouterr().out
+    assert other.losses == resumed.losses
+    fresh = run(tmp_path, "norng", train_iters=4, load=str(base[0]), ckpt_step=2, seed=7, load_rng=False)
+    assert fresh.losses[3] != resumed.losses[3]
+    assert json.loads((fresh.run_dir / "config.json").read_text())["training"]["seed"] == 7
+
+
+def test_use_checkpoint_args_takes_the_architecture_and_says_what_it_overrode(base, tmp_path, capsys):
+    path = str(base[0])
+    flags = dict(load=path, num_layers=3, hidden_size=128, seq_length=64, run_dir=str(tmp_path / "r"))
+    with pytest.raises(ValueError, match="saved with num_layers=2 but this run has 3"):
+        prepare(TINY.replace(**flags))
+    plan = prepare(TINY.replace(use_checkpoint_args=True, **flags))
+    assert plan.cfg.model == base[1].model.cfg.model
+    out = capsys.readouterr().out
+    for name, value, flag in [("num_layers", 2, "--num-layers 3"), ("hidden_size", 64, "--hidden-size 128"),
+                              ("seq_length", 32, "--seq-length 64")]:
+        assert f"{name} = {value} from the checkpoint, not {flag} (--use-checkpoint-args: the checkpoint's " \
+               "arguments win)" in out

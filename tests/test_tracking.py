@@ -1,0 +1,120 @@
+"""Experiment tracking: metrics records with tokens and wall time, Megatron-style log lines for batch jobs, tqdm on a
+terminal, W&B beside TensorBoard, and missing tracker packages refused before any device work."""
+
+import json
+import re
+import sys
+import time
+
+import pytest
+
+from mtx.config import Config, load_preset
+from mtx.metrics import Progress
+from mtx.run import train
+
+TINY = Config().replace(**load_preset("configs/tiny.toml"))
+LINE = re.compile(r" iteration +(\d+)/ +4 \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \|"
+                  r" throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: (\S+) \| global batch size: +16 \|"
+                  r" lm loss: (\S+) \| loss scale: 1\.0 \| grad norm: [\d.]+ \| number of skipped iterations: +0 \|")
+
+
+def records(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_batch_jobs_get_megatron_lines_and_records_carry_tokens_and_wall_time(tmp_path, capsys):
+    """stdout is not a terminal here (captured): one plain line per logged interval and no carriage returns; each
+    record's tokens count from step 0 and keep counting after a resume."""
+    before = time.time()
+    train(TINY.replace(train_iters=4, log_interval=2, save_interval=2, save=str(tmp_path / "run")))
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith(" iteration")]
+    logged = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert len(lines) == 2 and "\r" not in out + err
+    for line, record in zip(lines, logged):
+        step, samples, lr, loss = LINE.fullmatch(line).groups()
+        assert (int(step), int(samples)) == (record["step"], record["step"] * 16)
+        assert float(lr) == pytest.approx(record["lr"], rel=1e-6) and float(loss) == pytest.approx(record["loss"])
+    assert [(r["step"], r["tokens"]) for r in logged] == [(2, 2 * 16 * 32), (4, 4 * 16 * 32)]
+    assert before < logged[0]["wall_time"] < logged[1]["wall_time"] < time.time()
+    train(TINY.replace(train_iters=6, log_interval=2, load=str(tmp_path / "run"), save=str(tmp_path / "run")),
+          progress=False)
+    assert [r["tokens"] for r in records(tmp_path / "run")] == [1024, 2048, 3072]
+
+
+def test_a_terminal_gets_the_progress_bar(capsys, monkeypatch):
+    record = {"step": 2, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": 1.0, "skipped_steps": 0,
+              "step_time_s": 0.1, "tokens_per_s": 5120.0, "tflops_per_device": 0.1, "mfu": None}
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    bar = Progress(0, 4, 16)
+    bar.update(record, 2)
+    bar.close()
+    out, err = capsys.readouterr()
+    assert bar.mode == "bar" and out == "" and "\r" in err and "2/4" in err and "loss=5.000" in err
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    lines = Progress(0, 4, 16)
+    lines.update(record, 2)
+    assert lines.mode == "lines" and LINE.fullmatch(capsys.readouterr().out.rstrip("\n"))
+    Progress(0, 4, 16, enabled=False).update(record, 2)
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("flag,package", [("--wandb-project", "wandb"), ("--tensorboard-dir", "tensorboard")])
+def test_a_missing_tracker_package_is_one_line_before_any_device_work(tmp_path, capsys, monkeypatch, flag, package):
+    sys.path.insert(0, ".")
+    import train as train_script
+
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed
+    argv = ["--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), flag, str(tmp_path / "x")]
+    assert train_script.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {flag} needs the {package} package, which is not installed: pip install 'mtx[{package}]'."
+    assert not (tmp_path / "r").exists()
+
+
+def test_wandb_offline_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
+    """W&B (offline) gets exactly the scalars TensorBoard gets, at the same steps, in a run named as asked."""
+    pytest.importorskip("wandb", reason="wandb is an optional extra: pip install 'mtx[wandb]'")
+    pytest.importorskip("tensorboard", reason="compared with TensorBoard's events: pip install 'mtx[tensorboard]'")
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    for name, value in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off",
+                            WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"),
+                            WANDB_DATA_DIR=str(tmp_path / "data")).items():
+        monkeypatch.setenv(name, value)
+    from wandb.sdk.wandb_run import Run
+
+    logged, runs = {}, []
+    log = Run.log
+
+    def spy(self, data, step=None, **kw):
+        runs.append(self)
+        logged.update({(step, k): v for k, v in data.items()})
+        return log(self, data, step=step, **kw)
+
+    monkeypatch.setattr(Run, "log", spy)
+    train(TINY.replace(train_iters=4, log_interval=2, eval_interval=4, eval_iters=1, split="90,10,0",
+                       run_dir=str(tmp_path / "run"), tensorboard_dir=str(tmp_path / "tb"),
+                       wandb_project="mtx-tests", wandb_exp_name="tiny", wandb_save_dir=str(tmp_path / "wb")),
+          progress=False)
+    events = [e for f in (tmp_path / "tb").iterdir() for e in LegacyEventFileLoader(str(f)).Load()]
+    board = {(e.step, v.tag): v.simple_value for e in events for v in e.summary.value}
+    assert {"loss", "lr", "tokens", "val_loss", "val_ppl"} <= {k for _, k in board}
+    assert logged.keys() == board.keys(), (logged.keys(), board.keys())
+    assert {k: (logged[k], board[k]) for k in board if logged[k] != pytest.approx(board[k])} == {}
+    assert (runs[0].project, runs[0].name) == ("mtx-tests", "tiny")
+    assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+
+
+def test_wandb_files_and_steps_being_deleted_count_as_mtx_files(tmp_path):
+    """W&B's folder (its default place is the run directory) and a step left half-deleted by --keep-last-n-checkpoints
+    do not make a run directory foreign; a file named wandb still does."""
+    from mtx.files import check_run_dir
+
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "3.deleting").mkdir()
+    check_run_dir(tmp_path, "--save")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "wandb").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds files mtx did not write \(wandb\)"):
+        check_run_dir(tmp_path / "other", "--save")
