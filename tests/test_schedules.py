@@ -38,11 +38,15 @@ def test_timetable_runs_every_slot_once_in_dependency_order(p, v, m):
             if k < p * v - 1:  # a backward one tick after the next virtual stage's
                 assert bwd[i, k] == bwd[i, k + 1] + 1
         assert bwd[i, p * v - 1] == fwd[i, p * v - 1]  # the loss: forward and backward in one tick
-    # stage inputs alive between forward and backward, per device: never more than the ring holds
+    # stage inputs alive after a tick's backward, with its forward's (the ring's slots), per device: never more
+    # than the ring holds, and slot t mod K is free when tick t's forward takes it
     for s in range(p):
         for t in range(schedule.ticks):
             alive = sum(fwd[i, k] <= t < bwd[i, k] for i in range(m) for k in stages if k % p == s)
-            assert alive < schedule.in_flight
+            assert alive <= schedule.in_flight
+        for (i, k), t in fwd.items():
+            if k % p == s and k < p * v - 1:
+                assert bwd[i, k] - t <= schedule.in_flight
     if m % p == 0:
         assert schedule.bubble == pytest.approx((p - 1) / (v * m + p - 1))
 

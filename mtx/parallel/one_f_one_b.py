@@ -19,12 +19,15 @@ first P V - 1) cost a forward, ticks with no forward (the last P V - 1) a backwa
 bubble is (P - 1) / (V M + P - 1), as Megatron's. Unlike Megatron's interleaving, M need not be a multiple of P (a
 last partial group of microbatches only leaves more slots idle).
 
-Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks, so at most K = 2 P V - 1 are
-alive per device, whatever M. The forward slot runs the chunk under `jax.vjp` and keeps, in slot t mod K of a ring,
-its input and what `--recompute-granularity` keeps of it (everything without recomputation, the matmul outputs with
+Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks; a tick runs its backward
+before its forward, so at most K = 2 P V - 2 are alive per device, whatever M. The forward slot runs the chunk under
+`jax.vjp` and keeps, in slot t mod K of a ring, its input and what `--recompute-granularity` keeps of it (everything without recomputation, the matmul outputs with
 `matmuls`, each layer's input with `full`: `_keep_policy`); the backward slot pulls back through those residuals,
 recomputing only what the policy dropped, as the unpipelined step does. Values computed from the parameters alone
-(the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch. The embedding
+(the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch. The ring is K
+separate sets of buffers and each slot has its own branch in the forward and backward `switch`es, so no slot is
+indexed dynamically: a dynamic index into one stacked ring copied every kept value in and out (a cuBLAS or cuDNN
+operand cannot be a dynamic slice), ~50 ms a step for the 1.2B model on 2 GPUs (docs/benchmarks.md 4d). The embedding
 runs in virtual stage 0's forward, per microbatch as it enters; the last virtual stage runs its forward, the head and
 the loss and their backward all in its backward slot (its forward slot stays idle, so it keeps nothing).
 """
@@ -82,15 +85,17 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         y_BSD, pullback = jax.vjp(forward, params, x_BSD)
         return y_BSD, residuals.split(pullback, params, x_BSD)
 
-    def stored_backward(grads, saved, kept, at, arrived_BSD, dy_BSD, mb, chunk):
-        """Pulls dy back through a chunk whose forward kept its input and residuals in ring slot `at` (read here,
-        inside the branch, so XLA can feed them to their consumers in place) -> (grads + this chunk's, 0, dx)."""
-        x_BSD = jax.lax.dynamic_index_in_dim(saved, at, 0, keepdims=False)
-        kept = [jax.lax.dynamic_index_in_dim(ring, at, 0, keepdims=False) for ring in kept]
-        d_params, dx_BSD = residuals.join(kept, params, x_BSD)(dy_BSD)
-        return jax.tree.map(jnp.add, grads, d_params), _typed(jnp.zeros((), jnp.float32)), dx_BSD
+    def stored_backward(slot):
+        """Pulls dy back through a chunk whose forward kept its input and residuals in ring slot `slot` (a static
+        index: one branch per slot, so the slot's buffers feed their consumers in place)."""
+        def run(grads, ring, x_arrived_BSD, dy_BSD, mb, chunk):
+            x_BSD, *kept = ring[slot]
+            d_params, dx_BSD = residuals.join(kept, params, x_BSD)(dy_BSD)
+            return jax.tree.map(jnp.add, grads, d_params), _typed(jnp.zeros((), jnp.float32)), dx_BSD
 
-    def last_backward(grads, saved, kept, at, x_BSD, dy_BSD, mb, chunk):
+        return run
+
+    def last_backward(grads, ring, x_BSD, dy_BSD, mb, chunk):
         """The last virtual stage: its forward, the head and loss, and their backward, in one tick (its input is
         this tick's arrival, `x_BSD`)."""
         def forward_and_loss(params, x_BSD):
@@ -101,38 +106,43 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         d_params, dx_BSD = pullback(_typed(jnp.asarray(scale, jnp.float32)))
         return jax.tree.map(jnp.add, grads, d_params), loss * scale, dx_BSD.astype(dy_BSD.dtype)
 
-    def idle_backward(grads, saved, kept, at, x_BSD, dy_BSD, mb, chunk):
+    def idle_backward(grads, ring, x_BSD, dy_BSD, mb, chunk):
         return grads, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(dy_BSD)
 
-    def forward_into_ring(x_BSD, saved, kept, slot, mb, chunk):
-        """The forward slot, writing its input and residuals into ring slot `slot` inside the branch (no copy of
-        them out of the branch)."""
-        y_BSD, new_kept = forward_slot(x_BSD, mb, chunk)
-        saved = jax.lax.dynamic_update_index_in_dim(saved, x_BSD, slot, 0)
-        kept = [jax.lax.dynamic_update_index_in_dim(ring, leaf, slot, 0) for ring, leaf in zip(kept, new_kept)]
-        return y_BSD, saved, kept
+    def forward_into(slot):
+        """The forward slot, its input and residuals becoming ring slot `slot` (static: one branch per slot, so the
+        new residuals are written where they are computed, not copied into a dynamically indexed ring)."""
+        def run(x_BSD, ring, mb, chunk):
+            y_BSD, new_kept = forward_slot(x_BSD, mb, chunk)
+            return y_BSD, ring[:slot] + ((x_BSD, *new_kept),) + ring[slot + 1:]
+
+        return run
+
+    def idle_forward(x_BSD, ring, mb, chunk):
+        return jnp.zeros_like(x_BSD), ring
 
     def tick(carry, t):
-        recv_fwd, recv_bwd, saved, kept, grads, loss_sum = carry
+        recv_fwd, recv_bwd, ring, grads, loss_sum = carry
         f_mb, f_chunk = table["fwd_mb"][t, stage], table["fwd_chunk"][t, stage]
         b_mb, b_chunk = table["bwd_mb"][t, stage], table["bwd_chunk"][t, stage]
-        # Forward slot: keep the input and the residuals in ring slot t mod K (the entry it overwrites finished its
-        # backward), unless it is the last virtual stage (its backward, this same tick, runs its forward).
-        run_forward = (f_mb >= 0) & (f_chunk * p + stage != last_stage)
-        y_BSD, saved, kept = jax.lax.cond(
-            run_forward, forward_into_ring, lambda x, saved, kept, *_: (jnp.zeros_like(x), saved, kept),
-            recv_fwd, saved, kept, t % k_slots, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
-        # Backward slot: the input and residuals this (microbatch, chunk) kept at its forward (the timetable says
-        # which tick); the last virtual stage's input is this tick's arrival.
+        # Backward slot first (it frees its ring slot for this tick's forward): the input and residuals this
+        # (microbatch, chunk) kept at its forward (the timetable says which tick); the last virtual stage's input is
+        # this tick's arrival.
         at = table["bwd_saved_at"][t, stage] % k_slots
-        branch = jnp.where(b_mb < 0, 0, jnp.where(b_chunk * p + stage == last_stage, 1, 2))
+        branch = jnp.where(b_mb < 0, 0, jnp.where(b_chunk * p + stage == last_stage, 1, 2 + at))
         grads, loss, dx_BSD = jax.lax.switch(
-            branch, (idle_backward, last_backward, stored_backward),
-            grads, saved, kept, at, recv_fwd, recv_bwd, jnp.maximum(b_mb, 0), jnp.maximum(b_chunk, 0))
+            branch, (idle_backward, last_backward, *map(stored_backward, range(k_slots))),
+            grads, ring, recv_fwd, recv_bwd, jnp.maximum(b_mb, 0), jnp.maximum(b_chunk, 0))
+        # Forward slot: keep the input and the residuals in ring slot t mod K (what it held finished its backward),
+        # unless it is the last virtual stage (its backward, this same tick, runs its forward).
+        run_forward = (f_mb >= 0) & (f_chunk * p + stage != last_stage)
+        y_BSD, ring = jax.lax.switch(
+            jnp.where(run_forward, 1 + t % k_slots, 0), (idle_forward, *map(forward_into, range(k_slots))),
+            recv_fwd, ring, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
         to_next = [(i, (i + 1) % p) for i in range(p)]  # activations: device s -> s + 1 (P - 1 -> 0: next chunk)
         to_prev = [(i, (i - 1) % p) for i in range(p)]  # input gradients: s -> s - 1
-        return (jax.lax.ppermute(y_BSD, PIPELINE, to_next), jax.lax.ppermute(dx_BSD, PIPELINE, to_prev), saved,
-                kept, grads, loss_sum + loss), None
+        return (jax.lax.ppermute(y_BSD, PIPELINE, to_next), jax.lax.ppermute(dx_BSD, PIPELINE, to_prev), ring,
+                grads, loss_sum + loss), None
 
     # The carried activations and the kept residuals are typed like a chunk's (they vary wherever the layers do):
     # one forward traced on the first embedding types the carry, a second on the carry types the ring, as in the
@@ -141,11 +151,10 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     zeros_BSD = jnp.zeros_like(forward_slot(_first_embedding(graphdef, params, objective, microbatch), f_mb0,
                                             f_chunk0)[0])
     forward_slot(zeros_BSD, f_mb0, f_chunk0)  # records the residuals' shapes and types
-    saved = jnp.broadcast_to(zeros_BSD, (k_slots, *zeros_BSD.shape))
-    kept = residuals.zeros(k_slots)
+    ring = tuple((zeros_BSD, *residuals.zeros()) for _ in range(k_slots))
     grads = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros_BSD, zeros_BSD, saved, kept, grads, _typed(jnp.zeros((), jnp.float32)))
-    (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+    init = (zeros_BSD, zeros_BSD, ring, grads, _typed(jnp.zeros((), jnp.float32)))
+    (_, _, _, grads, loss), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
     return loss, grads
 
 
@@ -177,9 +186,9 @@ class _Residuals:
                   for src in self.sources]
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def zeros(self, *ring: int) -> list:
-        """Zeros like the kept residuals (with a leading ring axis of this size, if given)."""
-        return [vary(jnp.zeros((*ring, *shape), dtype), axes) for shape, dtype, axes in self.avals]
+    def zeros(self) -> list:
+        """Zeros like the kept residuals."""
+        return [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in self.avals]
 
 
 def _keep_policy(recompute, seq_length):
