@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -27,9 +29,8 @@ _SCHEMA = {f.name: (f, FIELD_TYPES[f.name]) for cls in SECTIONS.values() for f i
 
 def build_parser() -> argparse.ArgumentParser:
     """train.py's parser: --config and one flag per schema field, grouped by section."""
-    parser = argparse.ArgumentParser(
-        prog="train.py", description="Train a GPT with tensor and data parallelism (Megatron-LM flags).",
-        allow_abbrev=False)
+    parser = OneLineParser(prog="train.py",
+                           description="Train a GPT with tensor and data parallelism (Megatron-LM flags).")
     parser.add_argument("--config", metavar="FILE",
                         help="TOML preset (configs/*.toml) of flat field names; flags override it")
     for section, cls in SECTIONS.items():
@@ -78,8 +79,6 @@ def with_negative_values(argv: list[str] | None) -> list[str]:
     """`--flag -1e-3` -> `--flag=-1e-3`: argparse takes a value that starts with "-" for a flag unless it looks like
     a plain negative number, so `--lr -1e-3` would fail to parse (the range check then names the flag:
     mtx/schema_checks.py)."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     out, i = [], 0
     while i < len(argv):
@@ -94,10 +93,80 @@ def with_negative_values(argv: list[str] | None) -> list[str]:
 
 class OneLineParser(argparse.ArgumentParser):
     """An argparse parser whose usage errors raise ValueError (message prefixed by the program and command) instead
-    of printing the usage and exiting: the tools print every bad input as one "error: ..." line, exit status 2."""
+    of printing the usage and exiting: the tools print every bad input as one "error: ..." line, exit status 2.
+
+    An unknown flag is named with the closest flag that the tool (or the subcommand given) takes: "unknown flag
+    --hiden-size; did you mean --hidden-size?". Flags are spelled whole (no abbreviations, as in Megatron-LM's
+    parser): a prefix that means one flag today would silently mean another once a flag is added.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            namespace, extras = self.parse_known_args(argv, namespace)
+        except ValueError:  # (a required flag missing, say): an unknown flag in argv is the likelier cause
+            self.refuse_unknown_flags(argv)
+            raise
+        if extras:
+            self.refuse_unknown_flags(extras, argv)
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+    def refuse_unknown_flags(self, tokens: list[str], argv: list[str] | None = None) -> None:
+        """Raises the one-line error of the flags among `tokens` that neither this parser nor the subcommand named in
+        the command line `argv` (default: `tokens`) takes, if there are any (the subcommand's error: its name in the
+        message)."""
+        parser, known = self, set()
+        while parser is not None:
+            known.update(s for action in parser._actions for s in action.option_strings)
+            owner, parser = parser, _subcommand(parser, tokens if argv is None else argv)
+        unknown = [flag for flag in _flags(tokens) if flag not in known]
+        if unknown:
+            owner.error(unknown_flags_message(unknown, known, f"{owner.prog} --help lists the flags"))
 
     def error(self, message):
         raise ValueError(f"{self.prog}: {message}")
+
+
+def unknown_flags_message(unknown: Iterable[str], known: Iterable[str], hint: str) -> str:
+    """"unknown flag --hiden-size; did you mean --hidden-size?": each unknown flag with the known one closest to it
+    (difflib, underscores read as dashes; the likeliest flag it begins, if it is an abbreviation) where one is close,
+    else `hint`."""
+    known = sorted(known)
+
+    def closest(flag: str) -> str | None:
+        dashed = flag[:2] + flag[2:].replace("_", "-")
+        longer = [k for k in known if k.startswith(dashed)]
+        return next(iter(difflib.get_close_matches(dashed, longer or known, n=1, cutoff=0 if longer else 0.7)), None)
+
+    named = [(flag, closest(flag)) for flag in dict.fromkeys(unknown)]
+    if len(named) == 1:
+        flag, match = named[0]
+        return f"unknown flag {flag}; " + (f"did you mean {match}?" if match else f"{hint}.")
+    listed = ", ".join(flag + (f" (did you mean {match}?)" if match else "") for flag, match in named)
+    return f"unknown flags {listed}; {hint}."
+
+
+def _flags(argv: Iterable[str]):
+    """The flags of a command line, as argparse reads it: `--name` of `--name=value`, up to a `--`; not "-", a
+    negative number or a token with a space (argparse takes those as values)."""
+    for token in argv:
+        if token == "--":
+            return
+        if token.startswith("-") and token != "-" and " " not in token and not _is_negative_number(token):
+            yield token.split("=", 1)[0]
+
+
+def _subcommand(parser: argparse.ArgumentParser, argv: Iterable[str]) -> argparse.ArgumentParser | None:
+    """The subparser of `parser` that `argv` names (eval.py's task, mtx.convert's direction), or None."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return next((action.choices[token] for token in argv if token in action.choices), None)
+    return None
 
 
 def ranged(kind: type, valid: str):
@@ -125,13 +194,13 @@ def _is_negative_number(token: str) -> bool:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Flags (and an optional preset) -> a Config; unknown flags are an error that names them."""
+    """Flags (and an optional preset) -> a Config. Bad flags raise ValueError, one line naming them: an unknown flag
+    with the closest one mtx has, a missing or mistyped value with its flag."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(with_negative_values(argv))
     if unknown:
-        flags = [u for u in unknown if u.startswith("-")] or unknown
-        parser.error(f"unsupported flag(s) {' '.join(flags)}: mtx does not implement them; see --help for the "
-                     "supported Megatron-LM flags.")
+        parser.refuse_unknown_flags(unknown)  # "unknown flag --hiden-size; did you mean --hidden-size?"
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     values = vars(args)
     preset = values.pop("config", None)
     fields = load_preset(preset) if preset else {}
