@@ -129,6 +129,9 @@ class ParallelConfig:
     process_id: int | None = _f(None, "multi-host: this process's rank, 0 .. num_processes - 1")
     distributed_timeout: int = _f(
         100, "multi-host: seconds a silent process is waited for before all exit with an error")
+    distributed_timeout_minutes: int | None = _f(
+        None, "multi-host: minutes the processes wait for each other to join the run (jax.distributed.initialize's "
+        "initialization_timeout); None: max(--distributed-timeout, 60) seconds")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,10 @@ class OptimizerConfig:
     lr_decay_style: str = _f("cosine", "constant | linear | cosine")
     lr_warmup_iters: int = _f(30, "linear warmup from 0 over this many steps")
     lr_decay_iters: int | None = _f(None, "steps of decay after which lr stays at min_lr; None means train_iters")
+    lr_warmup_fraction: float | None = _f(
+        None, "warmup over this fraction of the decay steps (sets --lr-warmup-iters, rounded down)")
+    lr_warmup_samples: int | None = _f(None, "warmup in samples: --lr-warmup-iters = this // --global-batch-size")
+    lr_decay_samples: int | None = _f(None, "decay in samples: --lr-decay-iters = this // --global-batch-size")
     weight_decay: float = _f(0.01, "AdamW decoupled weight decay (not on biases or LayerNorm)")
     clip_grad: float = _f(1.0, "global gradient-norm clip; 0 disables it")
     adam_beta1: float = _f(0.9, "Adam's first-moment decay beta1")
@@ -150,6 +157,7 @@ class TrainingConfig:
     micro_batch_size: int = _f(4, "sequences per data-parallel rank per microbatch")
     global_batch_size: int = _f(32, "sequences per optimizer step; accumulation = global / (micro x DP)")
     train_iters: int = _f(300, "optimizer steps")
+    train_samples: int | None = _f(None, "training length in samples: --train-iters = this // --global-batch-size")
     seed: int = _f(1234, "one seed for init, data order and dropout")
     bf16: bool = _f(False, "bf16 compute, fp32 master weights")
     fp16: bool = _f(False, "fp16 compute with dynamic loss scaling")
@@ -158,6 +166,7 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "the loss scale never halves below this")
     recompute_granularity: str | None = _f(
         None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)")
+    recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective")
     scan_layers: bool = _f(True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it")
     use_flash_attn: bool = _f(False, "fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere")
     log_interval: int = _f(10, "steps between metrics lines")
@@ -191,6 +200,10 @@ class TrainingConfig:
     exit_interval: int | None = _f(None, "stop after the first step divisible by this, saving a checkpoint")
     exit_duration_in_mins: float | None = _f(None, "stop after this many minutes of training, saving a checkpoint")
     exit_signal_handler: bool = _f(True, "on SIGTERM/SIGINT, finish the step, save a checkpoint and exit 0")
+    profile: bool = _f(False, "jax.profiler trace of steps --profile-step-start + 1 .. --profile-step-end on "
+                              "process 0, into --tensorboard-dir or <run dir>/profile (TensorBoard's profile tab)")
+    profile_step_start: int = _f(10, "--profile: steps completed before the trace starts")
+    profile_step_end: int = _f(12, "--profile: steps completed when the trace stops")
 
     @property
     def compute_dtype(self) -> str:
@@ -203,11 +216,18 @@ class DataConfig:
         (), 'text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in')
     vocab_file: str | None = _f(None, "GPT-2 encoder.json (tokenizer for --data-path)")
     merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges")
-    tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | byte; None: by the files given")
+    tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; "
+                                          "None: by the files given")
+    tokenizer_model: str | None = _f(None, "HuggingFaceTokenizer: a local directory holding tokenizer.json")
     split: str = _f("949,50,1", "train,valid,test weights of the token stream, as in Megatron")
     prefetch_depth: int = _f(2, "training batches prepared ahead on a background thread; 0 prepares each at its step")
     mask_prob: float = _f(0.15, "BERT: fraction of tokens masked (80% [MASK], 10% random, 10% kept), whole words")
     short_seq_prob: float = _f(0.1, "BERT: probability that a sample targets a random shorter length")
+    eod_mask_loss: bool = _f(False, "GPT: no loss where the input token is end-of-document (the next document's "
+                                    "first token); the mean is over the other tokens")
+    reset_position_ids: bool = _f(False, "GPT: positions restart at 0 after each end-of-document token")
+    reset_attention_mask: bool = _f(False, "GPT: no attention across end-of-document tokens (each packed document "
+                                           "sees only itself; not with --use-flash-attn)")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
@@ -228,16 +248,46 @@ class Config:
         split the residual stream by rows over "model"; the one switch every layer reads."""
         return self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1
 
+    def __post_init__(self):
+        """Megatron's derived settings, recomputed whenever the config changes: sample counts and the warmup fraction
+        set the step counts the schedule and the loop read, --recompute-activations the recompute granularity.
+        Values a check would refuse are left alone for `validate` to name."""
+        t, o = self.training, self.optimizer
+        gbs = t.global_batch_size
+        if not _is_count(gbs) or gbs < 1:
+            return
+        steps = {target: getattr(part, source) // gbs for target, (part, source) in
+                 (("train_iters", (t, "train_samples")), ("lr_decay_iters", (o, "lr_decay_samples")),
+                  ("lr_warmup_iters", (o, "lr_warmup_samples"))) if _is_count(getattr(part, source))}
+        if t.recompute_activations is True and t.recompute_granularity is None:
+            t = dataclasses.replace(t, recompute_granularity="selective")
+        t = dataclasses.replace(t, **{k: v for k, v in steps.items() if k == "train_iters"})
+        # (a decay shorter than one step is refused by name in validate, not as --lr-decay-iters 0)
+        o = dataclasses.replace(o, **{k: max(v, int(k == "lr_decay_iters")) for k, v in steps.items()
+                                      if k != "train_iters"})
+        decay = o.lr_decay_iters or t.train_iters
+        fraction = o.lr_warmup_fraction
+        if isinstance(fraction, (int, float)) and 0 <= fraction <= 1 and _is_count(decay):
+            o = dataclasses.replace(o, lr_warmup_iters=math.floor(fraction * decay))
+        object.__setattr__(self, "training", t)
+        object.__setattr__(self, "optimizer", o)
+
     def replace(self, **flat: Any) -> "Config":
-        """Returns a copy with fields set by their (unique) names, e.g. `cfg.replace(hidden_size=64)`."""
+        """Returns a copy with fields set by their (unique) names, e.g. `cfg.replace(hidden_size=64)`. A step count
+        and the Megatron flag it is derived from (--train-iters and --train-samples, ...) cannot both be set."""
         parts = {name: {} for name in SECTIONS}
         for key, value in flat.items():
             section = FIELD_SECTION.get(key)
             if section is None:
                 raise ValueError(f"unknown config field {key!r}; see `python train.py --help` for the known ones.")
             parts[section][key] = value
-        return dataclasses.replace(
+        new = dataclasses.replace(
             self, **{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in parts.items() if kw})
+        for target, sources in DERIVED.items():
+            given = [s for s in sources if getattr(getattr(new, FIELD_SECTION[s]), s) is not None]
+            if target in flat and given:
+                raise ValueError(f"--{_flag(given[0])} sets --{_flag(target)}; pass only one of the two.")
+        return new
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -245,8 +295,9 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict[str, dict[str, Any]]) -> "Config":
         """A saved config.json -> Config; fields of removed features (which never changed the model) are dropped."""
-        return cls().replace(**{k: _coerce(k, v) for section in d.values() for k, v in section.items()
-                                if k not in _REMOVED_FIELDS})
+        flat = {k: _coerce(k, v) for section in d.values() for k, v in section.items() if k not in _REMOVED_FIELDS}
+        derived = {target for target, sources in DERIVED.items() if any(flat.get(s) is not None for s in sources)}
+        return cls().replace(**{k: v for k, v in flat.items() if k not in derived})  # derived: recomputed
 
     def validate(self, num_devices: int | None = None) -> "Config":
         """Refuses a bad value or combination with one sentence naming the flag and the fix; returns self. Every
@@ -299,8 +350,20 @@ class Config:
 # Fields older versions saved for features measured slower and removed (none changed the model): configs still load.
 _REMOVED_FIELDS = frozenset({"tp_comm_overlap", "tp_comm_p2p", "tp_comm_batch_split"})
 
+# Step counts that Megatron's sample / fraction flags set (Config.__post_init__), each from the flags named.
+DERIVED = {"train_iters": ("train_samples",), "lr_decay_iters": ("lr_decay_samples",),
+           "lr_warmup_iters": ("lr_warmup_samples", "lr_warmup_fraction")}
+
 FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 FIELD_TYPES = {name: hint for cls in SECTIONS.values() for name, hint in get_type_hints(cls).items()}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -12,19 +12,22 @@ import jax
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None = None, process_id: int | None = None,
-               *, heartbeat_timeout: int = 100) -> None:
+               *, heartbeat_timeout: int = 100, timeout_minutes: int | None = None) -> None:
     """Joins the processes of one run; a no-op without a coordinator address (one process, the default).
 
     "auto" lets JAX read the launcher's environment (SLURM, Open MPI, TPU pods). A process that stops answering
     for `heartbeat_timeout` seconds makes every other process exit with an error instead of waiting forever: the
     coordination service aborts them, unless a collective with the dead process fails first, with a Python error
-    that train.py reports in one line (`lost_peer`).
+    that train.py reports in one line (`lost_peer`). `timeout_minutes` (Megatron's --distributed-timeout-minutes)
+    is how long the processes wait for each other to join: jax.distributed.initialize's initialization_timeout.
+    JAX has no timeout for a collective itself (Megatron's NCCL timeout); the heartbeat stands in for it.
     """
     if coordinator_address is None:
         return
     # CPU collectives across processes go through gloo (XLA's default CPU runtime has none); GPUs and TPUs ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeouts = dict(initialization_timeout=max(heartbeat_timeout, 60), heartbeat_timeout_seconds=heartbeat_timeout,
+    joining = 60 * timeout_minutes if timeout_minutes else max(heartbeat_timeout, 60)
+    timeouts = dict(initialization_timeout=joining, heartbeat_timeout_seconds=heartbeat_timeout,
                     shutdown_timeout_seconds=max(heartbeat_timeout, 10))
     if coordinator_address == "auto":
         jax.distributed.initialize(**timeouts)
@@ -33,6 +36,13 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
             raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
                              "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
         jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
+
+
+def initialize_from(p) -> None:
+    """`initialize` with a ParallelConfig's multi-host flags (--coordinator-address, --num-processes, --process-id,
+    --distributed-timeout, --distributed-timeout-minutes)."""
+    initialize(p.coordinator_address, p.num_processes, p.process_id, heartbeat_timeout=p.distributed_timeout,
+               timeout_minutes=p.distributed_timeout_minutes)
 
 
 def is_main_process() -> bool:

@@ -26,7 +26,12 @@ from mtx.parallel.mesh import DATA
 
 class NextTokenPrediction:
     """GPT: a (B, S + 1) token window per sequence; the loss is the mean next-token cross-entropy over every token
-    of the step."""
+    of the step.
+
+    With Megatron's document flags the batch is a dict (mtx/data/documents.py): "tokens" and any of "loss_mask"
+    (the mean is then over the tokens it weights, counted over the whole step), "position_ids" (the embedding's
+    positions) and "segments" (the attention mask: no attention across documents).
+    """
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
@@ -34,22 +39,34 @@ class NextTokenPrediction:
     def for_evaluation(self):
         return NextTokenPrediction()  # the plain cross-entropy: validation loss and perplexity are comparable
 
-    def normalizers(self, tokens):
-        """Predicted tokens of the whole batch (a static count: every data rank holds the same number of rows)."""
+    def normalizers(self, batch):
+        """Predicted (loss-weighted) tokens of the whole batch; without a loss mask a static count (every data rank
+        holds the same number of rows)."""
+        if isinstance(batch, dict) and "loss_mask" in batch:
+            return jnp.maximum(jax.lax.psum(batch["loss_mask"].astype(jnp.float32).sum(), DATA), 1.0)
+        tokens = _tokens(batch)
         return jax.lax.psum(tokens.shape[0], DATA) * (tokens.shape[-1] - 1)
 
-    def embed(self, model, tokens_BS, keys_B):
-        return model.embed(tokens_BS[:, :-1], keys_B=keys_B)
+    def embed(self, model, batch, keys_B):
+        positions_BS = batch.get("position_ids") if isinstance(batch, dict) else None
+        return model.embed(_tokens(batch)[:, :-1], keys_B=keys_B, positions_BS=positions_BS)
 
-    def attention_mask(self, tokens_BS):
-        return None
+    def attention_mask(self, batch):
+        return batch.get("segments") if isinstance(batch, dict) else None
 
-    def head_loss(self, model, x_BSD, tokens_BS, n_tokens, weight_B=None):
+    def head_loss(self, model, x_BSD, batch, n_tokens, weight_B=None):
         """weight_B: 0 for padding sequences (pipeline loss shares), which then count nothing."""
-        per_token = model.head_loss(x_BSD, tokens_BS[:, 1:], label_smoothing=self.label_smoothing)
+        per_token = model.head_loss(x_BSD, _tokens(batch)[:, 1:], label_smoothing=self.label_smoothing)
+        if isinstance(batch, dict) and "loss_mask" in batch:
+            per_token = per_token * batch["loss_mask"].astype(per_token.dtype)
         if weight_B is not None:
             per_token = jnp.where(weight_B[:, None] > 0, per_token, 0.0)
         return per_token.sum() / n_tokens
+
+
+def _tokens(batch):
+    """GPT's (B, S + 1) token windows, of a plain batch or of one with document fields."""
+    return batch["tokens"] if isinstance(batch, dict) else batch
 
 
 class MaskedLMAndSentenceOrder:

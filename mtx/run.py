@@ -132,10 +132,13 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     pending, interval_start, interval_steps = [], time.perf_counter(), 0
     batches = prefetch(lambda step: model.put_batch(dataset.batch("train", step, t.global_batch_size)),
                        range(start, t.train_iters), depth=cfg.data.prefetch_depth)
+    profiler = _Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
     try:
-        with _StopRequests(t) as stops:  # until the last checkpoint is written
+        with _StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
             for step, batch in zip(range(start, t.train_iters), batches):
+                profiler.before(step)
                 state, metrics = train_step(state, batch)
+                profiler.after(step, metrics)
                 pending.append((step + 1, metrics))
                 if step == start:  # the first step compiles: time the interval from its end
                     jax.block_until_ready(metrics)
@@ -168,6 +171,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                     interval_start = time.perf_counter()
                 if result.stopped:
                     break
+            profiler.stop()  # a run that stopped inside the traced steps: not its final save
             batches.close()  # (an error in the loop closes it when the generator is collected)
             console.close()
             if saver and saver.latest_step() != int(jax.device_get(state.step)):
@@ -231,6 +235,42 @@ class _StopRequests:
 
         anyone = bool(np.any(multihost_utils.process_allgather(np.int32(local is not None))))
         return local or ("another process was asked to stop" if anyone else None)
+
+
+class _Profiler:
+    """--profile: a jax.profiler trace of steps --profile-step-start + 1 .. --profile-step-end (0-based loop steps
+    start .. end - 1, as Megatron counts), written by process 0 into `log_dir` (TensorBoard's profile plugin reads
+    <dir>/plugins/profile). The trace is stopped when the traced steps are done, or when the run leaves the loop
+    early (a stop request, an error)."""
+
+    def __init__(self, t, log_dir, *, enabled: bool):
+        self.t, self.log_dir, self.enabled, self.running = t, Path(log_dir), enabled and t.profile, False
+        self.done = t.profile_step_start  # steps completed so far in the trace's window
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.t.profile_step_start:
+            jax.profiler.start_trace(str(self.log_dir))
+            self.running = True
+
+    def after(self, step: int, metrics) -> None:
+        if self.running:
+            self.done = step + 1
+            if self.done == self.t.profile_step_end:
+                jax.block_until_ready(metrics)  # the traced steps' device work, not just their dispatch
+                self.stop()
+
+    def stop(self) -> None:
+        if self.running:
+            self.running = False
+            jax.profiler.stop_trace()
+            print(f"mtx: profile of steps {self.t.profile_step_start + 1}..{self.done} written to {self.log_dir} "
+                  "(TensorBoard's profile tab)")
+
+    def __enter__(self) -> "_Profiler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:

@@ -32,15 +32,18 @@ RANGES = {
     "num_layers_in_first_pipeline_stage": ">= 0", "num_layers_in_last_pipeline_stage": ">= 0",
     "virtual_pipeline_model_parallel_size": ">= 1", "num_layers_per_virtual_pipeline_stage": ">= 1",
     "num_processes": ">= 1", "process_id": ">= 0", "distributed_timeout": ">= 1",
+    "distributed_timeout_minutes": ">= 1",
     # optimizer
     "lr": ">= 0", "min_lr": ">= 0", "lr_warmup_iters": ">= 0", "lr_decay_iters": ">= 1", "weight_decay": ">= 0",
     "clip_grad": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "> 0",
+    "lr_warmup_fraction": "[0, 1]", "lr_warmup_samples": ">= 0", "lr_decay_samples": ">= 1",
     # training
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
     "initial_loss_scale": "> 0", "loss_scale_window": ">= 1", "min_loss_scale": "> 0", "log_interval": ">= 1",
     "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
-    "keep_checkpoint_every": ">= 1", "generate_tokens": ">= 0",
+    "keep_checkpoint_every": ">= 1", "generate_tokens": ">= 0", "train_samples": ">= 0",
+    "profile_step_start": ">= 0", "profile_step_end": ">= 1",
     # data
     "prefetch_depth": ">= 0", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",
 }
@@ -127,6 +130,7 @@ def check_combinations(cfg: Config, num_devices: int | None = None) -> None:
            "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
     _check_model_type(cfg)
     _check_checkpointing(t)
+    _check_megatron_flags(cfg)
     if num_devices is not None:
         dp = cfg.data_parallel_size(num_devices)
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -147,6 +151,32 @@ def _check_checkpointing(t) -> None:
     _check(not t.finetune or not t.save or not t.load or Path(t.save).absolute() != Path(t.load).absolute(),
            f"--finetune starts again from step 0, so its checkpoints would take the step numbers of --load {t.load}; "
            "pass a new --save directory.")
+
+
+def _check_megatron_flags(cfg: Config) -> None:
+    """Megatron's sample counts, warmup fraction, recompute alias, profiling, document masks and HF tokenizers."""
+    t, o, d, m = cfg.training, cfg.optimizer, cfg.data, cfg.model
+    _check(o.lr_warmup_fraction is None or o.lr_warmup_samples is None,
+           "--lr-warmup-fraction and --lr-warmup-samples both set the warmup; pass one of them.")
+    _check(o.lr_decay_samples is None or o.lr_decay_samples >= t.global_batch_size,
+           f"--lr-decay-samples {o.lr_decay_samples} is less than one --global-batch-size {t.global_batch_size}; "
+           "decay over at least one step's samples.")
+    _check(not t.recompute_activations or t.recompute_granularity == "selective",
+           f"--recompute-activations is Megatron's alias of --recompute-granularity selective, not "
+           f"{t.recompute_granularity}; pass one of the two.")
+    _check(not t.profile or t.profile_step_end > t.profile_step_start,
+           f"--profile-step-end {t.profile_step_end} must be after --profile-step-start {t.profile_step_start}.")
+    documents = [f for f in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(d, f)]
+    _check(not documents or not m.is_bert,
+           f"--{documents[0].replace('_', '-') if documents else ''} acts on GPT's packed documents; BERT's samples "
+           "are sentence pairs: drop it for --model-type bert.")
+    _check(not (d.reset_attention_mask and t.use_flash_attn),
+           "--reset-attention-mask needs a block-diagonal mask, which cuDNN flash attention (jax.nn."
+           "dot_product_attention, no segment ids) cannot take; drop --use-flash-attn or --reset-attention-mask.")
+    hf = d.tokenizer_type == "HuggingFaceTokenizer"
+    _check(hf == (d.tokenizer_model is not None),
+           "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding tokenizer.json) go "
+           "together; pass both or neither.")
 
 
 def _check_model_type(cfg: Config) -> None:

@@ -18,20 +18,27 @@ import numpy as np
 from mtx.data.bert_dataset import build_bert_dataset
 from mtx.data.blend import BlendedDataset
 from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
+from mtx.data.documents import FIELDS as DOCUMENT_FLAGS, DocumentBatches
 from mtx.data.indexed import IndexedDataset
 from mtx.data.paths import indexed_prefix, parse_data_path
 from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 
-def build_dataset(cfg) -> GPTDataset | BlendedDataset:
-    """The dataset of a `mtx.config.Config`: its --data-path entries (or the built-in corpus) and tokenizer."""
+def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
+    """The dataset of a `mtx.config.Config`: its --data-path entries (or the built-in corpus) and tokenizer; with
+    --eod-mask-loss, --reset-position-ids or --reset-attention-mask its batches carry the document fields."""
     if cfg.model.is_bert:  # sentence-pair samples (mtx/data/bert_dataset.py)
         return build_bert_dataset(cfg)
+    dataset = _gpt_dataset(cfg)
+    return DocumentBatches(dataset, cfg.data) if any(getattr(cfg.data, f) for f in DOCUMENT_FLAGS) else dataset
+
+
+def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
     data = cfg.data
     common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed)
     if not data.data_path:
         return GPTDataset(_tokenize(ByteTokenizer(), builtin_corpus()), tokenizer=ByteTokenizer(), **common)
-    tokenizer = build_tokenizer(data.vocab_file, data.merge_file, getattr(data, "tokenizer_type", None))
+    tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model)
     weights, paths = parse_data_path(data.data_path)
     if weights is None:
         prefixes = [p for p in paths if indexed_prefix(p)]

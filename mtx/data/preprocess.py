@@ -12,6 +12,8 @@ file is then cut into documents at blank lines (mtx/data/sentences.py; no NLTK d
   # -> data/corpus_text_document.bin, data/corpus_text_document.idx; train with --data-path data/corpus_text_document
   python -m mtx.data.preprocess --input wiki.txt --output-prefix data/wiki --vocab-file bert/vocab.txt \
       --tokenizer-type BertWordPieceLowerCase --split-sentences   # -> data/wiki_text_sentence.bin/.idx (BERT)
+  python -m mtx.data.preprocess --input corpus.jsonl --output-prefix data/corpus \
+      --tokenizer-type HuggingFaceTokenizer --tokenizer-model my_tokenizer/ --append-eod   # any tokenizer.json
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _preprocess(args) -> list[str]:
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     check_new_files([p + suffix for p in prefixes for suffix in (".bin", ".idx")], "--output-prefix",
                     overwrite=args.overwrite)
-    tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type)
+    tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type, args.tokenizer_model)
     tokenizer = build_tokenizer(*tokenizer_args)
     documents = _documents(args)
     first = next(documents, None)  # opens the source now, so its errors come before any file is written
@@ -93,6 +95,7 @@ def _parser() -> OneLineParser:
     p.add_argument("--vocab-file", help="GPT-2 encoder.json, or BERT vocab.txt")
     p.add_argument("--merge-file", help="GPT-2 vocab.bpe")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: from the files given")
+    p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local directory holding tokenizer.json")
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
     p.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (BERT); plain-text files split into documents at blank lines")

@@ -1,9 +1,10 @@
-"""Tokenizers: a byte-level one that needs no files, GPT-2 BPE built with tiktoken from local vocab files, and
-BERT's uncased WordPiece from a local `vocab.txt`.
+"""Tokenizers: a byte-level one that needs no files, GPT-2 BPE built with tiktoken from local vocab files, BERT's
+uncased WordPiece from a local `vocab.txt`, and any local Hugging Face `tokenizer.json`.
 
 Nothing here downloads: `tiktoken.get_encoding("gpt2")` fetches its files from the internet, so GPT-2's BPE is
 assembled from the user's own `encoder.json` (`--vocab-file`) and `vocab.bpe` (`--merge-file`) instead.
-The type names are Megatron's `--tokenizer-type` values.
+BERT's WordPiece runs in Rust through the `tokenizers` package where it is installed (the same ids, ~4x faster:
+docs/design.md), else in the pure-Python code below. The type names are Megatron's `--tokenizer-type` values.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Iterable, Protocol
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _ENDOFTEXT = "<|endoftext|>"
 _FIX = "pass GPT-2's encoder.json and vocab.bpe"
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "byte")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTokenizer", "byte")
+# HuggingFaceTokenizer's end-of-document token when tokenizer_config.json names no eos_token: the first one present.
+_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 
 
 class Tokenizer(Protocol):
@@ -102,12 +105,15 @@ class BertWordPieceTokenizer:
     BasicTokenizer); each word is then cut greedily into the longest vocabulary pieces, continuations marked `##`,
     and a word with no such cut becomes [UNK]. No [CLS]/[SEP] are added: the BERT data pipeline places them.
     `eod` is [SEP], the token that separates segments in BERT's inputs.
+
+    fast: encode with the `tokenizers` package (Rust) when it is installed (None, the default) or always (True);
+    False keeps the pure-Python code. Both give the same ids (tests/test_tokenizer.py).
     """
 
     name = "bert-wordpiece-lowercase"
     max_word_chars = 100  # longer "words" are [UNK], as in BERT
 
-    def __init__(self, vocab_file: str | Path):
+    def __init__(self, vocab_file: str | Path, *, fast: bool | None = None):
         raw = _read(str(vocab_file), "--vocab-file", "BERT's vocab.txt")
         try:
             tokens = raw.decode("utf-8").splitlines()
@@ -123,11 +129,17 @@ class BertWordPieceTokenizer:
         self.pad, self.unk, self.cls, self.sep, self.mask = (
             self.vocab[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"))
         self.eod = self.sep
+        self._fast = _rust_wordpiece(self.vocab, self.max_word_chars) if fast is not False else None
+        if fast and self._fast is None:
+            raise ValueError("BertWordPieceTokenizer(fast=True) needs the tokenizers package: pip install "
+                             "'mtx[tokenizers]'.")
 
     def tokenize(self, text: str) -> list[str]:
         return [piece for word in _basic_tokenize(text) for piece in self._wordpiece(word)]
 
     def encode(self, text: str) -> list[int]:
+        if self._fast is not None:  # line by line: "\n" separates words anyway, and short inputs encode faster
+            return [i for line in text.split("\n") for i in self._fast.encode(line, add_special_tokens=False).ids]
         return [self.vocab[piece] for piece in self.tokenize(text)]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -149,6 +161,77 @@ class BertWordPieceTokenizer:
             pieces.append(piece)
             start = end
         return pieces
+
+
+def _rust_wordpiece(vocab: dict[str, int], max_word_chars: int):
+    """The same uncased WordPiece as a `tokenizers.Tokenizer` (BERT's normalizer and pre-tokenizer, no [CLS]/[SEP]
+    template) over mtx's own vocabulary dict; None where the package is not installed."""
+    try:
+        from tokenizers import Tokenizer as RustTokenizer, models, normalizers, pre_tokenizers
+    except ImportError:
+        return None
+    tok = RustTokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=max_word_chars))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True,
+                                                lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return tok
+
+
+class HuggingFaceTokenizer:
+    """Any local Hugging Face tokenizer (Megatron's HuggingFaceTokenizer): DIR/tokenizer.json, loaded with
+    `tokenizers.Tokenizer.from_file` (no download, no transformers).
+
+    Text is encoded without the tokenizer's special-token template (no BOS/EOS added: documents are separated by
+    `eod`). `eod` is DIR/tokenizer_config.json's eos_token where it names one, else the first of _EOD_CANDIDATES in
+    the vocabulary; vocab_size is one past the largest id (added tokens included).
+    """
+
+    name = "huggingface"
+
+    def __init__(self, directory: str | Path):
+        folder = Path(directory)
+        if not folder.is_dir():
+            raise ValueError(f"--tokenizer-model {folder}: no such directory; pass a local directory holding a "
+                             "Hugging Face tokenizer.json.")
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer-model {folder} holds no tokenizer.json; pass the directory a Hugging Face "
+                             "tokenizer was saved to (tokenizer.save_pretrained(DIR)).")
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+        except ImportError:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package: pip install "
+                             "'mtx[tokenizers]'.") from None
+        try:
+            self._tok = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the Rust loader raises plain Exceptions
+            raise ValueError(f"--tokenizer-model {folder}: tokenizer.json does not load ({_one_line(e)}); pass a "
+                             "tokenizer.json written by the tokenizers package.") from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        eos = _configured_eos(folder)
+        names = [eos] if eos is not None else [t for t in _EOD_CANDIDATES if t in vocab]
+        if not names or names[0] not in vocab:
+            raise ValueError(f"--tokenizer-model {folder}: no end-of-document token (tokenizer_config.json's eos_token "
+                             f"{eos!r} is not in the vocabulary)" if eos is not None else
+                             f"--tokenizer-model {folder}: no end-of-document token (no eos_token in "
+                             f"tokenizer_config.json, none of {', '.join(_EOD_CANDIDATES)} in the vocabulary); "
+                             "add an eos_token to tokenizer_config.json.")
+        self.eod = vocab[names[0]]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=False)
+
+
+def _configured_eos(folder: Path) -> str | None:
+    """tokenizer_config.json's eos_token (a string, or an AddedToken dict's content), if the file names one."""
+    try:
+        eos = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
 
 
 def _basic_tokenize(text: str) -> list[str]:
@@ -190,13 +273,20 @@ def _is_cjk(cp: int) -> bool:
                                              (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)))
 
 
-def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_type: str | None = None) -> Tokenizer:
-    """The tokenizer named by `tokenizer_type` (Megatron's --tokenizer-type names, see TOKENIZER_TYPES).
+def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_type: str | None = None,
+                    tokenizer_model: str | None = None) -> Tokenizer:
+    """The tokenizer named by `tokenizer_type` (Megatron's --tokenizer-type names, see TOKENIZER_TYPES);
+    HuggingFaceTokenizer reads the directory `tokenizer_model`.
 
     Without a type: the byte tokenizer when neither file is given, GPT-2 BPE when both are; ValueError otherwise.
     """
     if tokenizer_type is not None and tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is unknown; use one of {', '.join(TOKENIZER_TYPES)}.")
+    if (tokenizer_type == "HuggingFaceTokenizer") != (tokenizer_model is not None):
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding "
+                         "tokenizer.json) go together; pass both or neither.")
+    if tokenizer_model is not None:
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "byte" or (tokenizer_type is None and vocab_file is None and merge_file is None):
         return ByteTokenizer()
     if tokenizer_type == "BertWordPieceLowerCase":

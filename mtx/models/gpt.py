@@ -51,14 +51,16 @@ class GPT(nnx.Module):
         """(B, S) ids -> (B, S, D): token + position embeddings, then hidden dropout; with sequence parallelism this
         rank's rows (B / tp, S, D).
 
-        positions_BS: each token's position (inference continues a sequence mid-way; its model has sequence
-        parallelism off); None means 0 .. S - 1.
+        positions_BS: each token's position (inference continues a sequence mid-way; --reset-position-ids restarts
+        them at each document); None means 0 .. S - 1. With sequence parallelism, this rank's rows of them are used.
         """
         s = tokens_BS.shape[1]
         if positions_BS is None:
             pos_SD = self.position_embeddings[:s]
         else:
-            pos_SD = jnp.take(self.position_embeddings[...], positions_BS, axis=0)
+            if self.sequence_parallel:  # the embedding returns this rank's rows
+                positions_BS = sequence_parallel_rows(positions_BS)
+            pos_SD = jnp.take(self.position_embeddings[...], positions_BS, axis=0)  # (B, S, D) here
         x_BSD = self.embedding(tokens_BS) + pos_SD.astype(self.dtype)
         if keys_B is not None and self.sequence_parallel:
             keys_B = sequence_parallel_rows(keys_B)  # the keys of this rank's rows

@@ -37,15 +37,15 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ke
     """Causal (or, with causal=False, bidirectional) softmax(Q K^T / sqrt(H)) V over this rank's heads; scores and
     softmax in float32.
 
-    mask_BS marks real tokens (1) and padding (0); padded keys get no attention. Attention dropout acts on this
-    rank's own heads, so each head draws from its own (model-parallel) key.
+    mask_BS: see `segment_mask`. Attention dropout acts on this rank's own heads, so each head draws from its own
+    (model-parallel) key.
     """
     s, h = q_BSNH.shape[1], q_BSNH.shape[-1]
     scores_BNQK = jnp.einsum("bqnh,bknh->bnqk", q_BSNH, k_BSNH, preferred_element_type=jnp.float32)
     scores_BNQK = scores_BNQK / math.sqrt(h)
     allowed = jnp.tril(jnp.ones((s, s), jnp.bool_))[None, None] if causal else None
     if mask_BS is not None:
-        keys_allowed = mask_BS[:, None, None, :] > 0
+        keys_allowed = segment_mask(mask_BS)
         allowed = keys_allowed if allowed is None else allowed & keys_allowed
     if allowed is not None:
         scores_BNQK = jnp.where(allowed, scores_BNQK, jnp.finfo(jnp.float32).min)
@@ -55,11 +55,20 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ke
     return jnp.einsum("bnqk,bknh->bqnh", probs_BNQK.astype(v_BSNH.dtype), v_BSNH)
 
 
+def segment_mask(mask_BS):
+    """(B, S) segment ids -> (B, 1, Q, K) which keys each query may attend to: those of its own segment, never a 0
+    (padding). BERT's 0/1 padding mask is the one-segment case; GPT's --reset-attention-mask numbers the packed
+    documents 1, 2, ... (mtx/data/documents.py), which makes the causal mask block-diagonal. A padding query (0)
+    sees every real key, as with a plain padding mask (its output is never used)."""
+    q_BQ1, k_B1K = mask_BS[:, :, None], mask_BS[:, None, :]
+    return ((k_B1K > 0) & ((k_B1K == q_BQ1) | (q_BQ1 == 0)))[:, None]
+
+
 def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, causal=True):
     """Causal (or bidirectional) attention through `jax.nn.dot_product_attention`: cuDNN's flash attention on GPU
     for bf16/fp16 (no S x S scores in memory), XLA's implementation elsewhere (the portable fallback). No dropout."""
     gpu = jax.default_backend() == "gpu" and q_BSNH.dtype in (jnp.bfloat16, jnp.float16) and mask_BS is None
-    mask = None if mask_BS is None else (mask_BS[:, None, None, :] > 0)
+    mask = None if mask_BS is None else segment_mask(mask_BS)
     return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, mask=mask, is_causal=causal,
                                         implementation="cudnn" if gpu else None)
 

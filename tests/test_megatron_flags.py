@@ -1,0 +1,181 @@
+"""Megatron's everyday flags: sample counts, the warmup fraction, the recompute alias, profiling, the multi-host
+timeout, and the document flags of packed GPT samples (the numbers, and the same losses on two meshes)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from mtx.cli import parse_config
+from mtx.config import Config, load_preset
+from mtx.data.documents import document_fields
+from mtx.evaluation import make_scorer
+from mtx.models.transformer import attention_core
+from mtx.parallel.mesh import DATA, PIPELINE, make_mesh
+from mtx.run import train
+from mtx.sharded_model import ShardedModel
+
+TINY = Config().replace(**load_preset("configs/tiny.toml"), hidden_dropout=0.0, attention_dropout=0.0)
+DOCS = dict(eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+EOD = 256  # the byte tokenizer's end-of-document id
+
+
+def test_sample_counts_and_warmup_fraction_become_steps():
+    cfg = parse_config(["--global-batch-size", "32", "--train-samples", "3200", "--lr-decay-samples", "1600",
+                        "--lr-warmup-fraction", "0.1", "--recompute-activations"]).validate()
+    t, o = cfg.training, cfg.optimizer
+    assert (t.train_iters, o.lr_decay_iters, o.lr_warmup_iters) == (100, 50, 5)  # 0.1 of the 50 decay steps
+    assert t.recompute_granularity == "selective"
+    assert Config.from_dict(cfg.to_dict()) == cfg  # a saved config reloads (its derived counts recomputed)
+    cfg = parse_config(["--global-batch-size", "8", "--train-iters", "40", "--lr-warmup-samples", "20"])
+    assert (cfg.training.train_iters, cfg.optimizer.lr_warmup_iters) == (40, 2)  # rounded down, as Megatron's
+    assert parse_config(["--train-iters", "90", "--lr-warmup-fraction", "0.25"]).optimizer.lr_warmup_iters == 22
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(train_samples=64, train_iters=3), "--train-samples sets --train-iters; pass only one"),
+    (dict(lr_decay_samples=64, lr_decay_iters=3), "--lr-decay-samples sets --lr-decay-iters"),
+    (dict(lr_warmup_fraction=0.1, lr_warmup_iters=3), "--lr-warmup-fraction sets --lr-warmup-iters"),
+    (dict(lr_warmup_fraction=0.1, lr_warmup_samples=32), "--lr-warmup-fraction and --lr-warmup-samples"),
+    (dict(lr_decay_samples=8), "--lr-decay-samples 8 is less than one --global-batch-size 32"),
+    (dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction must be in [0, 1], got 1.5"),
+    (dict(train_samples=-1), "--train-samples must be >= 0"),
+    (dict(recompute_activations=True, recompute_granularity="full"), "alias of --recompute-granularity selective"),
+    (dict(profile=True, profile_step_start=5, profile_step_end=5), "--profile-step-end 5 must be after"),
+    (dict(distributed_timeout_minutes=0), "--distributed-timeout-minutes must be >= 1"),
+    (dict(reset_attention_mask=True, use_flash_attn=True, attention_dropout=0.0), "drop --use-flash-attn or"),
+    (dict(eod_mask_loss=True, model_type="bert", vocab_file="v.txt"), "--eod-mask-loss acts on GPT's packed"),
+    (dict(tokenizer_type="HuggingFaceTokenizer"), "--tokenizer-model DIR"),
+    (dict(tokenizer_model="tok/"), "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model"),
+])
+def test_megatron_flags_in_conflict_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Config().replace(**flags).validate()
+
+
+def test_unimplemented_megatron_flags_say_so(capsys):
+    parse_config(["--recompute-activations", "--eod-mask-loss", "--profile"])  # now implemented: accepted
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--num-experts", "8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--num-experts" in err and "does not implement" in err
+
+
+def test_distributed_timeout_minutes_is_jax_initialization_timeout(monkeypatch):
+    from mtx import distributed
+
+    seen = {}
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: seen.update(kw))
+    distributed.initialize_from(Config().replace(coordinator_address="h:1", num_processes=2, process_id=0,
+                                                 distributed_timeout_minutes=7).parallel)
+    assert seen["initialization_timeout"] == 7 * 60 and seen["heartbeat_timeout_seconds"] == 100
+    distributed.initialize_from(Config().replace(coordinator_address="h:1", num_processes=2, process_id=0).parallel)
+    assert seen["initialization_timeout"] == 100  # without it: as before, max(--distributed-timeout, 60)
+
+
+def test_document_fields_by_hand():
+    tokens = np.array([[5, EOD, 7, 8, EOD, 3, 4], [1, 2, 3, 4, 5, 6, 7]])  # (G, S + 1): inputs are the first 6
+    f = document_fields(tokens, EOD, **DOCS)
+    np.testing.assert_array_equal(f["loss_mask"], [[1, 0, 1, 1, 0, 1], [1] * 6])
+    np.testing.assert_array_equal(f["position_ids"], [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]])
+    np.testing.assert_array_equal(f["segments"], [[1, 1, 2, 2, 2, 3], [1] * 6])
+    assert set(document_fields(tokens, EOD, reset_position_ids=True)) == {"tokens", "position_ids"}
+
+
+def test_attention_does_not_cross_segments():
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 2, 4))
+    segments = jnp.array([[1, 1, 2, 2, 2, 3]])
+    out = attention_core(q, k, v, mask_BS=segments)
+    k2, v2 = k.at[:, :2].set(9.0), v.at[:, :2].set(-9.0)  # document 1's keys and values changed
+    again = attention_core(q, k2, v2, mask_BS=segments)
+    np.testing.assert_allclose(again[:, 2:], out[:, 2:], rtol=1e-6)
+    assert not np.allclose(again[:, :2], out[:, :2])
+    # one segment: plain causal attention
+    np.testing.assert_allclose(attention_core(q, k, v, mask_BS=jnp.ones((1, 6), jnp.int32)), attention_core(q, k, v),
+                               rtol=1e-6)
+
+
+def _hidden(model, params, batch):
+    """Final hidden states (B, S, D) of a batch through the objective's embedding and mask, on one device."""
+    def local(p, b):
+        m, objective = model.merge(p), model.objective
+        x = m.transform(objective.embed(m, b, None), mask_BS=objective.attention_mask(b))
+        return jax.lax.pmean(m.final_hidden(x), PIPELINE)
+
+    return np.asarray(jax.jit(jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA)),
+                                            out_specs=P(DATA)))(params, model.put_batch(batch)))
+
+
+def test_a_packed_document_reads_as_if_alone():
+    model = ShardedModel(TINY.replace(tensor_model_parallel_size=1, global_batch_size=2), make_mesh(1, 1, 1))
+    params = model.init_params()
+    rng = np.random.default_rng(0)
+    doc1, doc2 = rng.integers(0, 256, (2, 12))
+    packed = np.concatenate([doc1, [EOD], doc2, rng.integers(0, 256, 20)])[None, :33]
+    other = packed.copy()
+    other[0, :12] = rng.integers(0, 256, 12)  # document 1 rewritten
+    alone = np.concatenate([doc2, rng.integers(0, 256, 21)])[None]
+    batch = lambda t, **flags: document_fields(np.repeat(t, 2, 0), EOD, **flags)
+    h = _hidden(model, params, batch(packed, **DOCS))[0, 13:25]  # document 2's states
+    np.testing.assert_allclose(_hidden(model, params, batch(other, **DOCS))[0, 13:25], h, atol=1e-5)
+    np.testing.assert_allclose(_hidden(model, params, batch(alone, **DOCS))[0, :12], h, atol=1e-5)
+    # without the document mask, document 1 is seen
+    no_mask = dict(reset_position_ids=True)
+    assert not np.allclose(_hidden(model, params, batch(other, **no_mask))[0, 13:25],
+                           _hidden(model, params, batch(packed, **no_mask))[0, 13:25], atol=1e-3)
+
+
+def test_eod_masked_loss_is_the_mean_over_the_weighted_tokens():
+    model = ShardedModel(TINY.replace(tensor_model_parallel_size=2, global_batch_size=4, micro_batch_size=2),
+                         make_mesh(2, 1, 2))
+    params = model.init_params()
+    tokens = np.random.default_rng(1).integers(0, 256, (4, 33))
+    tokens[:, [3, 10, 11, 20]] = EOD
+    batch = document_fields(tokens, EOD, eod_mask_loss=True)
+    inputs = [model.put_batch(a) for a in (tokens[:, :-1], tokens[:, 1:], np.ones((4, 32), np.int32))]
+    nll, _ = make_scorer(model)(params, *inputs)
+    weights = batch["loss_mask"]
+    assert weights.sum() == 4 * (32 - 4)
+    expected = (np.asarray(nll, np.float64) * weights).sum() / weights.sum()
+    np.testing.assert_allclose(float(model.eval_loss(params, model.put_batch(batch))), expected, rtol=1e-5)
+    assert abs(float(model.eval_loss(params, model.put_batch(tokens))) - expected) > 1e-4  # the mask matters
+
+
+@pytest.fixture(scope="module")
+def packed_corpus(tmp_path_factory):
+    """Byte tokens of documents 3 to 20 tokens long, each ended by EOD: several documents a 32-token sample."""
+    rng = np.random.default_rng(2)
+    docs = [np.append(rng.integers(97, 123, rng.integers(3, 21)), EOD) for _ in range(1200)]
+    path = tmp_path_factory.mktemp("docs") / "docs.npy"
+    np.save(path, np.concatenate(docs).astype(np.int32))
+    return str(path)
+
+
+def test_document_flags_give_the_same_losses_on_two_meshes(tmp_path, packed_corpus):
+    curves = {}
+    for name, (dp, pp, tp, sp) in {"dp2": (2, 1, 1, False), "pp2tp2sp": (1, 2, 2, True)}.items():
+        cfg = TINY.replace(data_path=(packed_corpus,), train_iters=3, log_interval=1, data_parallel_size=dp,
+                           pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, sequence_parallel=sp,
+                           run_dir=str(tmp_path / name), **DOCS)
+        r = train(cfg, progress=False)
+        curves[name] = np.array([r.losses[s] for s in (1, 2, 3)])
+    np.testing.assert_allclose(curves["pp2tp2sp"], curves["dp2"], rtol=1e-5)
+    plain = train(TINY.replace(data_path=(packed_corpus,), train_iters=1, tensor_model_parallel_size=1,
+                               data_parallel_size=2, run_dir=str(tmp_path / "plain")), progress=False)
+    assert abs(plain.losses[1] - curves["dp2"][0]) > 1e-3  # the flags change the loss
+
+
+def test_profile_traces_the_asked_steps_and_stops_early_runs(tmp_path):
+    cfg = TINY.replace(train_iters=4, tensor_model_parallel_size=1, data_parallel_size=1, profile=True,
+                       profile_step_start=1, profile_step_end=3, run_dir=str(tmp_path / "p"))
+    train(cfg, progress=False)
+    assert list((tmp_path / "p" / "profile").rglob("*.xplane.pb"))
+    stopped = cfg.replace(exit_interval=2, profile_step_end=4, run_dir=str(tmp_path / "q"),
+                          tensorboard_dir=str(tmp_path / "tb"))
+    assert train(stopped, progress=False).stopped
+    assert list((tmp_path / "tb").rglob("*.xplane.pb"))  # written when the run stopped inside the window
+    jax.profiler.start_trace(str(tmp_path / "after"))  # and no trace is left running
+    jax.profiler.stop_trace()
