@@ -31,27 +31,44 @@ _COMMON_HELPS = {
 
 
 def build_parser() -> OneLineParser:
+    """eval.py's parser: one subcommand a task, each with the common flags and its own."""
     common = OneLineParser(add_help=False)
     add_config_flags(common, _COMMON_FIELDS, defaults=_COMMON_DEFAULTS, helps=_COMMON_HELPS)
-    parser = OneLineParser(prog="eval.py", description=__doc__.splitlines()[0], allow_abbrev=False)
-    tasks = parser.add_subparsers(dest="task", required=True)
-    wiki = tasks.add_parser("wikitext", parents=[common], help="WikiText perplexity", allow_abbrev=False)
-    wiki.add_argument("--data-path", required=True, help="word-level WikiText file, e.g. wiki.test.tokens")
-    wiki.add_argument("--seq-length", type=ranged(int, ">= 1"), help="window length S; default the model's")
-    wiki.add_argument("--overlapping-eval", type=ranged(int, ">= 1"),
-                      help="tokens each window advances and scores (default 32)")
-    wiki.add_argument("--no-detokenize", action="store_true", help="score the raw word-level text")
-    wiki.add_argument("--dry-run", action="store_true", help="only count tokens and windows (no model)")
-    lam = tasks.add_parser("lambada", parents=[common], help="LAMBADA last-word accuracy", allow_abbrev=False)
-    lam.add_argument("--data-path", required=True, help='.jsonl of {"text": ...} lines')
-    lam.add_argument("--seq-length", type=ranged(int, ">= 1"), help="longest window; default the model's")
-    gen = tasks.add_parser("generate", parents=[common], help="sample continuations", allow_abbrev=False)
-    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    gen.add_argument("--max-new-tokens", type=ranged(int, ">= 1"), default=64)
-    gen.add_argument("--temperature", type=ranged(float, ">= 0"), default=1.0, help="0 is greedy")
-    gen.add_argument("--top-k", type=ranged(int, ">= 0"), default=0, help="0: no top-k filter")
-    gen.add_argument("--top-p", type=ranged(float, "(0, 1]"), default=1.0, help="nucleus sampling; 1: no filter")
-    gen.add_argument("--seed", type=ranged(int, ">= 0"), default=0)
+    parser = OneLineParser(prog="eval.py", description=__doc__.splitlines()[0],
+                           epilog="`python eval.py TASK --help` lists the flags of a task, with their defaults.")
+    tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK", title="tasks")
+
+    def task(name: str, summary: str):  # -> the group of the task's own flags, listed after the common ones
+        sub = tasks.add_parser(name, parents=[common], help=summary, description=f"{name}: {summary}.")
+        return sub.add_argument_group(f"{name} flags")
+
+    wiki = task("wikitext", "WikiText perplexity with overlapping windows, normalized by the original token count")
+    wiki.add_argument("--data-path", required=True, metavar="FILE",
+                      help="word-level WikiText file, e.g. wiki.test.tokens (required)")
+    wiki.add_argument("--seq-length", type=ranged(int, ">= 1"), metavar="INT",
+                      help="window length S (default: the model's)")
+    wiki.add_argument("--overlapping-eval", type=ranged(int, ">= 1"), metavar="INT",
+                      help="tokens each window advances and scores (default: 32, or S if shorter)")
+    wiki.add_argument("--no-detokenize", action="store_true",
+                      help="score the raw word-level text (default: detokenize it with the paper's rules)")
+    wiki.add_argument("--dry-run", action="store_true", help="only count tokens and windows, with no model")
+    lam = task("lambada", "LAMBADA last-word accuracy (every subword of the last word the argmax)")
+    lam.add_argument("--data-path", required=True, metavar="FILE", help='.jsonl of {"text": ...} lines (required)')
+    lam.add_argument("--seq-length", type=ranged(int, ">= 1"), metavar="INT",
+                     help="longest window (default: the model's)")
+    gen = task("generate", "sample continuations of --prompt (KV-cached)")
+    gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                     help="prompt text; repeat the flag for a batch (required)")
+    gen.add_argument("--max-new-tokens", type=ranged(int, ">= 1"), default=64, metavar="INT",
+                     help="tokens to generate per prompt (default: %(default)s)")
+    gen.add_argument("--temperature", type=ranged(float, ">= 0"), default=1.0, metavar="FLOAT",
+                     help="softmax temperature; 0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-k", type=ranged(int, ">= 0"), default=0, metavar="INT",
+                     help="sample among the k likeliest tokens; 0: no top-k filter (default: %(default)s)")
+    gen.add_argument("--top-p", type=ranged(float, "(0, 1]"), default=1.0, metavar="FLOAT",
+                     help="nucleus sampling; 1: no filter (default: %(default)s)")
+    gen.add_argument("--seed", type=ranged(int, ">= 0"), default=0, metavar="INT",
+                     help="sampling seed (default: %(default)s)")
     return parser
 
 
