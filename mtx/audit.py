@@ -30,7 +30,6 @@ audits the GPU compilation instead (async start/done pairs count once; same coun
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 import json
 import os
@@ -238,30 +237,51 @@ def _table(title: str, report: dict) -> str:
     return "\n".join(lines if keys else lines[:1] + ["  no collectives"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    from mtx.cli import add_config_flags, with_negative_values
-    from mtx.devices import simulate_cpu_devices
+# The audit lists every choice itself, whatever the schema's help abbreviates.
+_RECOMPUTE_HELP = ("activations the backward recomputes: none (keep them all), full (keep each layer's input, "
+                   "recompute the layer), selective (recompute the attention core), matmuls (keep the matmul, "
+                   "attention and all-reduce outputs; recompute LayerNorm, GeLU, bias adds and dropout)")
 
-    ap = argparse.ArgumentParser(prog="python -m mtx.audit", description=__doc__.split("\n\n")[0])
-    # The model and mesh flags of train.py (mtx/cli.py), with the audit's own defaults: one data rank, and a layer
-    # count that follows the pipeline stages.
+
+def build_parser():
+    """`python -m mtx.audit`'s parser: train.py's model and mesh flags (mtx/cli.py) with the audit's own defaults,
+    each shown in --help."""
+    from mtx.cli import OneLineParser, add_config_flags
+
+    ap = OneLineParser(prog="python -m mtx.audit", description=__doc__.split("\n\n")[0],
+                       epilog="Example: python -m mtx.audit --tensor-model-parallel-size 4 --data-parallel-size 2 "
+                              "--recompute-granularity matmuls --sequence-parallel")
+    # One data rank, and a layer count that follows the pipeline stages.
     fields = ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "tensor_model_parallel_size",
               "data_parallel_size", "ffn_hidden_size", "recompute_granularity", "vocab_size",
               "pipeline_model_parallel_size", "num_layers")
     helps = {"pipeline_model_parallel_size": "PP; > 1 also audits a whole pipelined step (its activation ppermutes)",
-             "num_layers": "layers of the pipelined step; None: 2 x stages x virtual stages"}
+             "num_layers": "layers of the pipelined step; None: 2 x stages x virtual stages",
+             "recompute_granularity": _RECOMPUTE_HELP}
     add_config_flags(ap, fields, defaults={"data_parallel_size": 1, "num_layers": None}, helps=helps)
     add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
     ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
     add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer"), defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    a = ap.parse_args(with_negative_values(argv))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mtx.cli import with_negative_values
+    from mtx.devices import simulate_cpu_devices
+
+    try:
+        a = build_parser().parse_args(with_negative_values(argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # Simulated CPU devices, one per mesh position (unless XLA_FLAGS sets a count): XLA reads the count when the CPU
     # backend starts (the first device query below), not when jax is imported.
     if simulate_cpu_devices(max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
                             * max(a.pipeline_model_parallel_size, 1)):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = {k: v for k, v in vars(a).items() if k != "json"}
+    # "none" unsets an optional setting, as in train.py (--recompute-granularity none)
+    flags = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in vars(a).items() if k != "json"}
     try:
         cfg = audit_config(**flags)
     except ValueError as e:
