@@ -23,6 +23,22 @@ from mtx.schema_checks import field_types, in_range
 # Megatron's spelling of the off flag, where it has one) off.
 _OFF_FLAGS = {"bert_binary_head": "--bert-no-binary-head"}
 _SECTION_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
+# Megatron-LM flags of everyday scripts that mtx does not implement: refused by name, never silently ignored (any
+# other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
+MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
+    use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
+    expert-model-parallel-size context-parallel-size position-embedding-type use-rotary-position-embeddings
+    rotary-percent rotary-base normalization swiglu untie-embeddings-and-output-weights disable-bias-linear
+    group-query-attention num-query-groups apply-query-key-layer-scaling attention-softmax-in-fp32
+    no-masked-softmax-fusion no-bias-gelu-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
+    accumulate-allreduce-grads-in-fp32 overlap-grad-reduce overlap-param-gather tp-comm-overlap recompute-method
+    recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
+    end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
+    fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
+    num-workers train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
+    log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
+    log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
+    """.split())
 # Every field of every section by its (unique) name: the dataclass field and its resolved annotation.
 _SCHEMA = {f.name: (f, FIELD_TYPES[f.name]) for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 
@@ -143,6 +159,8 @@ def unknown_flags_message(unknown: Iterable[str], known: Iterable[str], hint: st
         longer = [k for k in known if k.startswith(dashed)]
         return next(iter(difflib.get_close_matches(dashed, longer or known, n=1, cutoff=0 if longer else 0.7)), None)
 
+    if megatron := [flag for flag in dict.fromkeys(unknown) if flag in MEGATRON_UNIMPLEMENTED]:
+        return f"Megatron-LM's {', '.join(megatron)}: mtx does not implement {'them' if megatron[1:] else 'it'}."
     named = [(flag, closest(flag)) for flag in dict.fromkeys(unknown)]
     if len(named) == 1:
         flag, match = named[0]
