@@ -30,8 +30,10 @@ def main(argv=None) -> int:
     import jax
 
     from mtx.checkpoint import CheckpointError
-    from mtx.distributed import lost_peer
+    from mtx.distributed import is_main_process, lost_peer
 
+    if is_main_process():
+        print(run_files(plan.cfg, plan.run_dir), flush=True)
     try:
         train(plan)
     except CheckpointError as e:  # damage to a checkpoint that only reading its arrays finds
@@ -43,7 +45,21 @@ def main(argv=None) -> int:
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # not sys.exit: its shutdown would wait at a barrier for the process that is gone
+    if is_main_process():  # again at the end (also after a stop on a signal), where it is read
+        print(run_files(plan.cfg, plan.run_dir))
     return 0
+
+
+def run_files(cfg, run_dir) -> str:
+    """The line that says where the run's files go: its directory (--save, else --run-dir, else runs/<time>) and the
+    tracker directories outside it."""
+    t, folder = cfg.training, lambda path: os.path.join(path, "")  # "runs/x" and "runs/x/" -> "runs/x/"
+    line = f"mtx: run directory {folder(run_dir)} (config.json, metrics.jsonl{', checkpoints' if t.save else ''})"
+    if t.tensorboard_dir:
+        line += f"; TensorBoard events in {folder(t.tensorboard_dir)}"
+    if t.wandb_project:
+        line += f"; Weights & Biases files in {folder(t.wandb_save_dir or run_dir)}"
+    return line
 
 
 if __name__ == "__main__":
