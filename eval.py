@@ -128,8 +128,8 @@ def prepare(args):
         from mtx.generate import generate
 
         sharded_model, params = loaded
-        outs = generate(sharded_model, params, prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed, eod=tokenizer.eod)
+        outs = generate(sharded_model, params, prompts, args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod=tokenizer.eod)
         new = [out[len(p):] for p, out in zip(prompts, outs)]  # each output is its prompt + the new tokens
         return {"samples": [{"prompt": text, "completion": tokenizer.decode(ids), "new_tokens": len(ids)}
                             for text, ids in zip(args.prompt, new)]}
