@@ -88,7 +88,8 @@ def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None)
 
 
 def run_cli(measure_fn, argv=None) -> int:
-    """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to --json)."""
+    """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
+    --json); a bad flag is one line on stderr and exit status 2."""
     from mtx.cli import parse_config
 
     ap = argparse.ArgumentParser(add_help=False)
@@ -97,7 +98,12 @@ def run_cli(measure_fn, argv=None) -> int:
     ap.add_argument("--json", default=None, help="append the result line to this file")
     ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them")
     own, rest = ap.parse_known_args(argv)
-    result = measure_fn(parse_config(rest), steps=own.steps, warmup=own.warmup, profile=own.profile)
+    try:
+        cfg = parse_config(rest)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = measure_fn(cfg, steps=own.steps, warmup=own.warmup, profile=own.profile)
     line = json.dumps(result)
     print(line, flush=True)
     if own.json:

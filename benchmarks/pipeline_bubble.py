@@ -37,7 +37,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("flags", nargs="*", help="train.py flags, after --")
     a = ap.parse_args(argv)
-    base = parse_config(a.flags)
+    try:
+        base = parse_config(a.flags)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     mb = base.training.micro_batch_size
     rows = []
     for m in a.microbatches:

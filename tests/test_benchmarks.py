@@ -256,3 +256,11 @@ def test_suite_env_adds_to_every_row(tmp_path, monkeypatch):
     assert "strong 1.75x" in suite.table([one, scan1, scan2]) and "strong" not in suite.table([one, scan2])
     with pytest.raises(SystemExit):
         suite.main(["--rows", "test", "--env", "NCCL_PROTO"])
+
+
+def test_bench_bad_flag_is_one_line(capsys):
+    """A mistyped train.py flag given to a benchmark: one line naming it, exit status 2, nothing measured."""
+    measured = []
+    assert bench.run_cli(lambda cfg, **kw: measured.append(cfg), ["--hiden-size", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--hiden-size" in err and "--hidden-size" in err and not measured
