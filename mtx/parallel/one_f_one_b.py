@@ -21,13 +21,14 @@ last partial group of microbatches only leaves more slots idle).
 
 Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks; a tick runs its backward
 before its forward, so at most K = 2 P V - 2 are alive per device, whatever M. The forward slot runs the chunk under
-`jax.vjp` and keeps, in slot t mod K of a ring, its input and what `--recompute-granularity` keeps of it (everything without recomputation, the matmul outputs with
-`matmuls`, each layer's input with `full`: `_keep_policy`); the backward slot pulls back through those residuals,
-recomputing only what the policy dropped, as the unpipelined step does. Values computed from the parameters alone
-(the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch. The ring is K
-separate sets of buffers and each slot has its own branch in the forward and backward `switch`es, so no slot is
-indexed dynamically: a dynamic index into one stacked ring copied every kept value in and out (a cuBLAS or cuDNN
-operand cannot be a dynamic slice), ~50 ms a step for the 1.2B model on 2 GPUs (docs/benchmarks.md 4d). The embedding
+`jax.vjp` and keeps, in slot t mod K of a ring, its input and what `--recompute-granularity` keeps of it (everything
+without recomputation, the matmul outputs with `matmuls`, each layer's input with `full`: `_keep_policy`); the
+backward slot pulls back through those residuals, recomputing only what the policy dropped, as the unpipelined step
+does. Values computed from the parameters alone (the layers' slices of the stack, their bf16 casts) are recomputed
+rather than kept per microbatch. The ring is K separate sets of buffers and each slot has its own branch in the
+forward and backward `switch`es, so no slot is indexed dynamically: a dynamic index into one stacked ring copied every
+kept value in and out (a cuBLAS or cuDNN operand cannot be a dynamic slice), ~58 ms a step for the 1.2B model on 2
+GPUs with V 2 (docs/benchmarks.md 4d). The embedding
 runs in virtual stage 0's forward, per microbatch as it enters; the last virtual stage runs its forward, the head and
 the loss and their backward all in its backward slot (its forward slot stays idle, so it keeps nothing).
 """
