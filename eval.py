@@ -19,7 +19,7 @@ simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GP
 # they mean "as the checkpoint was saved" where the checkpoint has a say: its micro batch, its tokenizer, its step.
 _COMMON_FIELDS = ("load", "ckpt_step", "vocab_file", "merge_file", "micro_batch_size", "tensor_model_parallel_size",
                   "pipeline_model_parallel_size", "data_parallel_size", "bf16", "coordinator_address",
-                  "num_processes", "process_id")
+                  "num_processes", "process_id", "distributed_timeout", "distributed_timeout_minutes")
 _COMMON_DEFAULTS = {"micro_batch_size": None, "tensor_model_parallel_size": 1}
 _COMMON_HELPS = {
     "load": "checkpoint directory (written by train.py --save)",
@@ -139,9 +139,9 @@ def prepare(args):
 def main(argv=None) -> int:
     try:  # bad input fails here, in one line that names the fix, before any device work
         args = build_parser().parse_args(with_negative_values(argv))
-        from mtx.distributed import initialize
+        from mtx.distributed import initialize_from
 
-        initialize(args.coordinator_address, args.num_processes, args.process_id)  # before any device is asked for
+        initialize_from(args)  # before any device is asked for
         load, task = prepare(args)
         loaded = load()
     except ValueError as e:

@@ -14,13 +14,12 @@ simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GP
 
 def main(argv=None) -> int:
     from mtx.cli import parse_config
-    from mtx.distributed import initialize
+    from mtx.distributed import initialize_from
 
     try:  # bad input fails here, in one line that names the fix, before any device work
         cfg = parse_config(argv)
-        p = cfg.parallel
         # Multi-host: join the other processes before anything asks JAX for a device.
-        initialize(p.coordinator_address, p.num_processes, p.process_id, heartbeat_timeout=p.distributed_timeout)
+        initialize_from(cfg.parallel)
         from mtx.run import prepare, train
 
         plan = prepare(cfg)

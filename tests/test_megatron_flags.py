@@ -77,6 +77,20 @@ def test_distributed_timeout_minutes_is_jax_initialization_timeout(monkeypatch):
     assert seen["initialization_timeout"] == 7 * 60 and seen["heartbeat_timeout_seconds"] == 100
     distributed.initialize_from(Config().replace(coordinator_address="h:1", num_processes=2, process_id=0).parallel)
     assert seen["initialization_timeout"] == 100  # without it: as before, max(--distributed-timeout, 60)
+    # train.py and eval.py pass it on (stopped right after joining, before any device work)
+    import eval as eval_script
+    import train as train_script
+
+    def join_then_stop(*a, **kw):
+        seen.update(kw)
+        raise ValueError("stopped after joining")
+
+    monkeypatch.setattr(jax.distributed, "initialize", join_then_stop)
+    flags = ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "0",
+             "--distributed-timeout-minutes", "3"]
+    for main, argv in ((train_script.main, flags), (eval_script.main, ["wikitext", "--data-path", "x", *flags])):
+        seen.clear()
+        assert main(argv) == 2 and seen["initialization_timeout"] == 3 * 60
 
 
 def test_document_fields_by_hand():
