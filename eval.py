@@ -137,19 +137,22 @@ def prepare(args):
 
 
 def main(argv=None) -> int:
+    from mtx.distributed import initialize_from, is_main_process, watch_peers
+
     try:  # bad input fails here, in one line that names the fix, before any device work
         args = build_parser().parse_args(with_negative_values(argv))
-        from mtx.distributed import initialize_from
-
         initialize_from(args)  # before any device is asked for
         load, task = prepare(args)
         loaded = load()
-    except ValueError as e:
+    except ValueError as e:  # every process finds the same bad input
+        if peers := watch_peers():
+            peers.finish()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    peers = watch_peers()  # several processes: a peer that stops answering ends this one in a line
     result = task(loaded)  # every process takes part in the computation
-    from mtx.distributed import is_main_process
-
+    if peers:
+        peers.finish()
     if is_main_process():  # and one prints it
         print(json.dumps(result))
     return 0

@@ -14,7 +14,7 @@ simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GP
 
 def main(argv=None) -> int:
     from mtx.cli import parse_config
-    from mtx.distributed import initialize_from
+    from mtx.distributed import initialize_from, watch_peers
 
     try:  # bad input fails here, in one line that names the fix, before any device work
         cfg = parse_config(argv)
@@ -23,19 +23,28 @@ def main(argv=None) -> int:
         from mtx.run import prepare, train
 
         plan = prepare(cfg)
-    except ValueError as e:
+    except ValueError as e:  # every process finds the same bad input
+        if peers := watch_peers():
+            peers.finish()
         print(f"error: {e}", file=sys.stderr)
         return 2
     import jax
 
     from mtx.checkpoint import CheckpointError
     from mtx.distributed import is_main_process, lost_peer
+    from mtx.metrics import TrackerError
 
     if is_main_process():
         print(run_files(plan.cfg, plan.run_dir), flush=True)
+    peers = watch_peers(cfg.training.save)  # several processes: a peer that stops answering ends this one in a line
     try:
         train(plan)
-    except CheckpointError as e:  # damage to a checkpoint that only reading its arrays finds
+    except CheckpointError as e:  # damage to a checkpoint that only reading its arrays finds (every process reads it)
+        if peers:
+            peers.finish()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrackerError as e:  # W&B would not start (process 0; the others then find it gone)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except jax.errors.JaxRuntimeError as e:
@@ -44,6 +53,8 @@ def main(argv=None) -> int:
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # not sys.exit: its shutdown would wait at a barrier for the process that is gone
+    if peers:
+        peers.finish()
     if is_main_process():  # again at the end (also after a stop on a signal), where it is read
         print(run_files(plan.cfg, plan.run_dir))
     return 0

@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             exchange = pipe["layer_exchange"]
             if exchange["collective-permute pipeline"]:
                 print(f"  per step, layer exchange (chunk slots and their gradients): "
-                      f"{exchange['collective-permute pipeline']} collective-permutes, {exchange['elements']:,} elements")
+                      f"{exchange['collective-permute pipeline']} collective-permutes, "
+                      f"{exchange['elements']:,} elements")
         if "data_parallel" in report:
             data = report["data_parallel"]["data"]
             kind = "distributed" if cfg.parallel.use_distributed_optimizer else "replicated"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import orbax.checkpoint as ocp
 
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
+from mtx.errors import first_line
 
 MANIFEST = "mtx_files.json"  # in a finished step: {path relative to the step: size in bytes} of its every file
 
@@ -89,7 +91,7 @@ class Checkpointer:
         fallback from broken newer ones would resume are kept. Each goes in two moves, renamed to <step>.deleting
         (no longer a step to any reader) and then removed; a leftover from a run killed in between goes next time."""
         for leftover in self.directory.glob("*.deleting"):
-            if leftover.name.split(".")[0].isdigit():
+            if re.fullmatch(r"\d+\.deleting", leftover.name):  # only what this method renamed (5.old.deleting: not)
                 shutil.rmtree(leftover, ignore_errors=True)
         steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
         intact = [s for s in steps if self._recorded_problem(self.directory / str(s)) is None]
@@ -212,6 +214,4 @@ def is_checkpoint_dir(path: str | Path) -> bool:
 
 
 def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    text = text[0].split(" See full")[0][:200] if text else ""  # (tensorstore appends a long pointer)
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return f"{type(error).__name__}: {first_line(error)}"

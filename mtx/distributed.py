@@ -8,7 +8,15 @@ Only process 0 writes logs, metrics, config.json and prints; every process takes
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
+import threading
+import time
+
 import jax
+
+from mtx.errors import first_line
 
 
 def initialize(coordinator_address: str | None, num_processes: int | None = None, process_id: int | None = None,
@@ -16,18 +24,19 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     """Joins the processes of one run; a no-op without a coordinator address (one process, the default).
 
     "auto" lets JAX read the launcher's environment (SLURM, Open MPI, TPU pods). A process that stops answering
-    for `heartbeat_timeout` seconds makes every other process exit with an error instead of waiting forever: the
-    coordination service aborts them, unless a collective with the dead process fails first, with a Python error
-    that train.py reports in one line (`lost_peer`). `timeout_minutes` (Megatron's --distributed-timeout-minutes)
-    is how long the processes wait for each other to join: jax.distributed.initialize's initialization_timeout.
-    JAX has no timeout for a collective itself (Megatron's NCCL timeout); the heartbeat stands in for it.
+    for `heartbeat_timeout` seconds makes every other process exit in one line instead of waiting forever
+    (`PeerWatch`, or `lost_peer` when a collective with it fails first); JAX's own heartbeat, which would abort them
+    with a stack of C++ logs, is set to twice that as a backstop. `timeout_minutes` (Megatron's
+    --distributed-timeout-minutes) is how long the processes wait for each other to join: jax.distributed.initialize's
+    initialization_timeout. JAX has no timeout for a collective itself (Megatron's NCCL timeout); the peer watch
+    stands in for it.
     """
     if coordinator_address is None:
         return
     # CPU collectives across processes go through gloo (XLA's default CPU runtime has none); GPUs and TPUs ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     joining = 60 * timeout_minutes if timeout_minutes else max(heartbeat_timeout, 60)
-    timeouts = dict(initialization_timeout=joining, heartbeat_timeout_seconds=heartbeat_timeout,
+    timeouts = dict(initialization_timeout=joining, heartbeat_timeout_seconds=2 * heartbeat_timeout + 10,
                     shutdown_timeout_seconds=max(heartbeat_timeout, 10))
     if coordinator_address == "auto":
         jax.distributed.initialize(**timeouts)
@@ -36,6 +45,9 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
             raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
                              "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
         jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
+    global _watch
+    if jax.process_count() > 1:
+        _watch = PeerWatch(heartbeat_timeout)
 
 
 def initialize_from(p) -> None:
@@ -65,8 +77,76 @@ _PEER_LOST = ("Gloo", "Connection reset", "Connection refused", "UNAVAILABLE", "
 def lost_peer(error: Exception, save: str | None) -> str | None:
     """The one-line message for a collective that failed because another process went away (None for any other
     error, and with one process): what happened and how to resume."""
-    first = (str(error).strip().splitlines() or [""])[0][:160]
+    first = first_line(error, 160)
     if jax.process_count() == 1 or not any(marker in str(error) for marker in _PEER_LOST):
         return None
     resume = f"resume with --load {save} once every host is back" if save else "restart it once every host is back"
     return f"another process of this run stopped answering ({first}); this one stops too: {resume}."
+
+
+class PeerWatch:
+    """Ends this process with one line (exit status 1) when another process of the run stops answering.
+
+    A thread beats a counter into the coordination service's key-value store every `timeout` / 5 seconds and reads
+    every peer's: a peer whose counter has not moved for `timeout` seconds, or a store that no longer answers (process
+    0, which hosts it, is gone), ends the process with `os._exit` (a normal exit would wait at JAX's shutdown barrier
+    for the process that is gone). A process that finishes (`finish`) says so first, so the others do not mistake
+    its silence; one that fails stops beating without saying so, and the others stop too.
+    """
+
+    def __init__(self, timeout: float):
+        self.timeout, self.hint = timeout, "restart it once every host is back"
+        self.me, self.peers = jax.process_index(), [i for i in range(jax.process_count()) if i != jax.process_index()]
+        from jax._src.distributed import global_state
+
+        self.store, self.stopped = global_state.client, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mtx-peer-watch", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)  # after jax.distributed's own atexit shutdown is registered: runs before it
+
+    def _run(self):
+        seen = {peer: (None, time.monotonic()) for peer in self.peers}
+        beat = 0
+        while not self.stopped.wait(self.timeout / 5):
+            try:
+                beat += 1
+                self.store.key_value_set(f"mtx/peers/beat/{self.me}", str(beat), allow_overwrite=True)
+                said = dict(self.store.key_value_dir_get("mtx/peers/"))
+            except Exception as e:  # the store is gone: so is process 0, which hosts it
+                if not self.stopped.is_set():
+                    self._end(f"the run's coordination service (process 0) stopped answering ({type(e).__name__})")
+                return
+            for peer in self.peers:
+                value, (last, since) = said.get(f"mtx/peers/beat/{peer}"), seen[peer]
+                if f"mtx/peers/done/{peer}" in said:
+                    continue
+                if value != last:
+                    seen[peer] = (value, time.monotonic())
+                elif time.monotonic() - since > self.timeout and not self.stopped.is_set():
+                    self._end(f"process {peer} of this run has not answered for {self.timeout:g} s")
+
+    def _end(self, what: str):
+        print(f"error: {what}; this process stops too: {self.hint}.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+    def finish(self):
+        """This process is done: the others stop watching it."""
+        if not self.stopped.is_set():
+            self.store.key_value_set(f"mtx/peers/done/{self.me}", "1", allow_overwrite=True)
+        self.stop()
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join(timeout=self.timeout)  # a call into a store that is gone may hang: the thread is a daemon
+
+
+_watch: PeerWatch | None = None
+
+
+def watch_peers(save: str | None = None) -> PeerWatch | None:
+    """The running peer watch (multi-process runs; None with one process), told how the run resumes: with --load of
+    its --save directory, if it has one."""
+    if _watch is not None and save:
+        _watch.hint = f"resume with --load {save} once every host is back"
+    return _watch

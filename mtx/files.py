@@ -63,8 +63,9 @@ def _written_by_mtx(entry: Path) -> bool:
                            or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):
         return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix; a
         # broken one that a resumed run set aside, mtx/resume.py; one being deleted, mtx/checkpoint.py `_prune`)
-    if entry.name == "wandb" and entry.is_dir():
-        return True  # Weights & Biases' files, when --wandb-save-dir is not given (mtx/metrics.py)
+    if entry.name in ("wandb", "profile") and entry.is_dir():
+        return True  # Weights & Biases' files without --wandb-save-dir (mtx/metrics.py); --profile's trace without
+        # --tensorboard-dir (mtx/run.py)
     return False
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 
+from mtx.errors import first_line
+
 # Dense bf16 peak FLOP/s per device (H100/H200 SXM: 989 TFLOP/s).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -119,6 +121,10 @@ class _TensorBoard:
         self._writer.close()
 
 
+class TrackerError(RuntimeError):
+    """An experiment tracker that would not start (train.py reports it in one line)."""
+
+
 class _WandB:
     """One W&B run (wandb.init's project, name, dir and config), imported only when asked for: the optional extra
     `pip install 'mtx[wandb]'`. WANDB_MODE=offline keeps it on disk (`wandb sync` uploads it later)."""
@@ -127,7 +133,12 @@ class _WandB:
         import wandb
 
         Path(dir).mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=project, name=name, dir=dir, config=config)
+        try:
+            self._run = wandb.init(project=project, name=name, dir=dir, config=config)
+        except Exception as e:  # not logged in, no network, a project it may not write to
+            raise TrackerError(f"--wandb-project {project}: W&B did not start ({type(e).__name__}: "
+                               f"{first_line(e)}); run `wandb login`, or set WANDB_MODE=offline to keep the run on "
+                               "disk.") from e
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=int(step))

@@ -98,6 +98,18 @@ def from_checkpoint(cfg: Config, saved: Config) -> Config:
     return cfg.replace(**changed) if changed else cfg
 
 
+def check_same_batches(saved: Config, cfg: Config) -> None:
+    """A resumed run reads the data from where its checkpoint's run stopped and counts its samples and tokens by the
+    step, so it keeps that run's --global-batch-size and --seq-length (another would skip or repeat data and
+    miscount both); a fine-tuned run starts at step 0 and may change them."""
+    for flag, then, now in (("--global-batch-size", saved.training.global_batch_size, cfg.training.global_batch_size),
+                            ("--seq-length", saved.model.seq_length, cfg.model.seq_length)):
+        if then != now:
+            raise ValueError(f"--load {cfg.training.load} was trained with {flag} {then} and this run has {now}, so "
+                             f"its data and token count would not continue; pass {flag} {then}, or --finetune to "
+                             "start a new run from its weights.")
+
+
 def load_state(train_step, ckpt: Checkpointer, cfg: Config, step: int):
     """The training state to start from, read from `step` of `ckpt` as --finetune and --no-load-optim say."""
     t = cfg.training

@@ -29,7 +29,7 @@ from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable
 from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
-from mtx.resume import from_checkpoint, load_state, resume_point, set_aside
+from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
 from mtx.sharded_model import ShardedModel
 from mtx.step import TrainStep
 
@@ -74,6 +74,8 @@ def prepare(cfg: Config) -> Plan:
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
         check_compatible(saved.model, cfg.model, t.load)
+        if not t.finetune:
+            check_same_batches(saved, cfg)
     resuming = bool(t.load) and not t.finetune  # a fine-tuned run is a new run: new metrics, from step 0
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, "--save" if t.save else "--run-dir")  # never over a file mtx did not write
@@ -178,9 +180,14 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 saver.save(state, cfg)
             if saver:  # the last save (an async one too) is on disk and recorded before the run ends or stops
                 saver.wait()
-    finally:  # after an error too: a save in flight is finished, not cut off, and the trackers are closed
-        if saver:
+                saver.close()
+    except jax.errors.JaxRuntimeError:
+        raise  # perhaps a process that is gone: finishing a save in flight would wait for it at orbax's barrier
+    except BaseException:
+        if saver:  # any other error: a save in flight is finished, not cut off
             saver.close()
+        raise
+    finally:
         logger.close()
     result.state = state
     if result.stopped:

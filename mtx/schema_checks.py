@@ -13,10 +13,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from mtx.config import Config
+from typing import Any
 
 
 # The valid range of every numeric field, checked first by `Config.validate` with the field's flag in the message
@@ -93,9 +90,10 @@ def check_field(name: str, hint, value: Any) -> None:
         raise ValueError(f"{flag} must be {'in ' if valid[0] in '[(' else ''}{valid}, got {value!r}.")
 
 
-def check_combinations(cfg: Config, num_devices: int | None = None) -> None:
-    """Refuses a combination of (individually valid) fields that cannot run, in one sentence naming the flag and the
-    fix; with `num_devices`, also the batch sizes against the data-parallel size."""
+def check_combinations(cfg, num_devices: int | None = None) -> None:
+    """Refuses a combination of (individually valid) fields of `cfg` (a Config; not imported here, as mtx.config
+    imports this module) that cannot run, in one sentence naming the flag and the fix; with `num_devices`, also the
+    batch sizes against the data-parallel size."""
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
     _check(o.min_lr <= o.lr or o.lr_decay_style == "constant",
            f"--min-lr {o.min_lr} is above --lr {o.lr}; the schedule decays from --lr down to --min-lr.")
@@ -123,7 +121,7 @@ def check_combinations(cfg: Config, num_devices: int | None = None) -> None:
     cfg.stage_layer_counts()  # refuses layers that do not split over the stages as asked
     _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
     _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),
-           f"--recompute-granularity must be full, selective or matmuls, got {t.recompute_granularity!r}.")
+           f"--recompute-granularity must be none, full, selective or matmuls, got {t.recompute_granularity!r}.")
     _check(o.lr_decay_style in ("constant", "linear", "cosine"),
            f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
     _check(not (t.use_flash_attn and m.attention_dropout > 0),
@@ -153,7 +151,7 @@ def _check_checkpointing(t) -> None:
            "pass a new --save directory.")
 
 
-def _check_megatron_flags(cfg: Config) -> None:
+def _check_megatron_flags(cfg) -> None:
     """Megatron's sample counts, warmup fraction, recompute alias, profiling, document masks and HF tokenizers."""
     t, o, d, m = cfg.training, cfg.optimizer, cfg.data, cfg.model
     _check(o.lr_warmup_fraction is None or o.lr_warmup_samples is None,
@@ -179,7 +177,7 @@ def _check_megatron_flags(cfg: Config) -> None:
            "together; pass both or neither.")
 
 
-def _check_model_type(cfg: Config) -> None:
+def _check_model_type(cfg) -> None:
     m, d = cfg.model, cfg.data
     _check(m.model_type in ("gpt", "bert"), f"--model-type must be gpt or bert, got {m.model_type!r}.")
     _check(m.layernorm_placement in ("pre", "post"),
@@ -197,7 +195,7 @@ def _check_model_type(cfg: Config) -> None:
                               "use at least 8.")
 
 
-def _check_pipeline(cfg: Config) -> None:
+def _check_pipeline(cfg) -> None:
     p, pp, layers = cfg.parallel, cfg.parallel.pipeline_model_parallel_size, cfg.model.num_layers
     v, n = p.virtual_pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
     _check(p.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),

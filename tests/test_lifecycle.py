@@ -126,6 +126,18 @@ def test_finetune_loads_only_the_weights(base, tmp_path):
         prepare(TINY.replace(load=str(path), save=str(path), finetune=True))
 
 
+def test_a_resume_keeps_the_batch_and_sequence_length_a_finetune_may_change_them(base, tmp_path):
+    """Data position and token counts continue by the step: a resume with another global batch or sequence length
+    is refused in one line naming the flag; --finetune (a new run from step 0) may change both."""
+    path, gbs, s = str(base[0]), TINY.training.global_batch_size, TINY.model.seq_length
+    for flags, message in ((dict(global_batch_size=2 * gbs), f"--global-batch-size {gbs} and this run has {2 * gbs}"),
+                           (dict(seq_length=s // 2), f"--seq-length {s} and this run has {s // 2}")):
+        with pytest.raises(ValueError, match=f"was trained with {message}.*pass .* or --finetune"):
+            prepare(TINY.replace(load=path, run_dir=str(tmp_path / "r"), **flags))
+    prepare(TINY.replace(load=path, run_dir=str(tmp_path / "ft"), finetune=True, global_batch_size=2 * gbs,
+                         seq_length=s // 2))
+
+
 def test_no_load_optim_keeps_weights_step_and_lr_with_a_fresh_optimizer(base, resumed, tmp_path):
     r = run(tmp_path, "fresh_optim", train_iters=4, load=str(base[0]), ckpt_step=2, load_optim=False)
     assert r.losses[3] == resumed.losses[3] and r.losses[4] != resumed.losses[4]  # same weights, other moments

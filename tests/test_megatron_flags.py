@@ -74,7 +74,7 @@ def test_distributed_timeout_minutes_is_jax_initialization_timeout(monkeypatch):
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: seen.update(kw))
     distributed.initialize_from(Config().replace(coordinator_address="h:1", num_processes=2, process_id=0,
                                                  distributed_timeout_minutes=7).parallel)
-    assert seen["initialization_timeout"] == 7 * 60 and seen["heartbeat_timeout_seconds"] == 100
+    assert seen["initialization_timeout"] == 7 * 60 and seen["heartbeat_timeout_seconds"] == 2 * 100 + 10  # backstop
     distributed.initialize_from(Config().replace(coordinator_address="h:1", num_processes=2, process_id=0).parallel)
     assert seen["initialization_timeout"] == 100  # without it: as before, max(--distributed-timeout, 60)
     # train.py and eval.py pass it on (stopped right after joining, before any device work)

@@ -107,14 +107,33 @@ def test_wandb_offline_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
 
 
 def test_wandb_files_and_steps_being_deleted_count_as_mtx_files(tmp_path):
-    """W&B's folder (its default place is the run directory) and a step left half-deleted by --keep-last-n-checkpoints
-    do not make a run directory foreign; a file named wandb still does."""
+    """W&B's folder (its default place is the run directory), --profile's trace folder and a step left half-deleted
+    by --keep-last-n-checkpoints do not make a run directory foreign; a file named wandb still does."""
     from mtx.files import check_run_dir
 
     (tmp_path / "wandb").mkdir()
+    (tmp_path / "profile").mkdir()
     (tmp_path / "3.deleting").mkdir()
     check_run_dir(tmp_path, "--save")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "wandb").write_text("mine")
     with pytest.raises(ValueError, match=r"holds files mtx did not write \(wandb\)"):
         check_run_dir(tmp_path / "other", "--save")
+
+
+def test_wandb_that_will_not_start_is_one_line(tmp_path, capsys, monkeypatch):
+    """wandb.init failing (not logged in, no network) ends train.py with one line naming the fix, exit status 2."""
+    wandb = pytest.importorskip("wandb", reason="wandb is an optional extra: pip install 'mtx[wandb]'")
+    monkeypatch.syspath_prepend(".")
+    import train as train_script
+
+    def refuse(**kw):
+        raise wandb.errors.UsageError("api_key not configured (no-tty)\ncall wandb.login(key=...)")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    argv = ["--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), "--train-iters", "1",
+            "--wandb-project", "p"]
+    assert train_script.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert err == ["error: --wandb-project p: W&B did not start (UsageError: api_key not configured (no-tty)); run "
+                   "`wandb login`, or set WANDB_MODE=offline to keep the run on disk."]

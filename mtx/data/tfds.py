@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import Iterator, Sequence
 
+from mtx.errors import first_line
+
 # (importlib_resources: TFDS imports it without declaring it)
 INSTALL = ("pip install 'mtx[tfds]', i.e. pip install importlib_resources and "
            "pip install tensorflow-datasets array_record")
@@ -53,7 +55,7 @@ def data_source(spec: str, data_dir: str | None = None):
         raise ValueError(f"--tfds {spec}: TFDS has no dataset {name!r}; check the name (tfds.list_builders() lists "
                          "them) or import the module that defines it.") from None
     except AssertionError as e:  # TFDS's way of refusing a config or version it does not have
-        raise ValueError(f"--tfds {spec}: {_first_line(e)}; pass a config and version the dataset has.") from None
+        raise ValueError(f"--tfds {spec}: {first_line(e, None)}; pass a config and version the dataset has.") from None
     if not builder.is_prepared():
         try:
             builder.download_and_prepare()
@@ -62,11 +64,12 @@ def data_source(spec: str, data_dir: str | None = None):
         except AssertionError as e:
             if "Manual directory" not in str(e):
                 raise
-            raise ValueError(f"--tfds {spec} must be downloaded by hand first ({_first_line(e)}); follow TFDS's "
+            raise ValueError(f"--tfds {spec} must be downloaded by hand first ({first_line(e, None)}); follow TFDS's "
                              f"instructions for {name}, then rerun.") from None
         except OSError as e:  # requests' connection errors are OSErrors too
             raise ValueError(f"--tfds {spec}: downloading or preparing it failed ({type(e).__name__}: "
-                             f"{_first_line(e)}); check the network and that --tfds-data-dir is writable.") from None
+                             f"{first_line(e, None)}); check the network and that --tfds-data-dir is "
+                             "writable.") from None
     try:
         return builder.as_data_source(split=split)
     except NotImplementedError:  # prepared earlier in a format without random access (tfrecord, by TensorFlow)
@@ -75,7 +78,7 @@ def data_source(spec: str, data_dir: str | None = None):
                          f"access; prepare it as {FORMAT} (tfds build {name} "
                          f"--file_format={FORMAT}) or pass another --tfds-data-dir.") from None
     except ValueError as e:  # an unknown or malformed split
-        raise ValueError(f"--tfds {spec}: {_first_line(e)}; pass one of its splits "
+        raise ValueError(f"--tfds {spec}: {first_line(e, None)}; pass one of its splits "
                          f"({', '.join(sorted(builder.info.splits))}) as NAME:SPLIT.") from None
 
 
@@ -95,17 +98,12 @@ def _missing(spec: str, e: ImportError) -> ValueError:
     """A package TFDS imports on the way (importlib_resources, array_record, a dataset's own) -> the fix."""
     found = e.name or next(iter(re.findall(r"No module named '([\w.]+)'", str(e))), None)  # TFDS re-raises
     if not found:  # without the module's name
-        return ValueError(f"--tfds {spec}: an import failed ({_first_line(e)}); {INSTALL}.")
+        return ValueError(f"--tfds {spec}: an import failed ({first_line(e, None)}); {INSTALL}.")
     module = found.split(".")[0]
     if module == "tensorflow":
         return ValueError(f"--tfds {spec}: preparing this dataset needs TensorFlow, which mtx does not use; prepare "
                           f"it elsewhere as {FORMAT} and pass its data_dir with --tfds-data-dir.")
     return ValueError(f"--tfds {spec} needs the {module} package, which is not installed; pip install {module}.")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _text(value) -> str:

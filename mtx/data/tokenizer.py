@@ -15,6 +15,8 @@ import unicodedata
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from mtx.errors import first_line
+
 # GPT-2's pre-tokenization regex, as tiktoken_ext.openai_public uses it for "gpt2" (r50k_pat_str).
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _ENDOFTEXT = "<|endoftext|>"
@@ -76,7 +78,7 @@ class GPT2Tokenizer:
                              f"token ids are not the merge ranks), so they are not one GPT-2 BPE; {_FIX}.") from None
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"--vocab-file {vocab_file} and --merge-file {merge_file} are not GPT-2 BPE files "
-                             f"({type(e).__name__}: {_one_line(e)}); {_FIX}.") from None
+                             f"({type(e).__name__}: {first_line(e)}); {_FIX}.") from None
         # GPT-2's end-of-text id comes right after the mergeable tokens (50256); a file that says otherwise is
         # not a GPT-2 encoder.json.
         eod = encoder.get(_ENDOFTEXT, len(ranks))
@@ -204,7 +206,7 @@ class HuggingFaceTokenizer:
         try:
             self._tok = RustTokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # the Rust loader raises plain Exceptions
-            raise ValueError(f"--tokenizer-model {folder}: tokenizer.json does not load ({_one_line(e)}); pass a "
+            raise ValueError(f"--tokenizer-model {folder}: tokenizer.json does not load ({first_line(e)}); pass a "
                              "tokenizer.json written by the tokenizers package.") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
@@ -321,13 +323,10 @@ def _check_files(vocab_file: str, vocab_bytes: bytes, merge_file: str, merge_byt
         encoder = json.loads(vocab_bytes)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"--vocab-file {vocab_file} is not a GPT-2 BPE encoder.json (not valid JSON: "
-                         f"{_one_line(e)}); {_FIX}.") from None
+                         f"{first_line(e)}); {_FIX}.") from None
     if not isinstance(encoder, dict) or not all(isinstance(v, int) for v in encoder.values()):
         raise ValueError(f"--vocab-file {vocab_file} is not a GPT-2 BPE encoder.json (expected a JSON object of "
                          f"token -> id); {_FIX}.")
     return encoder
 
 
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else "no details"

@@ -199,7 +199,8 @@ class TransformerLayer(nnx.Module):
         k_attn, k_res1, k_res2 = None, None, None
         if keys_B is not None:
             # Residual-branch dropout acts on the residual stream: the same mask on every rank that holds the
-            # sequence (all of them, or with sequence parallelism the one holding its row); attention dropout on whole rows.
+            # sequence (all of them, or with sequence parallelism the one holding its row); attention dropout on
+            # whole rows.
             own_B = sequence_parallel_rows(keys_B) if self.sequence_parallel else keys_B
             k_attn, k_res1, k_res2 = fold(keys_B, 0), fold(own_B, 1), fold(own_B, 2)
         attention = functools.partial(self.attention, mask_BS=mask_BS, keys_B=k_attn)
