@@ -91,7 +91,8 @@ class PeerWatch:
     every peer's: a peer whose counter has not moved for `timeout` seconds, or a store that no longer answers (process
     0, which hosts it, is gone), ends the process with `os._exit` (a normal exit would wait at JAX's shutdown barrier
     for the process that is gone). A process that finishes (`finish`) says so first, so the others do not mistake
-    its silence; one that fails stops beating without saying so, and the others stop too.
+    its silence; one that fails stops beating without saying so, and the others stop too. (Process 0's death is
+    still JAX's abort on the others: their client of the service it hosted fails first; docs/design.md.)
     """
 
     def __init__(self, timeout: float):
