@@ -181,10 +181,10 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             if saver:  # the last save (an async one too) is on disk and recorded before the run ends or stops
                 saver.wait()
                 saver.close()
-    except jax.errors.JaxRuntimeError:
-        raise  # perhaps a process that is gone: finishing a save in flight would wait for it at orbax's barrier
-    except BaseException:
-        if saver:  # any other error: a save in flight is finished, not cut off
+    except BaseException as e:
+        # A save in flight is finished, not cut off; but not after a runtime error with several processes: perhaps
+        # one is gone, and finishing the save would wait for it at orbax's barrier.
+        if saver and not (isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1):
             saver.close()
         raise
     finally:
