@@ -1,8 +1,8 @@
 """1F1B (PipeDream-flush, Megatron's default) and interleaved 1F1B, as one lockstep scan inside the step's shard_map.
 
 GPipe differentiates through its tick scan, so autodiff keeps what every tick saved: activations grow with M. Here the
-backward of a stage is written out instead. Every tick each device has one forward slot and one backward slot, both
-under `lax.cond` (a slot with no work costs nothing), then two `ppermute`s: activations to the next device, input
+backward of a stage is written out instead. Every tick each device has one backward slot and one forward slot, each
+a `lax.switch` (a slot with no work costs nothing), then two `ppermute`s: activations to the next device, input
 gradients to the previous one. Device s holds V chunks of layers (virtual stage k = c P + s is its chunk c); with
 V = 1 it is plain 1F1B.
 
@@ -224,7 +224,7 @@ def _square_4d(aval):
 
 
 def _typed(x):
-    """A loss scalar typed as varying over "data" and "pipeline" (the cond branches and the carry must agree)."""
+    """A loss scalar typed as varying over "data" and "pipeline" (the switch branches and the carry must agree)."""
     return vary(x, (DATA, PIPELINE))
 
 
