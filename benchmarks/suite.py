@@ -255,6 +255,23 @@ def plot(records, path) -> Path:
         plt.close(fig)
 
 
+def _read_records(names) -> list[dict]:
+    """The records of --baseline files (one JSON object a line), or a ValueError naming the file and line."""
+    records = []
+    for name in names:
+        try:
+            lines = open(name).read().splitlines()
+        except OSError as e:
+            raise ValueError(f"--baseline {name}: {e.strerror}; pass a file written by --out.") from None
+        for n, line in enumerate(lines, start=1):
+            try:
+                records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--baseline {name} line {n} is not JSON ({e.msg}); pass a file written by "
+                                 "--out.") from None
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="+", default=["1gpu"], choices=sorted(ROWS))
@@ -278,7 +295,16 @@ def main(argv=None) -> int:
         if not sep or not key:
             ap.error(f"--env {item!r}: expected KEY=VALUE, e.g. --env NCCL_PROTO=Simple")
         extra_env[key] = value
-    earlier = [json.loads(l) for name in args.baseline for l in open(name) if l.strip()]
+    try:  # bad input fails here, before any row runs (rows can take hours)
+        earlier = _read_records(args.baseline)
+        if args.plot:
+            from mtx.plot import check_png_path, pyplot
+
+            pyplot()  # matplotlib is there
+            check_png_path(args.plot)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     records = []
     for group in [] if args.table_only else args.rows:
         for row in ROWS[group]:

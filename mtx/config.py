@@ -185,7 +185,7 @@ class TrainingConfig:
     finetune: bool = _f(False, "load only the weights of --load: step 0, fresh optimizer, this run's --seed, new "
                                "metrics (Megatron's --finetune)")
     load_optim: bool = _f(True, "load --load's optimizer state; --no-load-optim: fresh Adam moments and loss scale "
-                                "(the step and the lr schedule continue)")
+                                "(the step and the lr schedule continue; Megatron's restarts its scheduler)")
     load_rng: bool = _f(True, "take --load's seed (mtx's RNG state: dropout masks and data order are functions of "
                               "seed and step); --no-load-rng: this run's --seed")
     use_checkpoint_args: bool = _f(False, "take the model architecture from --load's saved config; it wins over "

@@ -182,13 +182,22 @@ def _points(run: dict, field: str, axis: str) -> tuple[list, list]:
     return xs, [value for _, _, value in points]
 
 
-def save_figure(fig, path: str | Path) -> Path:
-    """Writes a matplotlib figure as a PNG marked as mtx.plot's, under a temporary name renamed when complete, so a
-    file of that name is whole or untouched; refuses (ValueError) to replace a file that does not carry the mark."""
+def check_png_path(path: str | Path) -> Path:
+    """`path` if a figure may be written there (its folder exists; no file of that name, or one mtx.plot wrote),
+    else a ValueError naming the fix: checked before any work that would end in writing it."""
     path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"{path}: {path.parent} is not a directory; create it or choose another path.")
     if path.exists() and not made_by_mtx_plot(path):
         raise ValueError(f"{path} exists and was not written by mtx.plot; mtx never writes over it: choose another "
                          "path.")
+    return path
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Writes a matplotlib figure as a PNG marked as mtx.plot's, under a temporary name renamed when complete, so a
+    file of that name is whole or untouched; refuses (ValueError) to replace a file that does not carry the mark."""
+    path = check_png_path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

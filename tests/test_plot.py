@@ -129,9 +129,9 @@ def test_without_matplotlib(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_suite_draws_its_table(tmp_path, capsys):
+def test_suite_draws_its_table(tmp_path, capsys, monkeypatch):
     """benchmarks/suite.py --plot draws the table of a results file (fabricated here: the repository stores none)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     from benchmarks import suite
 
     rows = {r["name"]: r for group in ("1gpu", "2gpu") for r in suite.ROWS[group]}
@@ -155,3 +155,23 @@ def test_suite_draws_its_table(tmp_path, capsys):
     assert suite.main(["--table-only", "--baseline", str(results), "--plot", str(png)]) == 2
     assert "was not written by mtx.plot" in capsys.readouterr().err
     assert png.read_bytes() == PNG + b"another image"
+
+
+def test_suite_refuses_bad_input_before_running_a_row(tmp_path, capsys, monkeypatch):
+    """An unreadable or malformed --baseline, or a --plot path it may not write, is one line and exit 2 before any
+    row runs (a GPU suite takes hours)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from benchmarks import suite
+
+    monkeypatch.setattr(suite, "run_row", lambda *a: pytest.fail("a row ran"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"name": "x"}\nnot json\n')
+    foreign = tmp_path / "mine.png"
+    foreign.write_bytes(PNG + b"the user's")
+    for argv, message in ((["--baseline", str(tmp_path / "none.jsonl")], "none.jsonl: No such file"),
+                          (["--baseline", str(bad)], "bad.jsonl line 2 is not JSON"),
+                          (["--plot", str(tmp_path / "no" / "dir.png")], "is not a directory"),
+                          (["--plot", str(foreign)], "was not written by mtx.plot")):
+        assert suite.main(["--rows", "1gpu", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, err

@@ -61,7 +61,7 @@ def test_a_terminal_gets_the_progress_bar(capsys, monkeypatch):
 
 @pytest.mark.parametrize("flag,package", [("--wandb-project", "wandb"), ("--tensorboard-dir", "tensorboard")])
 def test_a_missing_tracker_package_is_one_line_before_any_device_work(tmp_path, capsys, monkeypatch, flag, package):
-    sys.path.insert(0, ".")
+    monkeypatch.syspath_prepend(".")
     import train as train_script
 
     monkeypatch.setitem(sys.modules, package, None)  # as if not installed
