@@ -139,7 +139,7 @@ class PeerWatch:
 
     def stop(self):
         self.stopped.set()
-        self.thread.join(timeout=self.timeout)  # a call into a store that is gone may hang: the thread is a daemon
+        self.thread.join(timeout=1.0)  # a call into a store that is gone may hang: the thread is a daemon
 
 
 _watch: PeerWatch | None = None
