@@ -45,3 +45,19 @@ def bert_toy(tmp_path_factory):
     (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(pieces)) + "\n")
     (folder / "corpus.txt").write_text(text)
     return folder / "vocab.txt", folder / "corpus.txt"
+
+
+@pytest.fixture
+def refused(capsys):
+    """Runs `python -m mtx.data.preprocess` on bad input: asserts exit status 2 and one error line on stderr (tqdm's
+    bar aside) and returns that line."""
+    from mtx.data.preprocess import main as preprocess
+
+    def run(argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            preprocess(argv)
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert e.value.code == 2 and len(errors) == 1, errors
+        return errors[0].strip()
+
+    return run

@@ -1,7 +1,6 @@
 """Megatron .bin/.idx datasets, the preprocess CLI and blends: exact bytes, exact windows, weights, resume, errors."""
 
 import json
-import re
 import struct
 from pathlib import Path
 
@@ -149,62 +148,41 @@ def test_preprocess_gpt2_with_workers_matches_the_tokenizer(shared_data, tmp_pat
         assert ds.document_tokens(i, i + 1).tolist() == tok.encode(text)
 
 
-def _refused(capsys, argv) -> str:
-    """Runs preprocess on bad input: exit status 2 and one error line on stderr (returned; tqdm's bar aside)."""
-    with pytest.raises(SystemExit) as e:
-        preprocess(argv)
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert e.value.code == 2 and len(errors) == 1, errors
-    return errors[0].strip()
-
-
-def test_preprocess_errors(tmp_path, capsys):
+def test_preprocess_errors(tmp_path, refused):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": "no"}\n')
     out = ["--output-prefix", str(tmp_path / "o")]
-    assert "bad.jsonl line 2 is not a JSON object with the --json-keys text" in _refused(
-        capsys, ["--input", str(tmp_path / "bad.jsonl"), *out])
-    assert "exactly one" in _refused(capsys, out)
+    assert "bad.jsonl line 2 is not a JSON object with the --json-keys text" in refused(
+        ["--input", str(tmp_path / "bad.jsonl"), *out])
+    assert "exactly one" in refused(out)
     (tmp_path / "empty.jsonl").write_text("")
-    assert "holds no documents" in _refused(capsys, ["--input", str(tmp_path / "empty.jsonl"), *out])
+    assert "holds no documents" in refused(["--input", str(tmp_path / "empty.jsonl"), *out])
     (tmp_path / "number.jsonl").write_text('{"text": "ok"}\n{"text": 42}\n')
-    assert "number.jsonl line 2: 'text' is int '42', not a string" in _refused(
-        capsys, ["--input", str(tmp_path / "number.jsonl"), *out])
+    assert "number.jsonl line 2: 'text' is int '42', not a string" in refused(
+        ["--input", str(tmp_path / "number.jsonl"), *out])
     (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
-    assert "--input " + str(tmp_path / "binary.txt") + " is not UTF-8 text" in _refused(
-        capsys, ["--input", str(tmp_path / "binary.txt"), *out])
+    assert "--input " + str(tmp_path / "binary.txt") + " is not UTF-8 text" in refused(
+        ["--input", str(tmp_path / "binary.txt"), *out])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "binary.txt", "empty.jsonl",
                                                           "number.jsonl"]  # nothing written
 
 
-def test_preprocess_never_replaces_a_dataset_unless_told(tmp_path, capsys):
+def test_preprocess_never_replaces_a_dataset_unless_told(tmp_path, refused):
     (tmp_path / "a.jsonl").write_text('{"text": "one document"}\n')
     (tmp_path / "b.jsonl").write_text('{"text": "another, longer document"}\n')
     prefix = ["--output-prefix", str(tmp_path / "w")]
     written = preprocess(["--input", str(tmp_path / "a.jsonl"), *prefix])[0]
     before = Path(written + ".bin").read_bytes()
-    assert "exist(s) already" in _refused(capsys, ["--input", str(tmp_path / "b.jsonl"), *prefix])
+    assert "exist(s) already" in refused(["--input", str(tmp_path / "b.jsonl"), *prefix])
     assert Path(written + ".bin").read_bytes() == before
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"text": ["not", "text"]}\n')
-    assert "not a string" in _refused(capsys, ["--input", str(tmp_path / "c.jsonl"), *prefix, "--overwrite"])
+    assert "not a string" in refused(["--input", str(tmp_path / "c.jsonl"), *prefix, "--overwrite"])
     assert Path(written + ".bin").read_bytes() == before  # a failed --overwrite leaves the old dataset whole
     preprocess(["--input", str(tmp_path / "b.jsonl"), *prefix, "--overwrite"])
     assert Path(written + ".bin").read_bytes() != before
     assert not list(tmp_path.glob("*.tmp"))
     (tmp_path / "file").write_text("")
-    assert "is a file, not a directory" in _refused(
-        capsys, ["--input", str(tmp_path / "a.jsonl"), "--output-prefix", str(tmp_path / "file" / "x")])
-
-
-def test_tfds_without_tensorflow_datasets_says_what_to_install(tmp_path, capsys):
-    try:
-        import tensorflow_datasets  # noqa: F401
-        pytest.skip("tensorflow_datasets is installed; the error path is for where it is not")
-    except ImportError:
-        pass
-    err = _refused(capsys, ["--tfds", "tiny_shakespeare:train", "--output-prefix", str(tmp_path / "t")])
-    assert re.search(r"--tfds tiny_shakespeare:train needs tensorflow_datasets.*"
-                     r"pip install tensorflow-datasets array_record\.$", err)
-    assert not list(tmp_path.iterdir())  # nothing written
+    assert "is a file, not a directory" in refused(
+        ["--input", str(tmp_path / "a.jsonl"), "--output-prefix", str(tmp_path / "file" / "x")])
 
 
 # --- blends -------------------------------------------------------------------------------------------------------

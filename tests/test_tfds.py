@@ -53,15 +53,6 @@ def _documents(prefix) -> list[list[int]]:
     return [ds.tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(ds.num_documents)]
 
 
-def _refused(capsys, argv) -> str:
-    """Preprocess on bad input: exit status 2 and one error line on stderr (returned)."""
-    with pytest.raises(SystemExit) as e:
-        preprocess(argv)
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert e.value.code == 2 and len(errors) == 1, errors
-    return errors[0].strip()
-
-
 def test_tfds_split_to_indexed_dataset_without_tensorflow(tmp_path, no_tensorflow):
     data_dir = tmp_path / "tfds"
     common = ["--tfds-data-dir", str(data_dir), "--tokenizer-type", "byte", "--append-eod"]
@@ -76,18 +67,18 @@ def test_tfds_split_to_indexed_dataset_without_tensorflow(tmp_path, no_tensorflo
     assert _documents(test) == [list(TEST[0].encode()) + [256]]  # read from the prepared data, other split
 
 
-def test_tfds_errors_are_one_line(tmp_path, capsys, no_tensorflow):
+def test_tfds_errors_are_one_line(tmp_path, refused, no_tensorflow):
     common = ["--tfds-data-dir", str(tmp_path / "tfds"), "--tokenizer-type", "byte", "--output-prefix",
               str(tmp_path / "out")]
-    err = _refused(capsys, ["--tfds", "mtx_no_such_dataset", *common])
+    err = refused(["--tfds", "mtx_no_such_dataset", *common])
     assert "TFDS has no dataset 'mtx_no_such_dataset'; check the name" in err
-    err = _refused(capsys, ["--tfds", "mtx_tiny_docs:validation", *common])
+    err = refused(["--tfds", "mtx_tiny_docs:validation", *common])
     assert "Unknown split 'validation'" in err and err.endswith("pass one of its splits (test, train) as NAME:SPLIT.")
-    err = _refused(capsys, ["--tfds", "mtx_tiny_docs:train[:x]", *common])
+    err = refused(["--tfds", "mtx_tiny_docs:train[:x]", *common])
     assert "Error parsing split 'train[:x]'" in err
-    err = _refused(capsys, ["--tfds", "mtx_tiny_docs:9.9.9", *common])
+    err = refused(["--tfds", "mtx_tiny_docs:9.9.9", *common])
     assert "cannot be loaded at version 9.9.9, only: 1.0.0" in err and err.endswith("the dataset has.")
-    err = _refused(capsys, ["--tfds", "mtx_tiny_docs", "--json-keys", "body", *common])
+    err = refused(["--tfds", "mtx_tiny_docs", "--json-keys", "body", *common])
     assert "examples have no body feature (they have text); pass those with --json-keys." in err
     assert not list(tmp_path.glob("out*"))  # nothing written
 
