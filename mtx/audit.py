@@ -171,7 +171,9 @@ def audit_pipeline(cfg: Config) -> dict:
     shifts counted per step: the collective-permutes over "pipeline" in the body of a tick scan run once a tick.
     GPipe: one in the body of the tick scan, which runs M + P - 1 times forward and again backward. 1F1B /
     interleaved: two in the body of one scan of forward and backward slots (the activations to the next stage, the
-    input gradients to the previous one). Outside the ticks, uneven or virtual stages move the layers stored on
+    input gradients to the previous one), and the head's collectives over "pipeline" once a microbatch (the last
+    stage's output to every stage, the loss's three sums over the stages' vocabulary shares, the gradient wrt that
+    output summed back; GPT, mtx/parallel/one_f_one_b.py). Outside the ticks, uneven or virtual stages move the layers stored on
     another device into each device's chunk slots, and their gradients back, once a step (`layer exchange`)."""
     from mtx.sharded_model import ShardedModel
     from mtx.step import TrainStep
@@ -199,6 +201,13 @@ def audit_pipeline(cfg: Config) -> dict:
         phases = {"forward and backward": ticked[1]}
     report["per_step"] = {phase: {"collective-permute pipeline": ops.total() * schedule.ticks,
                                   "elements_each": sorted({op[2] for op in ops})} for phase, ops in phases.items()}
+    if schedule.kind != "gpipe":  # the head spread over the stages: its collectives over "pipeline", once a microbatch
+        head = Counter(op for op in loop_collectives(hlo[1], sizes, branches=True) if "pipeline" in op[1].split(","))
+        if head:
+            tally = Counter()
+            for (kind, axes, _), n in head.items():
+                tally[f"{kind} {axes}"] += n * schedule.microbatches
+            report["per_step"]["head"] = {**tally, "elements_each": sorted({op[2] for op in head})}
     exchange = every[1] - ticked[1]
     report["layer_exchange"] = {"collective-permute pipeline": exchange.total(),
                                 "elements": sum(op[2] * n for op, n in exchange.items())}

@@ -18,6 +18,8 @@ _OP = re.compile(r"%(?P<name>\S+) = (?P<shape>.+?) (?P<kind>" + "|".join(KINDS) 
 _DIMS = re.compile(r"[a-z][a-z0-9]*\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(?P<name>\S+) .*\{$")
 _BODY = re.compile(r"\bwhile\(.*\bbody=%(?P<body>[\w.\-]+)")
+_CALLS = re.compile(r"branch_computations=\{(?P<branches>[^}]*)\}|(?:true|false)_computation=%(?P<one>[\w.\-]+)"
+                    r"|calls=%(?P<call>[\w.\-]+)")
 
 
 def _axis_groups(axis_sizes: dict[str, int]) -> dict[frozenset, str]:
@@ -117,16 +119,33 @@ def summarize(forward: list, forward_backward: list) -> dict:
             "ops": {k: [{"kind": a, "axes": b, "elements": c} for a, b, c in v] for k, v in ops.items()}}
 
 
-def loop_collectives(hlo: str, axis_sizes: dict[str, int]) -> list[tuple[str, str, int]]:
-    """The collectives of `collectives` that sit directly in the body of a while loop (run once an iteration)."""
-    bodies = {m["body"] for line in hlo.splitlines() if (m := _BODY.search(line))}
-    inside, current = [], None
-    for line in hlo.splitlines():
+def loop_collectives(hlo: str, axis_sizes: dict[str, int], *, branches: bool = False) -> list[tuple[str, str, int]]:
+    """The collectives of `collectives` that sit directly in the body of a while loop (run once an iteration); with
+    `branches`, those in the branches of its conditionals instead (run in the iterations that take the branch)."""
+    lines, bodies = hlo.splitlines(), {m["body"] for line in hlo.splitlines() if (m := _BODY.search(line))}
+    by_computation, current = {}, None
+    for line in lines:
         if m := _COMPUTATION.match(line):
             current = m["name"]
         elif line.startswith("}"):
             current = None
-        elif current in bodies:
-            inside.append(line)
-    return collectives("\n".join(inside), axis_sizes)
+        elif current is not None:
+            by_computation.setdefault(current, []).append(line)
+    chosen = bodies
+    if branches:  # computations a loop body's conditionals call, and what those call in turn
+        chosen, todo = set(), [b for body in bodies for line in by_computation.get(body, [])
+                               if " conditional(" in line for b in _called(line)]
+        while todo:
+            name = todo.pop()
+            if name not in chosen:
+                chosen.add(name)
+                todo += [b for line in by_computation.get(name, []) for b in _called(line)]
+    return collectives("\n".join(line for name in chosen for line in by_computation.get(name, [])), axis_sizes)
 
+
+def _called(line: str) -> list[str]:
+    """The computations an HLO instruction calls: a conditional's branches, a fusion's or call's body."""
+    names = []
+    for m in _CALLS.finditer(line):
+        names += [b.strip().lstrip("%") for b in m["branches"].split(",")] if m["branches"] else [m["one"] or m["call"]]
+    return names

@@ -54,9 +54,11 @@ class NextTokenPrediction:
     def attention_mask(self, batch):
         return batch.get("segments") if isinstance(batch, dict) else None
 
-    def head_loss(self, model, x_BSD, batch, n_tokens, weight_B=None):
-        """weight_B: 0 for padding sequences (pipeline loss shares), which then count nothing."""
-        per_token = model.head_loss(x_BSD, _tokens(batch)[:, 1:], label_smoothing=self.label_smoothing)
+    def head_loss(self, model, x_BSD, batch, n_tokens, weight_B=None, pipeline_share=False):
+        """weight_B: 0 for padding sequences (pipeline loss shares), which then count nothing. pipeline_share: this
+        pipeline stage computes the logits of its 1 / P of the vocabulary (the loss is still the whole one)."""
+        per_token = model.head_loss(x_BSD, _tokens(batch)[:, 1:], label_smoothing=self.label_smoothing,
+                                    pipeline_share=pipeline_share)
         if isinstance(batch, dict) and "loss_mask" in batch:
             per_token = per_token * batch["loss_mask"].astype(per_token.dtype)
         if weight_B is not None:

@@ -38,15 +38,13 @@ def test_timetable_runs_every_slot_once_in_dependency_order(p, v, m):
             if k < p * v - 1:  # a backward one tick after the next virtual stage's
                 assert bwd[i, k] == bwd[i, k + 1] + 1
         assert bwd[i, p * v - 1] == fwd[i, p * v - 1]  # the loss: forward and backward in one tick
-    # stage inputs alive after a tick's backward, with its forward's (the ring's slots), per device: never more
-    # than the ring holds, and slot t mod K is free when tick t's forward takes it
+    # stage inputs alive at a tick (its forward's and its backward's included: the ring's slots), per device: never
+    # more than the ring holds, and slot t mod K is free when tick t's forward takes it
     for s in range(p):
         for t in range(schedule.ticks):
-            alive = sum(fwd[i, k] <= t < bwd[i, k] for i in range(m) for k in stages if k % p == s)
+            alive = sum(fwd[i, k] <= t <= bwd[i, k] for i in range(m) for k in stages if k % p == s)
             assert alive <= schedule.in_flight
-        for (i, k), t in fwd.items():
-            if k % p == s and k < p * v - 1:
-                assert bwd[i, k] - t <= schedule.in_flight
+    assert all(bwd[key] - t < schedule.in_flight for key, t in fwd.items())
     if m % p == 0:
         assert schedule.bubble == pytest.approx((p - 1) / (v * m + p - 1))
 
@@ -80,8 +78,13 @@ def test_audit_counts_two_shifts_a_tick():
         report = audit_pipeline(cfg)
         ticks = 4 * v + 2 * v + 2 - 2
         assert report["schedule"]["ticks"] == ticks
+        # The head, spread over the stages by vocabulary, once a microbatch: the last stage's output to every stage
+        # and the gradient wrt it back (b s h each); the loss's max, sum of exponentials and target logit (b s each)
+        # over the stages' and model ranks' vocabulary slices.
         assert report["per_step"] == {"forward and backward": {"collective-permute pipeline": 2 * ticks,
-                                                               "elements_each": [b * s * h]}}
+                                                               "elements_each": [b * s * h]},
+                                      "head": {"all-reduce pipeline": 2 * 4, "all-reduce pipeline,model": 3 * 4,
+                                               "elements_each": [b * s, b * s * h]}}
         # Interleaved: device s holds chunks s and s + 2 of 4 layers stored [0 1 | 2 3], so each device receives one
         # layer from the other (every stacked parameter), and sends its gradient back.
         exchange = report["layer_exchange"]

@@ -82,12 +82,13 @@ class GPT(nnx.Module):
         """Inference through the held layers with their KV caches: see ParallelTransformer.decode."""
         return self.stack.decode(self.layers, x_BTD, cache, start_B, real_layers=real_layers, write=write)
 
-    def head_loss(self, x_BSD, targets_BS, *, label_smoothing: float = 0.0):
+    def head_loss(self, x_BSD, targets_BS, *, label_smoothing: float = 0.0, pipeline_share: bool = False):
         """Final LN, tied output layer and vocab-parallel cross-entropy: (B, S, D) (this rank's B / tp rows with
-        sequence parallelism) -> per-token loss (B, S) of all rows."""
-        logits_BSV = self.embedding.attend(self.final_hidden(x_BSD))
+        sequence parallelism) -> per-token loss (B, S) of all rows. With `pipeline_share` each pipeline stage computes
+        the logits of its 1 / P of the vocabulary (1F1B's head, mtx/parallel/one_f_one_b.py)."""
+        logits_BSV = self.embedding.attend(self.final_hidden(x_BSD), pipeline_share=pipeline_share)
         return vocab_parallel_cross_entropy(logits_BSV, targets_BS, label_smoothing=label_smoothing,
-                                            vocab_size=self.vocab_size)
+                                            vocab_size=self.vocab_size, pipeline_share=pipeline_share)
 
     def logits(self, tokens_BS, *, mask_BS=None, keys_B=None):
         """(B, S) ids -> (B, S, V / tp): this rank's slice of the logits of the tied output layer."""

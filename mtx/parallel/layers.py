@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtx.parallel.mesh import MODEL
+from mtx.parallel.mesh import MODEL, PIPELINE
 from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequence_parallel, model_rank,
                               reduce_scatter_to_sequence_parallel, scatter_to_model_parallel)
 
@@ -141,9 +141,14 @@ class VocabParallelEmbedding(nnx.Module):
         x_BSD = reduce_scatter_to_sequence_parallel(x_BSD) if self.sequence_parallel else g(x_BSD)
         return x_BSD.astype(self.dtype)
 
-    def attend(self, x_BSD):
-        """(B, S, D) replicated -> (B, S, V / tp) logits of this rank's vocabulary slice (f before the matmul)."""
-        return f(x_BSD.astype(self.dtype)) @ self.embedding[...].astype(self.dtype).T
+    def attend(self, x_BSD, *, pipeline_share: bool = False):
+        """(B, S, D) replicated -> (B, S, V / tp) logits of this rank's vocabulary slice (f before the matmul); with
+        `pipeline_share`, of this pipeline stage's 1 / P of it (B, S, V / (tp P))."""
+        table_VD = self.embedding[...]
+        if pipeline_share:
+            rows = table_VD.shape[0] // jax.lax.axis_size(PIPELINE)
+            table_VD = jax.lax.dynamic_slice_in_dim(table_VD, jax.lax.axis_index(PIPELINE) * rows, rows)
+        return f(x_BSD.astype(self.dtype)) @ table_VD.astype(self.dtype).T
 
 
 class LayerNorm(nnx.Module):

@@ -1,10 +1,10 @@
 """1F1B (PipeDream-flush, Megatron's default) and interleaved 1F1B, as one lockstep scan inside the step's shard_map.
 
 GPipe differentiates through its tick scan, so autodiff keeps what every tick saved: activations grow with M. Here the
-backward of a stage is written out instead. Every tick each device has one backward slot and one forward slot, each
-a `lax.switch` (a slot with no work costs nothing), then two `ppermute`s: activations to the next device, input
-gradients to the previous one. Device s holds V chunks of layers (virtual stage k = c P + s is its chunk c); with
-V = 1 it is plain 1F1B.
+backward of a stage is written out instead. Every tick each device runs a forward slot, the head (at the ticks where
+the last virtual stage ran a forward) and a backward slot, the slots under `lax.switch` (a slot with no work costs
+nothing), then two `ppermute`s: activations to the next device, input gradients to the previous one. Device s holds
+V chunks of layers (virtual stage k = c P + s is its chunk c); with V = 1 it is plain 1F1B.
 
 The timetable (Schedule.timetable; u = i mod P, g = i div P for microbatch i; T = V M + P V + P - 2 ticks when P
 divides M):
@@ -14,23 +14,28 @@ divides M):
 
 Each device runs at most one forward and one backward a tick; a forward follows its predecessor virtual stage by one
 tick (the wrap from device P - 1 to device 0 included), a backward its successor's; the last virtual stage runs the
-backward of a microbatch in the tick of its forward (that is where the loss is). Ticks with no backward anywhere (the
-first P V - 1) cost a forward, ticks with no forward (the last P V - 1) a backward, the rest both, so the ideal
-bubble is (P - 1) / (V M + P - 1), as Megatron's. Unlike Megatron's interleaving, M need not be a multiple of P (a
-last partial group of microbatches only leaves more slots idle).
+backward of a microbatch in the tick of its forward, after the head. Ticks with no backward anywhere (the first P V -
+1) cost a forward, ticks with no forward (the last P V - 1) a backward, the rest both, so the ideal bubble is (P - 1)
+/ (V M + P - 1), as Megatron's. Unlike Megatron's interleaving, M need not be a multiple of P (a last partial group
+of microbatches only leaves more slots idle).
 
-Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks; a tick runs its backward
-before its forward, so at most K = 2 P V - 2 are alive per device, whatever M. The forward slot runs the chunk under
-`jax.vjp` and keeps, in slot t mod K of a ring, its input and what `--recompute-granularity` keeps of it (everything
-without recomputation, the matmul outputs with `matmuls`, each layer's input with `full`: `_keep_policy`); the
-backward slot pulls back through those residuals, recomputing only what the policy dropped, as the unpipelined step
-does. Values computed from the parameters alone (the layers' slices of the stack, their bf16 casts) are recomputed
-rather than kept per microbatch. The ring is K separate sets of buffers and each slot has its own branch in the
-forward and backward `switch`es, so no slot is indexed dynamically: a dynamic index into one stacked ring copied every
-kept value in and out (a cuBLAS or cuDNN operand cannot be a dynamic slice), ~58 ms a step for the 1.2B model on 2
-GPUs with V 2 (docs/benchmarks.md 4d). The embedding
-runs in virtual stage 0's forward, per microbatch as it enters; the last virtual stage runs its forward, the head and
-the loss and their backward all in its backward slot (its forward slot stays idle, so it keeps nothing).
+The head is spread over the stages (GPT): the last virtual stage's output goes to every device, each computes the
+logits of its 1 / P of the vocabulary (of its model rank's slice) and the loss's max, sum of exponentials and target
+logit are reduced over "pipeline" and "model" together; the gradient wrt that output comes back summed. So no stage
+carries the logits alone (left there, they made the last stage's tick the longest: docs/benchmarks.md 4d). BERT's
+heads run on the last stage.
+
+Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks, the tick of its forward and
+of its backward included, so at most K = 2 P V - 1 are alive per device, whatever M. The forward slot runs the chunk
+under `jax.vjp` and keeps, in slot t mod K of a ring, its input and what `--recompute-granularity` keeps of it
+(everything without recomputation, the matmul outputs with `matmuls`, each layer's input with `full`:
+`_keep_policy`); the backward slot pulls back through those residuals, recomputing only what the policy dropped, as
+the unpipelined step does. Values computed from the parameters alone (the layers' slices of the stack, their bf16
+casts) are recomputed rather than kept per microbatch. The ring is K separate sets of buffers and each slot has its
+own branch in the forward and backward `switch`es, so no slot is indexed dynamically: a dynamic index into one
+stacked ring copied every kept value in and out (a cuBLAS or cuDNN operand cannot be a dynamic slice), ~58 ms a step
+for the 1.2B model on 2 GPUs with V 2 (docs/benchmarks.md 4d). The embedding runs in virtual stage 0's forward, per
+microbatch as it enters.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from flax import nnx
 from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.compat import varying_axes
 from mtx.parallel.ops import vary
-from mtx.parallel.pipeline import Schedule
+from mtx.parallel.pipeline import Schedule, last_stage_to_all
 
 
 def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None, scale=1.0,
@@ -60,6 +65,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     dropout = keys_MB is not None
     residuals = _Residuals()
     keep_policy = _keep_policy(recompute, seq_length)
+    spread = _head_spreads(objective, graphdef, params, p)
 
     def microbatch(mb):
         return jax.tree.map(lambda a: a[mb], batch_M), (keys_MB[mb] if dropout else None)
@@ -89,26 +95,15 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     def stored_backward(slot):
         """Pulls dy back through a chunk whose forward kept its input and residuals in ring slot `slot` (a static
         index: one branch per slot, so the slot's buffers feed their consumers in place)."""
-        def run(grads, ring, x_arrived_BSD, dy_BSD, mb, chunk):
+        def run(grads, ring, dy_BSD):
             x_BSD, *kept = ring[slot]
             d_params, dx_BSD = residuals.join(kept, params, x_BSD)(dy_BSD)
-            return jax.tree.map(jnp.add, grads, d_params), _typed(jnp.zeros((), jnp.float32)), dx_BSD
+            return jax.tree.map(jnp.add, grads, d_params), dx_BSD.astype(dy_BSD.dtype)
 
         return run
 
-    def last_backward(grads, ring, x_BSD, dy_BSD, mb, chunk):
-        """The last virtual stage: its forward, the head and loss, and their backward, in one tick (its input is
-        this tick's arrival, `x_BSD`)."""
-        def forward_and_loss(params, x_BSD):
-            model, batch_B, y_BSD = chunk_forward(params, x_BSD, mb, chunk)
-            return _typed(objective.head_loss(model, y_BSD, batch_B, counts))
-
-        loss, pullback = jax.vjp(forward_and_loss, params, x_BSD)
-        d_params, dx_BSD = pullback(_typed(jnp.asarray(scale, jnp.float32)))
-        return jax.tree.map(jnp.add, grads, d_params), loss * scale, dx_BSD.astype(dy_BSD.dtype)
-
-    def idle_backward(grads, ring, x_BSD, dy_BSD, mb, chunk):
-        return grads, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(dy_BSD)
+    def idle_backward(grads, ring, dy_BSD):
+        return grads, jnp.zeros_like(dy_BSD)
 
     def forward_into(slot):
         """The forward slot, its input and residuals becoming ring slot `slot` (static: one branch per slot, so the
@@ -122,24 +117,50 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     def idle_forward(x_BSD, ring, mb, chunk):
         return jnp.zeros_like(x_BSD), ring
 
+    def head(grads, y_BSD, mb):
+        """The head and loss of microbatch mb on the last virtual stage's output y (valid on device P - 1), run by
+        every device: -> (grads + the head's, the loss x scale on device P - 1, dy for device P - 1). Spread over
+        the stages, each computes the logits of its 1 / P of the vocabulary and the loss's three sums run over
+        "pipeline" too; otherwise device P - 1 computes the whole head."""
+        batch_B, _ = microbatch(mb)
+
+        def loss_of(params, y_BSD):
+            model = nnx.merge(graphdef, params)
+            return objective.head_loss(model, y_BSD, batch_B, counts, **({"pipeline_share": True} if spread else {}))
+
+        def run(grads, y_BSD):
+            loss, pullback = jax.vjp(loss_of, params, y_BSD)
+            d_params, dy_BSD = pullback(jnp.full_like(loss, scale))
+            return jax.tree.map(jnp.add, grads, d_params), _typed(loss * scale), vary(dy_BSD, varying_axes(y_BSD))
+
+        if spread:  # y to every stage; the gradients wrt it come back summed over them (vjp of the cast)
+            grads, loss, dy_BSD = run(grads, last_stage_to_all(y_BSD))
+        else:
+            grads, loss, dy_BSD = jax.lax.cond(stage == p - 1, run, lambda g, y: (g, _typed(jnp.zeros(())),
+                                                                                   jnp.zeros_like(y)), grads, y_BSD)
+        return grads, jnp.where(stage == p - 1, loss, 0.0), vary(dy_BSD.astype(y_BSD.dtype), varying_axes(y_BSD))
+
+    def no_head(grads, y_BSD, mb):
+        return grads, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(y_BSD)
+
     def tick(carry, t):
         recv_fwd, recv_bwd, ring, grads, loss_sum = carry
         f_mb, f_chunk = table["fwd_mb"][t, stage], table["fwd_chunk"][t, stage]
         b_mb, b_chunk = table["bwd_mb"][t, stage], table["bwd_chunk"][t, stage]
-        # Backward slot first (it frees its ring slot for this tick's forward): the input and residuals this
-        # (microbatch, chunk) kept at its forward (the timetable says which tick); the last virtual stage's input is
-        # this tick's arrival.
-        at = table["bwd_saved_at"][t, stage] % k_slots
-        branch = jnp.where(b_mb < 0, 0, jnp.where(b_chunk * p + stage == last_stage, 1, 2 + at))
-        grads, loss, dx_BSD = jax.lax.switch(
-            branch, (idle_backward, last_backward, *map(stored_backward, range(k_slots))),
-            grads, ring, recv_fwd, recv_bwd, jnp.maximum(b_mb, 0), jnp.maximum(b_chunk, 0))
-        # Forward slot: keep the input and the residuals in ring slot t mod K (what it held finished its backward),
-        # unless it is the last virtual stage (its backward, this same tick, runs its forward).
-        run_forward = (f_mb >= 0) & (f_chunk * p + stage != last_stage)
+        # Forward slot: keep the input and the residuals in ring slot t mod K (what it held finished its backward).
         y_BSD, ring = jax.lax.switch(
-            jnp.where(run_forward, 1 + t % k_slots, 0), (idle_forward, *map(forward_into, range(k_slots))),
+            jnp.where(f_mb >= 0, 1 + t % k_slots, 0), (idle_forward, *map(forward_into, range(k_slots))),
             recv_fwd, ring, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
+        # The head, at the ticks where the last virtual stage ran a forward (the same ticks on every device).
+        head_mb = table["fwd_mb"][t, p - 1]
+        grads, loss, dy_head = jax.lax.cond((head_mb >= 0) & (table["fwd_chunk"][t, p - 1] == v - 1), head, no_head,
+                                            grads, y_BSD, jnp.maximum(head_mb, 0))
+        # Backward slot: the input and residuals this (microbatch, chunk) kept at its forward (the timetable says
+        # which tick: this one for the last virtual stage, whose dy is the head's).
+        at = table["bwd_saved_at"][t, stage] % k_slots
+        dy_BSD = jnp.where(b_chunk * p + stage == last_stage, dy_head, recv_bwd)
+        grads, dx_BSD = jax.lax.switch(jnp.where(b_mb < 0, 0, 1 + at),
+                                       (idle_backward, *map(stored_backward, range(k_slots))), grads, ring, dy_BSD)
         to_next = [(i, (i + 1) % p) for i in range(p)]  # activations: device s -> s + 1 (P - 1 -> 0: next chunk)
         to_prev = [(i, (i - 1) % p) for i in range(p)]  # input gradients: s -> s - 1
         return (jax.lax.ppermute(y_BSD, PIPELINE, to_next), jax.lax.ppermute(dx_BSD, PIPELINE, to_prev), ring,
@@ -224,8 +245,17 @@ def _square_4d(aval):
 
 
 def _typed(x):
-    """A loss scalar typed as varying over "data" and "pipeline" (the switch branches and the carry must agree)."""
+    """A loss scalar typed as varying over "data" and "pipeline" (the branches and the carry must agree)."""
     return vary(x, (DATA, PIPELINE))
+
+
+def _head_spreads(objective, graphdef, params, p) -> bool:
+    """Whether the head's logits are spread over the P stages by vocabulary (GPT's next-token loss, whose tied
+    output layer's vocab-parallel slice divides by P); BERT's heads run on the last stage."""
+    from mtx.objectives import NextTokenPrediction
+
+    rows = nnx.merge(graphdef, params).embedding.embedding.shape[0]
+    return isinstance(objective, NextTokenPrediction) and rows % p == 0
 
 
 def _first_embedding(graphdef, params, objective, microbatch):

@@ -75,9 +75,9 @@ class Schedule:
 
     @property
     def in_flight(self) -> int:
-        """1F1B's K: the most (microbatch, chunk) stage inputs a device keeps between forward and backward (a tick
-        runs its backward before its forward, so the slot a backward frees takes that tick's forward)."""
-        return 2 * self.stages * self.virtual - 2
+        """1F1B's K: the most (microbatch, chunk) stage inputs a device keeps between forward and backward, the tick
+        of each included (a tick runs its forward, then the head, then its backward)."""
+        return 2 * self.stages * self.virtual - 1
 
     def timetable(self) -> dict[str, np.ndarray]:
         """1F1B: (T, P) tables of what each device does at each tick, fwd_mb, fwd_chunk, bwd_mb, bwd_chunk (-1 where
