@@ -200,12 +200,12 @@ show(fig, "ideal_bubble")
 # same loss as the unpipelined one (fp32, no dropout), and reports the ideal bubble of its schedule. On GPUs,
 # `python benchmarks/pipeline_bubble.py` measures the real thing.
 #
-# Measured on 2 x H200 (docs/benchmarks.md 4-4d; PP 2, M = 8; bubble = 1 - T1 / (2 Tp), ideal in brackets): on the
-# 1.2B model (micro batch 8) 1F1B 15.4-17.5% (11.1%) with `matmuls` recomputation, interleaved V = 2 14.4% (5.9%),
-# 1.71x one GPU; GPipe, which spreads the head's logits over the stages, 12.4% (11.1%) with `full` recomputation. What
-# 1F1B leaves above the ideal is mostly the head: its last stage computes the logits and the loss of every
-# microbatch, and a lockstep tick lasts as long as its busiest device (device 1 computes 647 ms a step, device 0 563
-# ms). 1F1B's peak memory is the same at M = 4, 8 and 16 (28.5 GiB); GPipe's grows with M.
+# Measured on 2 x H200 (docs/benchmarks.md 4-4e; PP 2, M = 8; bubble = 1 - T1 / (2 Tp), ideal in brackets): on the
+# 1.2B model (micro batch 8, `matmuls` recomputation) 1F1B 15.4% (11.1%), interleaved V = 2 12.2% (5.9%), 1.76x one
+# GPU; GPipe 12.4% (11.1%) with `full` recomputation. The head's logits are spread over the stages by vocabulary, so
+# both devices compute about the same (~615 ms a step with V = 2); what is left above the ideal is mostly the shifts
+# waiting on each other (44-55 ms a step). 1F1B's peak memory is the same at M = 8 and 16 (31.4 GiB); GPipe's grows
+# with M.
 
 # %%
 base = Config().replace(**load_preset(ROOT / "configs/tiny.toml")).replace(
