@@ -105,6 +105,54 @@ def test_ngram_lengths_decrease(wiki):
     assert share[0] > share[1] > share[2] > 0.05, share  # 1/n normalized: 0.55, 0.27, 0.18 before rejections
 
 
+def test_masking_draws_what_megatrons_formulation_draws(wiki):
+    """mask() picks its n-gram candidates and lengths with cheaper calls (a shuffled index array, one uniform draw
+    against the n-gram distribution); with the same seed it must mask exactly what Megatron's formulation does:
+    shuffle the list of n-gram sets, rng.choice each length, then 80/10/10."""
+    tok = wiki.tokenizer
+
+    def megatron(tokens, rng):
+        words = []
+        for i, t in enumerate(tokens):
+            if t not in (tok.cls, tok.sep, tok.pad):
+                if words and wiki.continuation[t] and words[-1][-1] == i - 1:
+                    words[-1].append(i)
+                else:
+                    words.append([i])
+        output, num = list(tokens), max(1, int(round(len(tokens) * wiki.mask_prob)))
+        ngrams = np.arange(1, 4)
+        pvals = 1.0 / ngrams
+        pvals /= pvals.sum()
+        sets = [[words[w:w + n] for n in ngrams] for w in range(len(words))]
+        rng.shuffle(sets)
+        positions, covered = [], set()
+        for cand in sets:
+            if len(positions) >= num:
+                break
+            available = [c for k, c in enumerate(cand) if len(c) == k + 1]
+            n = int(rng.choice(ngrams[:len(available)], p=pvals[:len(available)] / pvals[:len(available)].sum()))
+            while len(positions) + len(sum(available[n - 1], [])) > num and n > 1:
+                n -= 1
+            index_set = sum(available[n - 1], [])
+            if len(positions) + len(index_set) > num or covered.intersection(index_set):
+                continue
+            for index in index_set:
+                covered.add(index)
+                if rng.random() < 0.8:
+                    output[index] = tok.mask
+                elif rng.random() < 0.5:
+                    output[index] = tokens[index]
+                else:
+                    output[index] = int(rng.integers(0, tok.vocab_size))
+                positions.append(index)
+        return output, sorted(positions)
+
+    for k in range(40):
+        tokens = [t for t in wiki.sample("train", k)["text"].tolist() if t != tok.pad]
+        masked, positions, _, _ = wiki.mask(tokens, np.random.default_rng(k))
+        assert (masked, positions.tolist()) == megatron(tokens, np.random.default_rng(k))
+
+
 def test_truncate_seq_pair_drops_from_the_longer_segment():
     rng = np.random.default_rng(0)
     a, b = list(range(10)), list(range(100, 104))

@@ -22,6 +22,7 @@ position, never of the number of devices (docs/design.md, decision 2), and each 
 
 from __future__ import annotations
 
+import bisect
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,21 @@ from mtx.data.paths import indexed_prefix, parse_data_path, shared_data_dir
 from mtx.data.sentences import split_documents, split_sentences
 
 MAX_NGRAMS = 3
+
+
+def _ngram_cdfs() -> dict[int, list[float]]:
+    """For k n-gram lengths that fit: the cumulative distribution `rng.choice(1..k, p)` draws against, p ~ 1 / n
+    (computed as numpy's choice computes it, so one `rng.random()` picks exactly what choice would)."""
+    pvals = 1.0 / np.arange(1, MAX_NGRAMS + 1)
+    pvals /= pvals.sum()
+    cdfs = {}
+    for k in range(1, MAX_NGRAMS + 1):
+        cdf = (pvals[:k] / pvals[:k].sum()).cumsum()
+        cdfs[k] = (cdf / cdf[-1]).tolist()
+    return cdfs
+
+
+_NGRAM_CDF = _ngram_cdfs()
 
 
 class BertDataset:
@@ -48,6 +64,7 @@ class BertDataset:
         self.source = source
         # A word-piece that starts with "##" continues the word before it.
         self.continuation = np.array([t.startswith("##") for t in tokenizer.inv_vocab], np.bool_)
+        self._continues = self.continuation.tolist()  # per token, as mask() reads it (a list: no numpy scalar)
         bounds = _split_bounds(_parse_split(split), len(self.doc_idx) - 1)
         self._weights = dict(zip(SPLITS, _parse_split(split)))
         self._maps = {name: self._mapping(bounds[i], bounds[i + 1], i) for i, name in enumerate(SPLITS)}
@@ -146,11 +163,12 @@ class BertDataset:
         distribution, no permutation), step by step.
         """
         tok = self.tokenizer
+        special, continues = (tok.cls, tok.sep, tok.pad), self._continues
         words: list[list[int]] = []  # candidate whole words, as lists of positions
         for i, t in enumerate(tokens):
-            if t in (tok.cls, tok.sep, tok.pad):
+            if t in special:
                 continue
-            if words and self.continuation[t] and words[-1][-1] == i - 1:
+            if words and continues[t] and words[-1][-1] == i - 1:
                 words[-1].append(i)
             else:
                 words.append([i])
@@ -158,24 +176,21 @@ class BertDataset:
         num_to_predict = max(1, int(round(len(tokens) * self.mask_prob)))
         if max_predictions is not None:
             num_to_predict = min(int(max_predictions), num_to_predict)
-        ngrams = np.arange(1, MAX_NGRAMS + 1)
-        pvals = 1.0 / ngrams
-        pvals /= pvals.sum()
-        # Every word start with its 1-, 2- and 3-word n-grams, visited in random order.
-        ngram_sets = [[words[w:w + n] for n in ngrams] for w in range(len(words))]
-        rng.shuffle(ngram_sets)
+        # Every word start with its 1-, 2- and 3-word n-grams, visited in random order (shuffling the starts draws
+        # what shuffling Megatron's list of n-gram sets draws).
+        starts = np.arange(len(words))
+        rng.shuffle(starts)
         positions, labels, spans, covered = [], [], [], set()
-        for sets in ngram_sets:
+        for w in starts.tolist():
             if len(positions) >= num_to_predict:
                 break
-            available = [s for k, s in enumerate(sets) if len(s) == k + 1]  # n-grams that fit before the end
-            p = pvals[:len(available)] / pvals[:len(available)].sum()
-            n = int(rng.choice(ngrams[:len(available)], p=p))
-            index_set = sum(available[n - 1], [])
+            fit = min(MAX_NGRAMS, len(words) - w)  # n-grams that fit before the end
+            n = bisect.bisect_right(_NGRAM_CDF[fit], rng.random()) + 1  # rng.choice(1..fit, p ~ 1 / n), same draw
+            index_set = [i for word in words[w:w + n] for i in word]
             # Too many predictions: try shorter n-grams, else skip this candidate.
             while len(positions) + len(index_set) > num_to_predict and n > 1:
                 n -= 1
-                index_set = sum(available[n - 1], [])
+                index_set = [i for word in words[w:w + n] for i in word]
             if len(positions) + len(index_set) > num_to_predict or covered.intersection(index_set):
                 continue
             for index in index_set:
