@@ -148,3 +148,32 @@ def test_slot_exchange_fills_every_slot_moving_only_other_devices_layers(counts,
         assert [sends.shape for sends in plan.sends] == [(2, 1)]
     if rows == layers:  # stored whole: nothing moves
         assert all(sends.size == 0 for sends in plan.sends)
+
+
+def test_lockstep_shifts_each_value_one_device_along_the_ring_per_tick():
+    """The tick primitive every schedule runs on: what a tick sends NEXT arrives at stage s + 1 (the last stage's at
+    stage 0), what it sends PREVIOUS at stage s - 1, in time for the next tick; the carry and the outs are the work's."""
+    from mtx.parallel.mesh import PIPELINE
+    from mtx.parallel.pipeline import NEXT, PREVIOUS, lockstep
+
+    p, ticks = 4, 6
+    mesh = make_mesh(1, p, 1, devices=jax.devices()[:p])
+
+    def run(stage_1):
+        stage = stage_1[0]
+
+        def work(t, received, carry):  # pass on what arrived; tick 0 sends the stage's own index
+            fwd, bwd = (jnp.where(t == 0, stage, r) for r in received)
+            return (fwd, bwd), carry + 1, jnp.stack([fwd, bwd])
+
+        zero = jnp.zeros_like(stage)
+        count, outs = lockstep(work, (zero, zero), zero, ticks, (NEXT, PREVIOUS))
+        return count[None], outs[None]
+
+    stages = jax.device_put(jnp.arange(p, dtype=jnp.int32), jax.sharding.NamedSharding(mesh, P(PIPELINE)))
+    count, outs = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(PIPELINE), out_specs=P(PIPELINE)))(stages)
+    count, outs = np.asarray(count), np.asarray(outs)
+    np.testing.assert_array_equal(count, [ticks] * p)
+    for s in range(p):
+        for t in range(ticks):  # after t shifts, stage s holds the index of stage s - t (NEXT) and s + t (PREVIOUS)
+            assert outs[s, t].tolist() == [(s - t) % p, (s + t) % p]

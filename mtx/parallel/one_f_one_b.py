@@ -3,8 +3,9 @@
 GPipe differentiates through its tick scan, so autodiff keeps what every tick saved: activations grow with M. Here the
 backward of a stage is written out instead. Every tick each device runs a forward slot, the head (at the ticks where
 the last virtual stage ran a forward) and a backward slot, the slots under `lax.switch` (a slot with no work costs
-nothing), then two `ppermute`s: activations to the next device, input gradients to the previous one. Device s holds
-V chunks of layers (virtual stage k = c P + s is its chunk c); with V = 1 it is plain 1F1B.
+nothing); the tick loop is `lockstep` (mtx/parallel/pipeline.py), which then shifts activations to the next device
+and input gradients to the previous one. Device s holds V chunks of layers (virtual stage k = c P + s is its chunk
+c); with V = 1 it is plain 1F1B.
 
 The timetable (Schedule.timetable; u = i mod P, g = i div P for microbatch i; T = V M + P V + P - 2 ticks when P
 divides M):
@@ -47,7 +48,7 @@ from flax import nnx
 from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.compat import varying_axes
 from mtx.parallel.ops import vary
-from mtx.parallel.pipeline import Schedule, last_stage_to_all
+from mtx.parallel.pipeline import NEXT, PREVIOUS, Schedule, last_stage_to_all, lockstep
 
 
 def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None, scale=1.0,
@@ -143,8 +144,8 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     def no_head(grads, y_BSD, mb):
         return grads, _typed(jnp.zeros((), jnp.float32)), jnp.zeros_like(y_BSD)
 
-    def tick(carry, t):
-        recv_fwd, recv_bwd, ring, grads, loss_sum = carry
+    def tick(t, received, carry):
+        (recv_fwd, recv_bwd), (ring, grads, loss_sum) = received, carry
         f_mb, f_chunk = table["fwd_mb"][t, stage], table["fwd_chunk"][t, stage]
         b_mb, b_chunk = table["bwd_mb"][t, stage], table["bwd_chunk"][t, stage]
         # Forward slot: keep the input and the residuals in ring slot t mod K (what it held finished its backward).
@@ -161,10 +162,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         dy_BSD = jnp.where(b_chunk * p + stage == last_stage, dy_head, recv_bwd)
         grads, dx_BSD = jax.lax.switch(jnp.where(b_mb < 0, 0, 1 + at),
                                        (idle_backward, *map(stored_backward, range(k_slots))), grads, ring, dy_BSD)
-        to_next = [(i, (i + 1) % p) for i in range(p)]  # activations: device s -> s + 1 (P - 1 -> 0: next chunk)
-        to_prev = [(i, (i - 1) % p) for i in range(p)]  # input gradients: s -> s - 1
-        return (jax.lax.ppermute(y_BSD, PIPELINE, to_next), jax.lax.ppermute(dx_BSD, PIPELINE, to_prev), ring,
-                grads, loss_sum + loss), None
+        return (y_BSD, dx_BSD), (ring, grads, loss_sum + loss), None  # activations on (P - 1 -> 0: next chunk)
 
     # The carried activations and the kept residuals are typed like a chunk's (they vary wherever the layers do):
     # one forward traced on the first embedding types the carry, a second on the carry types the ring, as in the
@@ -175,8 +173,8 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     forward_slot(zeros_BSD, f_mb0, f_chunk0)  # records the residuals' shapes and types
     ring = tuple((zeros_BSD, *residuals.zeros()) for _ in range(k_slots))
     grads = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros_BSD, zeros_BSD, ring, grads, _typed(jnp.zeros((), jnp.float32)))
-    (_, _, _, grads, loss), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+    (_, grads, loss), _ = lockstep(tick, (zeros_BSD, zeros_BSD), (ring, grads, _typed(jnp.zeros((), jnp.float32))),
+                                   schedule.ticks, (NEXT, PREVIOUS))
     return loss, grads
 
 

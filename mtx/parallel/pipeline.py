@@ -1,13 +1,15 @@
 """Pipeline parallelism (GPipe) as one microbatched scan over the "pipeline" mesh axis, inside the step's shard_map.
 
 Stage s holds the layers of its slice of the layer stack (the stack's leading axis is declared "pipeline"). The
-global batch of a data rank is cut into M microbatches; `pipeline_ticks`, the one schedule primitive, is a
-`lax.scan` over M + P - 1 ticks that runs, at tick t, every stage s on microbatch t - s (ticks outside 0..M-1 are the
-bubble: computed, never used), then `ppermute` shifts each stage's output to the next stage. The first stage feeds
+global batch of a data rank is cut into M microbatches. Every schedule runs on `lockstep`, one `lax.scan` of ticks:
+the work of a tick is the schedule's, the shifts along the ring after it (`ppermute` over "pipeline") are the
+primitive's. GPipe's `pipeline_ticks` runs M + P - 1 ticks; at tick t every stage s runs microbatch t - s (ticks
+outside 0..M-1 are the bubble: computed, never used) and shifts its output to the next stage. The first stage feeds
 embeddings in, the last stage's outputs are the final hidden states. Training (`pipelined_loss`), evaluation
 (`pipelined_final_hidden`) and cached decoding (`pipelined_decode`, M = 1, the KV cache carried through the ticks)
-all run on it. Autodiff through the scan is the GPipe backward; per-layer recomputation (`--recompute-granularity
-full`) keeps one (b, S, D) input per layer and tick.
+all run on it; 1F1B and interleaved 1F1B (mtx/parallel/one_f_one_b.py) run their forward and backward slots on
+`lockstep` too, shifting activations forward and input gradients back. Autodiff through GPipe's scan is its backward;
+per-layer recomputation (`--recompute-granularity full`) keeps one (b, S, D) input per layer and tick.
 
 The loss is not computed on the last stage alone: its M outputs are reduce-scattered over "pipeline", so every stage
 computes the logits and vocab-parallel loss of M / P microbatches (the logits are the costliest single matmul of a
@@ -194,6 +196,27 @@ class SlotExchange:
         return jnp.take(jnp.concatenate([stored, *received]), jnp.asarray(self.gather)[stage], axis=0)
 
 
+NEXT, PREVIOUS = 1, -1  # directions along the pipeline ring
+
+
+def lockstep(work, received, carry, ticks: int, directions):
+    """The pipeline's tick loop, shared by every schedule (GPipe, 1F1B, interleaved), evaluation and decoding: a
+    `lax.scan` over `ticks` ticks; at tick t every device runs work(t, received, carry) -> (sent, carry, out), then
+    each of `sent` moves one device along the ring in its direction (NEXT: stage s -> s + 1, the last stage to the
+    first; PREVIOUS: s -> s - 1) by a `ppermute` and arrives as the next tick's `received`.
+
+    `received` (what arrives before tick 0) types the shifted values; returns (final carry, the ticks' outs)."""
+    p = jax.lax.axis_size(PIPELINE)
+    pairs = {d: [(i, (i + d) % p) for i in range(p)] for d in set(directions)}
+
+    def tick(state, t):
+        sent, carry, out = work(t, *state)
+        return (tuple(jax.lax.ppermute(x, PIPELINE, pairs[d]) for x, d in zip(sent, directions)), carry), out
+
+    (_, carry), outs = jax.lax.scan(tick, (tuple(received), carry), jnp.arange(ticks))
+    return carry, outs
+
+
 def pipeline_ticks(stage_fn, inputs_M, schedule: Schedule, state=None):
     """The GPipe tick loop: M + P - 1 ticks; at tick t stage s runs microbatch t - s and sends its output on.
 
@@ -204,17 +227,15 @@ def pipeline_ticks(stage_fn, inputs_M, schedule: Schedule, state=None):
     """
     stage = jax.lax.axis_index(PIPELINE)
     p, m = schedule.stages, schedule.microbatches
-    shift = [(i, (i + 1) % p) for i in range(p)]  # stage i -> i + 1; what stage 0 receives is never used
 
-    def tick(carry, t):
-        x_recv, state = carry
+    def work(t, received, state):
         mb = t - stage
-        x = jnp.where(stage == 0, inputs_M[jnp.clip(t, 0, m - 1)], x_recv)
+        x = jnp.where(stage == 0, inputs_M[jnp.clip(t, 0, m - 1)], received[0])  # what stage 0 receives is unused
         y, state = stage_fn(x, jnp.clip(mb, 0, m - 1), (mb >= 0) & (mb < m), state)
-        return (jax.lax.ppermute(y, PIPELINE, shift), state), y
+        return (y,), state, y
 
     init = vary(jnp.zeros_like(inputs_M[0]), [PIPELINE])  # what stage 0 "receives" before tick 0
-    (_, state), ys_T = jax.lax.scan(tick, (init, state), jnp.arange(schedule.ticks))
+    state, ys_T = lockstep(work, (init,), state, schedule.ticks, (NEXT,))
     return ys_T[p - 1:], state  # the last stage finishes microbatch t - (P - 1) at tick t
 
 
