@@ -35,7 +35,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
     end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    num-workers train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
+    train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
     log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
     log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
     """.split())

@@ -221,6 +221,8 @@ class DataConfig:
     tokenizer_model: str | None = _f(None, "HuggingFaceTokenizer: a local directory holding tokenizer.json")
     split: str = _f("949,50,1", "train,valid,test weights of the token stream, as in Megatron")
     prefetch_depth: int = _f(2, "training batches prepared ahead on a background thread; 0 prepares each at its step")
+    num_workers: int = _f(0, "processes that build training batches (each builds the dataset from these flags, then "
+                             "whole batches ahead); 0 builds them on the prefetch thread. For BERT at large batches")
     mask_prob: float = _f(0.15, "BERT: fraction of tokens masked (80% [MASK], 10% random, 10% kept), whole words")
     short_seq_prob: float = _f(0.1, "BERT: probability that a sample targets a random shorter length")
     eod_mask_loss: bool = _f(False, "GPT: no loss where the input token is end-of-document (the next document's "

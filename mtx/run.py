@@ -24,6 +24,7 @@ from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
 from mtx.data import build_dataset
 from mtx.data.prefetch import prefetch
+from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable
@@ -132,7 +133,10 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
                        loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
     pending, interval_start, interval_steps = [], time.perf_counter(), 0
-    batches = prefetch(lambda step: model.put_batch(dataset.batch("train", step, t.global_batch_size)),
+    # Batches from worker processes (each with its own copy of the dataset) or this process's prefetch thread.
+    workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
+    source = workers or dataset
+    batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size)),
                        range(start, t.train_iters), depth=cfg.data.prefetch_depth)
     profiler = _Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
     try:
@@ -189,6 +193,9 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         raise
     finally:
         logger.close()
+        if workers:
+            batches.close()  # the prefetch thread asks the workers nothing more
+            workers.close()
     result.state = state
     if result.stopped:
         if main:

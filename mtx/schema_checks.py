@@ -42,7 +42,7 @@ RANGES = {
     "keep_checkpoint_every": ">= 1", "generate_tokens": ">= 0", "train_samples": ">= 0",
     "profile_step_start": ">= 0", "profile_step_end": ">= 1",
     # data
-    "prefetch_depth": ">= 0", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",
+    "prefetch_depth": ">= 0", "num_workers": "[0, 256]", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",
 }
 
 
