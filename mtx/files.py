@@ -1,7 +1,7 @@
 """Where mtx may write, checked before any device work: it never writes over a file it did not create.
 
 A run directory (--save, --run-dir) must be new, empty, or hold only what mtx writes there: its config.json, its
-metrics.jsonl, orbax checkpoint steps and W&B's wandb/ folder. Tools that write files (mtx.data.preprocess) refuse
+metrics.jsonl, orbax checkpoint steps, W&B's wandb/ folder and the id of its W&B run. Tools that write files (mtx.data.preprocess) refuse
 existing outputs unless told to overwrite. Paths whose parent cannot be written, or that run through a regular file,
 are refused up front.
 """
@@ -57,7 +57,8 @@ def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
     if entry.name == "config.json":
         return is_mtx_config(entry)
-    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (the tmp: a resume cut short while it rewrote it)
+    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp", "wandb_run_id", "wandb_run_id.tmp"):  # (a tmp: a
+        # resume cut short while it rewrote the file; wandb_run_id: mtx/metrics.py)
         return entry.is_file()
     if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
                            or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):

@@ -49,6 +49,9 @@ def _installed(package: str) -> bool:
         return False
 
 
+WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed run logs into it
+
+
 class MetricsLogger:
     """Appends metrics to `<run_dir>/metrics.jsonl` and, when asked, to TensorBoard and a W&B run.
 
@@ -68,8 +71,8 @@ class MetricsLogger:
         self._trackers = []
         if enabled and tensorboard_dir:
             self._trackers.append(_TensorBoard(tensorboard_dir))
-        if enabled and wandb:
-            self._trackers.append(_WandB(**wandb))
+        if enabled and wandb:  # a resumed run goes on in the W&B run it started (its id kept beside the metrics)
+            self._trackers.append(_WandB(**wandb, id_file=self.path.parent / WANDB_ID, resume=resumed_at is not None))
 
     def log(self, record: dict[str, Any]) -> dict[str, Any]:
         """Writes `record` with its tokens and wall time added; returns it as written."""
@@ -129,16 +132,22 @@ class _WandB:
     """One W&B run (wandb.init's project, name, dir and config), imported only when asked for: the optional extra
     `pip install 'mtx[wandb]'`. WANDB_MODE=offline keeps it on disk (`wandb sync` uploads it later)."""
 
-    def __init__(self, project: str, name: str, dir: str, config: dict[str, Any]):
+    def __init__(self, project: str, name: str, dir: str, config: dict[str, Any], id_file: Path, resume: bool):
         import wandb
 
         Path(dir).mkdir(parents=True, exist_ok=True)
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
         try:
-            self._run = wandb.init(project=project, name=name, dir=dir, config=config)
+            self._run = wandb.init(project=project, name=name, dir=dir, config=config,
+                                   **({"id": run_id, "resume": "allow"} if run_id else {}))
         except Exception as e:  # not logged in, no network, a project it may not write to
             raise TrackerError(f"--wandb-project {project}: W&B did not start ({type(e).__name__}: "
                                f"{first_line(e)}); run `wandb login`, or set WANDB_MODE=offline to keep the run on "
                                "disk.") from e
+        if self._run.id != run_id:
+            tmp = id_file.with_name(id_file.name + ".tmp")
+            tmp.write_text(self._run.id + "\n")
+            os.replace(tmp, id_file)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=int(step))

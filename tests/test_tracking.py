@@ -106,6 +106,32 @@ def test_wandb_offline_logs_the_tensorboard_scalars(tmp_path, monkeypatch):
     assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
 
 
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    """--load of a run directory goes on in the W&B run that directory started (its id kept beside the metrics); a
+    new run directory starts a new W&B run."""
+    pytest.importorskip("wandb", reason="wandb is an optional extra: pip install 'mtx[wandb]'")
+    for name, value in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off",
+                            WANDB_CONFIG_DIR=str(tmp_path / "cfg"), WANDB_CACHE_DIR=str(tmp_path / "cache"),
+                            WANDB_DATA_DIR=str(tmp_path / "data")).items():
+        monkeypatch.setenv(name, value)
+    import wandb
+
+    ids, init = [], wandb.init
+
+    def spy(*args, **kw):
+        run = init(*args, **kw)
+        ids.append((run.id, kw.get("resume")))
+        return run
+
+    monkeypatch.setattr(wandb, "init", spy)
+    cfg = TINY.replace(log_interval=1, eval_interval=0, wandb_project="mtx-tests", save_interval=2)
+    train(cfg.replace(train_iters=2, save=str(tmp_path / "run")), progress=False)
+    train(cfg.replace(train_iters=3, save=str(tmp_path / "run"), load=str(tmp_path / "run")), progress=False)
+    train(cfg.replace(train_iters=1, save=str(tmp_path / "other")), progress=False)
+    assert ids[1] == (ids[0][0], "allow") and ids[2][0] != ids[0][0] and ids[2][1] is None
+    assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == ids[0][0]
+
+
 def test_wandb_files_and_steps_being_deleted_count_as_mtx_files(tmp_path):
     """W&B's folder (its default place is the run directory), --profile's trace folder and a step left half-deleted
     by --keep-last-n-checkpoints do not make a run directory foreign; a file named wandb still does."""
