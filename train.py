@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     import jax
 
     from mtx.checkpoint import CheckpointError
+    from mtx.files import run_files
     from mtx.distributed import is_main_process, lost_peer
     from mtx.metrics import TrackerError
 
@@ -58,18 +59,6 @@ def main(argv=None) -> int:
     if is_main_process():  # again at the end (also after a stop on a signal), where it is read
         print(run_files(plan.cfg, plan.run_dir))
     return 0
-
-
-def run_files(cfg, run_dir) -> str:
-    """The line that says where the run's files go: its directory (--save, else --run-dir, else runs/<time>) and the
-    tracker directories outside it."""
-    t, folder = cfg.training, lambda path: os.path.join(path, "")  # "runs/x" and "runs/x/" -> "runs/x/"
-    line = f"mtx: run directory {folder(run_dir)} (config.json, metrics.jsonl{', checkpoints' if t.save else ''})"
-    if t.tensorboard_dir:
-        line += f"; TensorBoard events in {folder(t.tensorboard_dir)}"
-    if t.wandb_project:
-        line += f"; Weights & Biases files in {folder(t.wandb_save_dir or run_dir)}"
-    return line
 
 
 if __name__ == "__main__":

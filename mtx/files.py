@@ -1,9 +1,9 @@
 """Where mtx may write, checked before any device work: it never writes over a file it did not create.
 
 A run directory (--save, --run-dir) must be new, empty, or hold only what mtx writes there: its config.json, its
-metrics.jsonl, orbax checkpoint steps, W&B's wandb/ folder and the id of its W&B run. Tools that write files (mtx.data.preprocess) refuse
-existing outputs unless told to overwrite. Paths whose parent cannot be written, or that run through a regular file,
-are refused up front.
+metrics.jsonl, orbax checkpoint steps, W&B's wandb/ folder and the id of its W&B run (`run_files` says which, as
+train.py prints it). Tools that write files (mtx.data.preprocess) refuse existing outputs unless told to overwrite.
+Paths whose parent cannot be written, or that run through a regular file, are refused up front.
 """
 
 from __future__ import annotations
@@ -77,3 +77,17 @@ def is_mtx_config(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(sections, dict) and {"model", "parallel", "optimizer", "training"} <= set(sections)
+
+
+def run_files(cfg, run_dir) -> str:
+    """The line that says where the run's files go: its directory (--save, else --run-dir, else runs/<time>) and the
+    tracker directories outside it."""
+    t, folder = cfg.training, lambda path: os.path.join(path, "")  # "runs/x" and "runs/x/" -> "runs/x/"
+    files = ["config.json", "metrics.jsonl", *(["wandb_run_id"] if t.wandb_project else []),
+             *(["checkpoints"] if t.save else [])]
+    line = f"mtx: run directory {folder(run_dir)} ({', '.join(files)})"
+    if t.tensorboard_dir:
+        line += f"; TensorBoard events in {folder(t.tensorboard_dir)}"
+    if t.wandb_project:
+        line += f"; Weights & Biases files in {folder(t.wandb_save_dir or run_dir)}"
+    return line

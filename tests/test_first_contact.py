@@ -10,6 +10,7 @@ import pytest
 
 from mtx import audit, convert, plot
 from mtx.cli import parse_config, unknown_flags_message
+from mtx.files import run_files
 from mtx.data import preprocess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,8 +159,9 @@ def test_train_prints_the_run_directory_at_start_and_end(tmp_path, capsys):
 
 def test_the_run_directory_line_names_the_tracker_directories():
     cfg = parse_config(["--tensorboard-dir", "tb", "--wandb-project", "p"])
-    assert TRAIN.run_files(cfg, Path("runs/x")) == ("mtx: run directory runs/x/ (config.json, metrics.jsonl); "
-                                                     "TensorBoard events in tb/; Weights & Biases files in runs/x/")
+    assert run_files(cfg, Path("runs/x")) == ("mtx: run directory runs/x/ (config.json, metrics.jsonl, "
+                                               "wandb_run_id); TensorBoard events in tb/; Weights & Biases files in "
+                                               "runs/x/")
     cfg = parse_config(["--save", "ck", "--wandb-project", "p", "--wandb-save-dir", "w/"])
-    assert TRAIN.run_files(cfg, Path("ck")) == ("mtx: run directory ck/ (config.json, metrics.jsonl, checkpoints); "
-                                                "Weights & Biases files in w/")
+    assert run_files(cfg, Path("ck")) == ("mtx: run directory ck/ (config.json, metrics.jsonl, wandb_run_id, "
+                                           "checkpoints); Weights & Biases files in w/")
