@@ -110,24 +110,29 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             set_aside(step_dir)
     barrier("mtx: broken steps set aside")
 
-    saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
-                         keep_every=t.keep_checkpoint_every) if t.save else None
-    if plan.load_step is not None:
-        loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
-        state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
-        if loader is not saver:
-            loader.close()
-    else:
-        state = train_step.init_state()
-    start = int(jax.device_get(state.step))
-    if main:
-        _print_banner(cfg, mesh, model, start)
-
+    # The trackers start before the device work, so a W&B run that will not start costs no compile.
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
                  dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
     logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step, wandb=wandb,
-                           resumed_at=start if t.load and not t.finetune else None)
+                           resumed_at=plan.load_step if t.load and not t.finetune else None)
+    try:
+        saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
+                             keep_every=t.keep_checkpoint_every) if t.save else None
+        if plan.load_step is not None:
+            loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
+            state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
+            if loader is not saver:
+                loader.close()
+        else:
+            state = train_step.init_state()
+    except BaseException:
+        logger.close()
+        raise
+    start = int(jax.device_get(state.step))
+    if main:
+        _print_banner(cfg, mesh, model, start)
+
     result = RunResult(state, model, run_dir)
     flops_per_token = cfg.model.flops_per_token()
     console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,

@@ -148,10 +148,14 @@ def test_wandb_files_and_steps_being_deleted_count_as_mtx_files(tmp_path):
 
 
 def test_wandb_that_will_not_start_is_one_line(tmp_path, capsys, monkeypatch):
-    """wandb.init failing (not logged in, no network) ends train.py with one line naming the fix, exit status 2."""
+    """wandb.init failing (not logged in, no network) ends train.py with one line naming the fix, exit status 2,
+    before the device work (no state initialized or compiled)."""
     wandb = pytest.importorskip("wandb", reason="wandb is an optional extra: pip install 'mtx[wandb]'")
     monkeypatch.syspath_prepend(".")
     import train as train_script
+    from mtx.step import TrainStep
+
+    monkeypatch.setattr(TrainStep, "init_state", lambda self: pytest.fail("device work before W&B started"))
 
     def refuse(**kw):
         raise wandb.errors.UsageError("api_key not configured (no-tty)\ncall wandb.login(key=...)")
