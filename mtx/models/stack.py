@@ -79,7 +79,8 @@ class ParallelTransformer:
 
     causal: GPT's masked attention (False: BERT's bidirectional); post_layernorm: the original BERT block;
     recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity); scan_layers: one lax.scan over the
-    stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model".
+    stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model";
+    replicate_kv: grouped-query attention's key/value groups, fewer than the model ranks, replicated over them.
     """
 
     cfg: ModelConfig
@@ -90,6 +91,7 @@ class ParallelTransformer:
     sequence_parallel: bool = False
     causal: bool = True
     post_layernorm: bool = False
+    replicate_kv: bool = False
 
     def build(self, rngs: nnx.Rngs) -> TransformerLayer:
         """The L layers as one TransformerLayer whose every parameter has a leading (L,) axis declared "pipeline"."""
@@ -100,7 +102,7 @@ class ParallelTransformer:
             return TransformerLayer(self.cfg, dtype=self.dtype, rngs=rngs,
                                     selective_recompute=self.recompute == "selective", flash=self.flash,
                                     causal=self.causal, post_layernorm=self.post_layernorm,
-                                    sequence_parallel=self.sequence_parallel)
+                                    sequence_parallel=self.sequence_parallel, replicate_kv=self.replicate_kv)
 
         return make_layers(rngs)
 
@@ -147,8 +149,8 @@ class ParallelTransformer:
     def empty_cache(self, layers: TransformerLayer, batch: int, window: int) -> KVCache:
         """A zero KV cache for the held layers: (held L, B, S_max, n_local, H) each, typed like its spec
         (`KV_CACHE_SPEC`: it differs on every rank)."""
-        qkv_kernel = layers.attention.qkv.kernel  # local (held L, D, n_local * 3 * H)
-        held, n_local = qkv_kernel.shape[0], qkv_kernel.shape[-1] // (3 * self.cfg.head_dim)
+        proj_kernel = layers.attention.proj.kernel  # local (held L, n_local * H, D)
+        held, n_local = proj_kernel.shape[0], proj_kernel.shape[1] // self.cfg.head_dim
         zeros = jnp.zeros((held, batch, window, n_local, self.cfg.head_dim), self.dtype)
         zeros = vary(zeros, (DATA, PIPELINE, MODEL))
         return KVCache(zeros, zeros)
