@@ -46,9 +46,8 @@ from mtx.hlo import KINDS, collectives, loop_collectives, summarize
 from mtx.models.stack import save_matmul_outputs
 from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
-from mtx.parallel.layers import rank_local_flags
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
-from mtx.parallel.sharded import named_shardings, partition_specs
+from mtx.parallel.sharded import named_shardings, partition_specs, replicated_groups
 
 # Llama's blocks (mtx/architecture.py), which the audit takes as train.py does.
 BLOCKS = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
@@ -108,11 +107,11 @@ def audit_layer(cfg: Config) -> dict:
     mesh = _mesh(cfg)
     recompute = cfg.training.recompute_granularity
     sp = cfg.sequence_parallel
-    replicate_kv = cfg.model.query_groups < cfg.parallel.tensor_model_parallel_size
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
         cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective",
-        sequence_parallel=sp, replicate_kv=replicate_kv)))
-    specs = partition_specs(abstract)
+        sequence_parallel=sp)))
+    tp = mesh.shape[MODEL]
+    specs = partition_specs(abstract, tp)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, named_shardings(abstract, mesh))
     m, t = cfg.model, cfg.training
@@ -121,7 +120,7 @@ def audit_layer(cfg: Config) -> dict:
                              sharding=NamedSharding(mesh, rows))
 
     grad_axes = jax.tree.map(lambda spec, local: (DATA, MODEL) if (sp or local) and MODEL not in spec else (DATA,),
-                             specs, rank_local_flags(abstract), is_leaf=lambda s: isinstance(s, P))
+                             specs, replicated_groups(abstract, tp), is_leaf=lambda s: isinstance(s, P))
 
     def layer(p, x_BSD):
         return nnx.merge(graphdef, p)(x_BSD)

@@ -118,18 +118,27 @@ def test_parameter_count_is_the_models(blocks):
     assert sum(x.size for x in jax.tree.leaves(model.abstract_params)) == model.cfg.model.num_params()
 
 
-def test_only_replicated_key_value_groups_sum_their_gradients_over_model():
+def test_key_value_groups_are_split_or_replicated_by_the_mesh_alone():
+    """The same parameters (and metadata) on every mesh; 2 groups split over TP 2, replicated over TP 4, where only
+    they sum their gradients over "model" (once per step)."""
     from mtx.parallel.mesh import MODEL
     from mtx.step import gradient_axes
 
+    kv = {"['layers']['attention']['key']['kernel']", "['layers']['attention']['value']['kernel']"}
+    trees = set()
     for tp, replicated in ((2, False), (4, True)):
         cfg = TINY.replace(**LLAMA, tensor_model_parallel_size=tp, data_parallel_size=1).validate(8)
         model = ShardedModel(cfg, make_mesh(1, 1, tp, devices=jax.devices()[:tp]))
-        axes = gradient_axes(model.param_specs, model.master_specs, False, model.rank_local)
+        trees.add(jax.tree.structure(model.abstract_params))
+        specs = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(
+            nnx.to_pure_dict(model.param_specs), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
+        assert {specs[k][-1] for k in kv} == {None if replicated else MODEL}
+        assert specs["['layers']['attention']['query']['kernel']"][-1] == MODEL
+        axes = gradient_axes(model.param_specs, model.master_specs, False, model.replicated_groups)
         summed = {jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_leaves_with_path(
             nnx.to_pure_dict(axes), is_leaf=lambda x: isinstance(x, tuple)) if MODEL in a}
-        kv = {"['layers']['attention']['key']['kernel']", "['layers']['attention']['value']['kernel']"}
         assert summed == (kv if replicated else set())
+    assert len(trees) == 1
 
 
 @pytest.mark.parametrize("flags,needle", [

@@ -79,8 +79,7 @@ class ParallelTransformer:
 
     causal: GPT's masked attention (False: BERT's bidirectional); post_layernorm: the original BERT block;
     recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity); scan_layers: one lax.scan over the
-    stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model";
-    replicate_kv: grouped-query attention's key/value groups, fewer than the model ranks, replicated over them.
+    stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model".
     """
 
     cfg: ModelConfig
@@ -91,7 +90,6 @@ class ParallelTransformer:
     sequence_parallel: bool = False
     causal: bool = True
     post_layernorm: bool = False
-    replicate_kv: bool = False
 
     def build(self, rngs: nnx.Rngs) -> TransformerLayer:
         """The L layers as one TransformerLayer whose every parameter has a leading (L,) axis declared "pipeline"."""
@@ -102,7 +100,7 @@ class ParallelTransformer:
             return TransformerLayer(self.cfg, dtype=self.dtype, rngs=rngs,
                                     selective_recompute=self.recompute == "selective", flash=self.flash,
                                     causal=self.causal, post_layernorm=self.post_layernorm,
-                                    sequence_parallel=self.sequence_parallel, replicate_kv=self.replicate_kv)
+                                    sequence_parallel=self.sequence_parallel)
 
         return make_layers(rngs)
 

@@ -1,8 +1,8 @@
 """The tensor-parallel transformer layer: self-attention and MLP, each one column- then one row-parallel linear.
 
 Dimension alphabet (used in every name and einsum of mtx): B batch, S sequence (Q/K for query/key positions),
-D model width, F MLP width, N heads, H head dim, V vocab, L layers, M microbatches, P pipeline stages; in inference,
-T new tokens of one step against a KV cache of S_max slots.
+D model width, F MLP width, N heads, G key/value groups, H head dim, R rotary dims of a head, V vocab, L layers,
+M microbatches, P pipeline stages; in inference, T new tokens of one step against a KV cache of S_max slots.
 Inside shard_map shapes are local: a rank holds n_local = N / tp heads and F / tp MLP columns.
 
 Communication of one layer, read top to bottom: the attention's QKV projection starts with `f` and its output
@@ -12,6 +12,10 @@ forward (g) and one backward (f) per block, two of each per layer (paper Fig. 3)
 With sequence parallelism (`sequence_parallel`, mtx/parallel/layers.py) the layer's input and output are this rank's
 rows (B / tp, S, D) of the residual stream: LayerNorm, dropout and the residual adds run on them only, `f` becomes an
 all-gather and `g` a reduce-scatter (two of each per layer, forward and backward).
+
+Llama's blocks (mtx/architecture.py) change what runs between the same collectives: rotary positions on q and k,
+RMSNorm for LayerNorm, SwiGLU for GeLU (its gate and up columns split alike), grouped-query attention (query, key
+and value kernels behind one `f`), linears without biases.
 
 Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's heads: the new keys and
 values are written into the cache locally, so decoding adds no collective beyond the same two g's per layer.
@@ -30,7 +34,7 @@ from flax import nnx
 from mtx.config import ModelConfig
 from mtx.models.rotary import apply_rotary
 from mtx.parallel.layers import ColumnParallelLinear, RowParallelLinear, normalization
-from mtx.parallel.ops import model_rank, sequence_parallel_rows
+from mtx.parallel.ops import model_rank, model_size, sequence_parallel_rows
 from mtx.parallel.random import dropout, fold, model_parallel_keys
 
 
@@ -119,29 +123,27 @@ class ParallelSelfAttention(nnx.Module):
     (--group-query-attention) has G key/value heads, query head i using group i // (N / G), and three kernels that
     share one `f`: the query's split over "model" as always; the key's and value's split too when tp divides G (each
     rank holds the G / tp groups of its n_local heads), or, when G < tp, replicated with each rank computing only the
-    one group its heads use (`rank_local`: their gradients are summed over "model" once per step, not per layer).
+    one group its heads use (`replicated_groups`: their gradients are summed over "model" once per step, not per
+    layer). Which of the two is decided by the mesh, inside shard_map: the parameters are the same on every mesh.
     Rotary positions (--position-embedding-type rope) rotate q and k of this rank's heads.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
-                 flash: bool = False, causal: bool = True, sequence_parallel: bool = False,
-                 replicate_kv: bool = False):
+                 flash: bool = False, causal: bool = True, sequence_parallel: bool = False):
         d, h, std = cfg.hidden_size, cfg.head_dim, cfg.init_method_std
         linear = functools.partial(ColumnParallelLinear, std=std, use_bias=not cfg.disable_bias_linear,
                                    sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
         self.grouped = cfg.group_query_attention
         if self.grouped:  # query columns (N, H); key and value columns (G, H)
-            kv = cfg.query_groups * h
-            self.query, self.key, self.value = linear(d, d), linear(d, kv, replicated=replicate_kv), linear(
-                d, kv, replicated=replicate_kv)
+            g = cfg.query_groups
+            self.query, self.key, self.value = linear(d, d), linear(d, g * h, groups=g), linear(d, g * h, groups=g)
         else:  # columns ordered (N, 3, H): a contiguous split over ranks gives each rank the q, k, v of its heads
             self.qkv = linear(d, 3 * d)
         self.proj = RowParallelLinear(d, d, std=std / math.sqrt(2 * cfg.num_layers),
                                       use_bias=not cfg.disable_bias_linear, sequence_parallel=sequence_parallel,
                                       dtype=dtype, rngs=rngs)
         self.head_dim = h
-        self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
-        self.replicate_kv = replicate_kv
+        self.groups, self.heads_per_group = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups
         self.rotary = dict(rotary_dim=cfg.rotary_dim, base=cfg.rotary_base) if cfg.rope else None
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
@@ -174,7 +176,7 @@ class ParallelSelfAttention(nnx.Module):
         x = self.query.enter(x_BSD)
         b, s = x.shape[:2]
         q = self.query.local_call(x).reshape(b, s, -1, self.head_dim)
-        if not self.replicate_kv:
+        if self.groups % model_size() == 0:  # split: this rank's G / tp groups
             return q, *(p.local_call(x).reshape(b, s, -1, self.head_dim) for p in (self.key, self.value))
         group = model_rank() * q.shape[2] // self.heads_per_group  # the group of this rank's first (and every) head
         start = group * self.head_dim
@@ -234,17 +236,15 @@ class TransformerLayer(nnx.Module):
 
     post_layernorm=True gives the original BERT/Transformer block instead, LN(x + drop(attn(x))) then
     LN(x + drop(mlp(x))), with the same parameters (paper section 4.2 compares the two); causal=False makes the
-    attention bidirectional. LN is LayerNorm or RMSNorm (--normalization); replicate_kv: grouped-query attention's
-    key/value groups are fewer than the model ranks (see ParallelSelfAttention).
+    attention bidirectional. LN is LayerNorm or RMSNorm (--normalization).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
                  flash: bool = False, causal: bool = True, post_layernorm: bool = False,
-                 sequence_parallel: bool = False, replicate_kv: bool = False):
+                 sequence_parallel: bool = False):
         self.ln1 = normalization(cfg, cfg.hidden_size, dtype=dtype)
         self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
-                                               flash=flash, causal=causal, sequence_parallel=sequence_parallel,
-                                               replicate_kv=replicate_kv)
+                                               flash=flash, causal=causal, sequence_parallel=sequence_parallel)
         self.ln2 = normalization(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs, sequence_parallel=sequence_parallel)
         self.dropout_rate = cfg.hidden_dropout

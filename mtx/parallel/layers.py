@@ -25,12 +25,12 @@ REPLICATED = None
 
 
 def param(rngs: nnx.Rngs | None, shape, spec: tuple, *, std: float | None = None, value: float = 0.0,
-          rank_local: bool = False) -> nnx.Param:
+          groups: int | None = None) -> nnx.Param:
     """A float32 parameter of global `shape` with layout `spec`: N(0, std) when `std` is given, else `value`.
 
-    rank_local: replicated over "model", but each rank uses only its own part of it (grouped-query attention's
-    key/value groups when there are fewer groups than model ranks), so its gradient differs per rank and is summed
-    over "model" once per step (`rank_local_flags`; mtx/step.py, gradient_axes).
+    groups: the "model"-split last axis is this many groups that cannot be cut (grouped-query attention's key/value
+    heads): split when the model size divides them, else replicated, each rank using only its own group
+    (`replicated_groups`, mtx/parallel/sharded.py).
     """
     assert len(spec) == len(shape), (shape, spec)
     if std is None:
@@ -38,13 +38,7 @@ def param(rngs: nnx.Rngs | None, shape, spec: tuple, *, std: float | None = None
     else:
         init = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     # eager_sharding=False: the layout is metadata; arrays are placed by the caller's jit out_shardings.
-    return nnx.Param(init, out_sharding=spec, eager_sharding=False, **({"rank_local": True} if rank_local else {}))
-
-
-def rank_local_flags(state):
-    """Per parameter of `state` (a tree like its partition specs), whether it was declared `rank_local`."""
-    return jax.tree.map(lambda v: v.replace(bool(v.get_metadata().get("rank_local", False))), state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.Param(init, out_sharding=spec, eager_sharding=False, **({} if groups is None else {"groups": groups}))
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -57,15 +51,15 @@ class ColumnParallelLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, parts: int = 1,
-                 replicated: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 groups: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
         """parts > 1: `parts` matrices (in, parts, out) whose columns split over ranks alike, so each rank holds the
-        matching columns of each (SwiGLU's gate and up; `parts_call`). replicated: every rank holds all columns and
-        `local_call` uses the slice it is given (grouped-query attention's key/value groups when G < tp)."""
-        split = REPLICATED if replicated else MODEL
-        shape, spec = ((in_features, out_features), (REPLICATED, split)) if parts == 1 else (
-            (in_features, parts, out_features), (REPLICATED, REPLICATED, split))
-        self.kernel = param(rngs, shape, spec, std=std, rank_local=replicated)
-        self.bias = param(None, shape[1:], spec[1:], rank_local=replicated) if use_bias else None
+        matching columns of each (SwiGLU's gate and up; `parts_call`). groups: the columns are this many groups,
+        replicated on every rank when the model size does not divide them (grouped-query attention's key/value
+        heads, see `param`); `local_call` then uses the group it is given."""
+        shape, spec = ((in_features, out_features), (REPLICATED, MODEL)) if parts == 1 else (
+            (in_features, parts, out_features), (REPLICATED, REPLICATED, MODEL))
+        self.kernel = param(rngs, shape, spec, std=std, groups=groups)
+        self.bias = param(None, shape[1:], spec[1:], groups=groups) if use_bias else None
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.dtype = dtype
@@ -106,8 +100,8 @@ class ColumnParallelLinear(nnx.Module):
         return gather_from_sequence_parallel(x_BSD) if self.sequence_parallel else f(x_BSD)
 
     def local_call(self, x_BSD, start=None, size=None):
-        """X A + b on an entered input: this rank's columns, or of a replicated kernel columns start .. start + size
-        (a traced start, this rank's)."""
+        """X A + b on an entered input: this rank's columns, or of replicated groups the columns start .. start +
+        size (a traced start, this rank's)."""
         kernel = self.kernel[...].astype(self.dtype)
         bias = None if self.bias is None else self.bias[...].astype(self.dtype)
         if start is not None:
