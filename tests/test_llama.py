@@ -39,12 +39,14 @@ def loss_and_grads(cfg, dp, pp, tp, **flags):
 
 
 @pytest.mark.parametrize("groups,meshes", [
-    (2, [(1, 1, 2, {}), (1, 1, 4, {}), (2, 1, 4, {"sequence_parallel": True}), (1, 2, 2, {}), (1, 2, 4, {})]),
+    (2, [(1, 1, 2, {}), (1, 1, 4, {}), (2, 1, 4, {"sequence_parallel": True}), (1, 2, 2, {}), (1, 2, 4, {}),
+         (2, 1, 4, {"use_distributed_optimizer": True})]),
     (4, [(1, 1, 4, {}), (1, 1, 8, {"sequence_parallel": True})]),
 ])
 def test_loss_and_every_gradient_are_the_same_on_every_mesh(groups, meshes):
     """Key/value groups split over "model" (G >= TP) or replicated (G < TP, their gradients summed over "model" once
-    per step), with sequence parallelism and with 1F1B pipeline stages: loss and every gradient equal one device's."""
+    per step), with sequence parallelism, 1F1B pipeline stages and the distributed optimizer: loss and every gradient
+    equal one device's."""
     cfg = TINY.replace(**{**LLAMA, "num_query_groups": groups}, global_batch_size=16, micro_batch_size=8)
     ref_loss, ref = loss_and_grads(cfg, 1, 1, 1)
     assert "['output_layer']['embedding']" in ref and "['position_embeddings']" not in ref

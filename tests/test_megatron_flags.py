@@ -126,8 +126,12 @@ def _hidden(model, params, batch):
                                             out_specs=P(DATA)))(params, model.put_batch(batch)))
 
 
-def test_a_packed_document_reads_as_if_alone():
-    model = ShardedModel(TINY.replace(tensor_model_parallel_size=1, global_batch_size=2), make_mesh(1, 1, 1))
+@pytest.mark.parametrize("blocks", [{}, {"position_embedding_type": "rope"}])
+def test_a_packed_document_reads_as_if_alone(blocks):
+    """Rotary positions need no restart: within a document only their differences count (the config allows
+    --reset-position-ids with rope only beside --reset-attention-mask)."""
+    model = ShardedModel(TINY.replace(tensor_model_parallel_size=1, global_batch_size=2, **blocks),
+                         make_mesh(1, 1, 1))
     params = model.init_params()
     rng = np.random.default_rng(0)
     doc1, doc2 = rng.integers(0, 256, (2, 12))
