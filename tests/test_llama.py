@@ -41,12 +41,14 @@ def loss_and_grads(cfg, dp, pp, tp, **flags):
 @pytest.mark.parametrize("groups,meshes", [
     (2, [(1, 1, 2, {}), (1, 1, 4, {}), (2, 1, 4, {"sequence_parallel": True}), (1, 2, 2, {}), (1, 2, 4, {}),
          (2, 1, 4, {"use_distributed_optimizer": True})]),
-    (4, [(1, 1, 4, {}), (1, 1, 8, {"sequence_parallel": True})]),
+    (4, [(1, 1, 4, {"use_flash_attn": True, "recompute_granularity": "matmuls", "scan_layers": False}),
+         (1, 1, 8, {"sequence_parallel": True})]),
 ])
 def test_loss_and_every_gradient_are_the_same_on_every_mesh(groups, meshes):
     """Key/value groups split over "model" (G >= TP) or replicated (G < TP, their gradients summed over "model" once
-    per step), with sequence parallelism, 1F1B pipeline stages and the distributed optimizer: loss and every gradient
-    equal one device's."""
+    per step), with sequence parallelism, 1F1B pipeline stages, the distributed optimizer and the presets' GPU
+    settings (fused attention, XLA's here; matmul recomputation; unrolled layers): loss and every gradient equal one
+    device's."""
     cfg = TINY.replace(**{**LLAMA, "num_query_groups": groups}, global_batch_size=16, micro_batch_size=8)
     ref_loss, ref = loss_and_grads(cfg, 1, 1, 1)
     assert "['output_layer']['embedding']" in ref and "['position_embeddings']" not in ref
@@ -60,15 +62,19 @@ def test_loss_and_every_gradient_are_the_same_on_every_mesh(groups, meshes):
 
 
 def test_training_losses_are_the_same_on_every_mesh(tmp_path):
+    """4 layers, 3 steps: DP x TP with sequence parallelism, 1F1B stages with replicated groups, interleaved 1F1B."""
     curves = {}
-    for dp, pp, tp, sp in [(1, 1, 1, False), (2, 1, 4, True), (1, 2, 4, False), (2, 2, 2, True)]:
-        cfg = TINY.replace(**LLAMA, train_iters=3, log_interval=1, micro_batch_size=4, data_parallel_size=dp,
-                           pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, sequence_parallel=sp,
-                           run_dir=str(tmp_path / f"r{dp}{pp}{tp}"))
+    for dp, pp, tp, flags in [(1, 1, 1, {}), (2, 1, 4, {"sequence_parallel": True}), (1, 2, 4, {}),
+                              (2, 2, 2, {"sequence_parallel": True}),
+                              (1, 2, 2, {"virtual_pipeline_model_parallel_size": 2})]:
+        cfg = TINY.replace(**LLAMA, num_layers=4, train_iters=3, log_interval=1, micro_batch_size=4,
+                           data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                           run_dir=str(tmp_path / f"r{dp}{pp}{tp}{len(flags)}"), **flags)
         result = train(cfg, progress=False)
-        curves[dp, pp, tp] = np.array([result.losses[s] for s in (1, 2, 3)])
+        curves[dp, pp, tp, tuple(flags)] = np.array([result.losses[s] for s in (1, 2, 3)])
+    reference = curves[1, 1, 1, ()]
     for mesh, curve in curves.items():
-        np.testing.assert_allclose(curve, curves[1, 1, 1], rtol=1e-5, err_msg=f"mesh {mesh}")
+        np.testing.assert_allclose(curve, reference, rtol=1e-5, err_msg=f"mesh {mesh}")
 
 
 def test_rope_is_the_rotation_of_each_pair_by_position_times_frequency():
