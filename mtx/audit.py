@@ -47,8 +47,11 @@ from mtx.models.stack import save_matmul_outputs
 from mtx.models.transformer import TransformerLayer
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
-from mtx.parallel.sharded import named_shardings, partition_specs
+from mtx.parallel.sharded import named_shardings, partition_specs, replicated_groups
 
+# Llama's blocks (mtx/architecture.py), which the audit takes as train.py does.
+BLOCKS = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
+          "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear")
 _NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,gpu-all-reduce-combiner"}  # see the docstring
 
 
@@ -61,8 +64,10 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  num_microbatches: int | None = None, num_devices: int | None = None,
                  sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",
                  virtual_pipeline_model_parallel_size: int | None = None,
-                 use_distributed_optimizer: bool = False) -> Config:
+                 use_distributed_optimizer: bool = False, **blocks) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
+
+    blocks: the fields of Llama's blocks (`BLOCKS`: --swiglu, --group-query-attention, ...), GPT-2's by default.
 
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
     num_layers (default 2 x stages x virtual stages) layers."""
@@ -76,7 +81,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
         pipeline_schedule=pipeline_schedule, virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
-        use_distributed_optimizer=use_distributed_optimizer,
+        use_distributed_optimizer=use_distributed_optimizer, **blocks,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
@@ -105,7 +110,8 @@ def audit_layer(cfg: Config) -> dict:
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
         cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective",
         sequence_parallel=sp)))
-    specs = partition_specs(abstract)
+    tp = mesh.shape[MODEL]
+    specs = partition_specs(abstract, tp)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, named_shardings(abstract, mesh))
     m, t = cfg.model, cfg.training
@@ -113,8 +119,8 @@ def audit_layer(cfg: Config) -> dict:
     x = jax.ShapeDtypeStruct((t.micro_batch_size * mesh.shape[DATA], m.seq_length, m.hidden_size), jnp.float32,
                              sharding=NamedSharding(mesh, rows))
 
-    grad_axes = jax.tree.map(lambda spec: (DATA, MODEL) if sp and MODEL not in spec else (DATA,), specs,
-                             is_leaf=lambda s: isinstance(s, P))
+    grad_axes = jax.tree.map(lambda spec, local: (DATA, MODEL) if (sp or local) and MODEL not in spec else (DATA,),
+                             specs, replicated_groups(abstract, tp), is_leaf=lambda s: isinstance(s, P))
 
     def layer(p, x_BSD):
         return nnx.merge(graphdef, p)(x_BSD)
@@ -129,7 +135,8 @@ def audit_layer(cfg: Config) -> dict:
 
     def forward_backward(p, x_BSD, dy_BSD):
         # No all-reduce per layer over "data", nor (sequence parallelism) of the replicated LayerNorm/bias gradients
-        # over "model": the training step sums both once per step (mtx/step.py, gradient_axes).
+        # or of replicated key/value groups over "model": the training step sums them once per step (mtx/step.py,
+        # gradient_axes).
         p = jax.tree.map(lambda v, axes: jax.lax.pcast(v, axes, to="varying"), p, grad_axes)
         loss, (dp, dx) = jax.value_and_grad(lambda p, x: jnp.sum(layer(p, x) * dy_BSD), argnums=(0, 1))(p, x_BSD)
         return loss[None], jax.tree.map(lambda g: g[None], dp), dx
@@ -271,6 +278,7 @@ def build_parser():
     add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
     ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
     add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer"), defaults={})
+    add_config_flags(ap, BLOCKS, defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return ap
 
@@ -310,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(f"TransformerLayer  D={m.hidden_size} N={m.num_attention_heads} F={m.ffn_size} S={m.seq_length} "
                      f"b={cfg.training.micro_batch_size} tp={flags['tensor_model_parallel_size']} "
                      f"dp={flags['data_parallel_size']} fp32 recompute={flags['recompute_granularity'] or 'none'} "
-                     f"sequence-parallel={'on' if cfg.sequence_parallel else 'off'}",
+                     f"sequence-parallel={'on' if cfg.sequence_parallel else 'off'} "
+                     f"blocks={' '.join(m.llama_blocks()) or 'GPT-2'}",
                      report))
         print(_table(f"vocab-parallel cross-entropy  V={m.padded_vocab_size}", report["loss"]))
         if "pipeline" in report:

@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from mtx.architecture import ADDED_FIELDS
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
@@ -125,7 +126,8 @@ class Checkpointer:
             saved = self._saved_dict(step)
         except Exception as e:  # orbax and JSON raise many kinds
             return f"its config is unreadable ({_first_line(e)})"
-        missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in saved.get("model", {})]
+        missing = [f.name for f in dataclasses.fields(ModelConfig)
+                   if f.name not in saved.get("model", {}) and f.name not in ADDED_FIELDS]
         return f"its config lacks model.{missing[0]}" if missing else None
 
     @staticmethod

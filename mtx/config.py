@@ -3,9 +3,9 @@
 The defaults are the embedded default run (`python train.py`): a small GPT (4 layers, width 128) on the built-in
 corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs. Field names
 are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), unique across sections, so flags and preset keys
-map to fields without a table; each field carries its flag's help (`_f`, shown by mtx/cli.py's `--help`).
-`Config.validate()` is the one place where bad values and combinations are refused, before any device work
-(the checks themselves: mtx/schema_checks.py).
+map to fields without a table; each field carries its flag's help (`_f`, shown by mtx/cli.py's `--help`). The
+model section, `ModelConfig`, and its arithmetic live in mtx/architecture.py. `Config.validate()` is the one place
+where bad values and combinations are refused, before any device work (the checks themselves: mtx/schema_checks.py).
 """
 
 from __future__ import annotations
@@ -17,90 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from mtx.schema_checks import check_combinations, check_field
-
-
-def _f(default: Any, help: str) -> Any:
-    """A schema field: its default and its help, which `train.py --help` shows for the field's flag (mtx/cli.py)."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    num_layers: int = _f(4, "transformer layers L")
-    hidden_size: int = _f(128, "model width D")
-    num_attention_heads: int = _f(8, "heads N; head dim H = D / N")
-    ffn_hidden_size: int | None = _f(None, "MLP width F; None means 4 * hidden_size")
-    seq_length: int = _f(128, "tokens per training sequence S")
-    max_position_embeddings: int | None = _f(None, "rows of the learned position table; None means seq_length")
-    vocab_size: int = _f(50257, "tokenizer vocabulary before padding (set from the tokenizer when data is loaded)")
-    make_vocab_size_divisible_by: int = _f(128, "each model-parallel vocab shard is a multiple of this")
-    hidden_dropout: float = _f(0.1, "dropout on the residual branches and embeddings (one mask per sequence, any mesh)")
-    attention_dropout: float = _f(0.1, "dropout on attention probabilities (a different stream per model rank)")
-    init_method_std: float = _f(0.02, "std of N(0, std) init; residual projections use std / sqrt(2 L)")
-    layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
-    label_smoothing: float = _f(0.0, "label smoothing of the vocab-parallel cross-entropy")
-    model_type: str = _f("gpt", "gpt (causal LM) | bert (masked LM + sentence-order prediction, bidirectional)")
-    layernorm_placement: str = _f("pre", "pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)")
-    num_tokentypes: int = _f(2, "BERT's token-type (segment A/B) embeddings; 0: none; GPT has none")
-    bert_binary_head: bool = _f(True, "BERT's sentence-order-prediction head on [CLS]")
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings or self.seq_length
-
-    @property
-    def is_bert(self) -> bool:
-        return self.model_type == "bert"
-
-    @property
-    def tokentypes(self) -> int:
-        """Rows of the token-type table: num_tokentypes for BERT, none for GPT."""
-        return self.num_tokentypes if self.is_bert else 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Vocabulary padded so every shard of every TP size up to 8 is a multiple of 128 (50,257 -> 51,200).
-
-        Megatron pads to a multiple of 128 x TP, which makes the embedding's shape depend on the mesh; padding for
-        TP = 8 once gives every mesh the same parameter shapes (so the same seed gives the same weights on any mesh
-        and checkpoints load onto any mesh) at the paper's own padded size.
-        """
-        multiple = self.make_vocab_size_divisible_by * 8
-        return math.ceil(self.vocab_size / multiple) * multiple
-
-    def num_params(self) -> int:
-        """Parameters with the output layer tied to the input embedding (GPT-2 124M: 124,439,808 unpadded; the
-        paper's BERT 336M: 336,429,058 with its vocabulary padded to 30,720)."""
-        return _num_params(self, self.padded_vocab_size)
-
-    def num_params_unpadded(self) -> int:
-        return _num_params(self, self.vocab_size)
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N (forward + backward of every weight) + 12 L D S (attention scores and
-        context, forward and backward); N counts the tied embedding once, as it is used for the logits."""
-        return 6 * self.num_params() + 12 * self.num_layers * self.hidden_size * self.seq_length
-
-
-def _num_params(m: ModelConfig, vocab: int) -> int:
-    d, f = m.hidden_size, m.ffn_size
-    layer = (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 2 * 2 * d  # qkv, out, fc1, fc2, 2 LN
-    total = vocab * d + m.max_positions * d + m.num_layers * layer + 2 * d  # + final LN (BERT post-LN: embedding LN)
-    if m.is_bert:
-        total += m.tokentypes * d  # token-type embeddings
-        total += (d * d + d) + 2 * d + vocab  # MLM head: dense D -> D, LayerNorm, output bias (logits tied)
-        if m.bert_binary_head:
-            total += (d * d + d) + (d * 2 + 2)  # pooler dense D -> D, sentence-order classifier D -> 2
-    return total
+from mtx.architecture import ModelConfig
+from mtx.schema_checks import check_combinations, check_field, described as _f
 
 
 @dataclass(frozen=True)

@@ -240,12 +240,14 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     _check_fresh(hf_dir, "--hf-dir", "model directory")
     _check(is_checkpoint_dir(load), f"--load {load} holds no checkpoint; pass a directory written by --save or "
            "by from-hf.")
-    _, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=ckpt_step)
     ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
     try:
         model_cfg = ckpt.saved_config(ckpt_step if ckpt_step is not None else ckpt.latest_step()).model
     finally:
         ckpt.close()
+    _check(not model_cfg.llama_blocks(), f"--load {load} was trained with {', '.join(model_cfg.llama_blocks())}, "
+           "which GPT2LMHeadModel does not have; only GPT-2's blocks convert.")
+    _, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=ckpt_step)
     flat = {_param_name(path): np.asarray(jax.device_get(leaf))
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     out = Path(hf_dir)

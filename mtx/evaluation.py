@@ -58,7 +58,7 @@ def make_scorer(model):
 
     def local(params, inputs_BS, targets_BS, mask_BS):
         hidden_BSD = model.local_final_hidden(params, inputs_BS)
-        logits_BSV = model.merge(params).embedding.attend(hidden_BSD)  # this rank's vocab slice
+        logits_BSV = model.merge(params).attend(hidden_BSD)  # this rank's vocab slice
         nll_BS = vocab_parallel_cross_entropy(logits_BSV, targets_BS, vocab_size=vocab_size)
         correct_BS = vocab_parallel_argmax(logits_BSV, vocab_size) == targets_BS
         real_BS = mask_BS > 0

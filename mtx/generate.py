@@ -1,15 +1,16 @@
 """Text generation with a KV cache sharded by heads, batched, on any (data, pipeline, model) mesh.
 
 - Cache: per layer, K and V of shape (B, S_max, n_local, H) on each rank, S_max = the model's max positions (the
-  learned position table). Heads split over "model" exactly like the QKV columns that produce them, rows over
-  "data", the stacked layer axis over "pipeline" like the layer parameters: the global spec (pipeline, data, None,
-  model, None) is declared once, beside the layer stack (`KV_CACHE_SPEC`, mtx/models/stack.py).
+  learned position table; with rope, the window generation runs in). Heads split over "model" exactly like the QKV
+  columns that produce them (grouped-query attention's keys and values repeated per head), rows over "data", the
+  stacked layer axis over "pipeline" like the layer parameters: the global spec (pipeline, data, None, model, None)
+  is declared once, beside the layer stack (`KV_CACHE_SPEC`, mtx/models/stack.py).
 - Prefill: the prompts, right-padded to (B, S_max), run once. Causal attention alone keeps real tokens from seeing
   the padding (it comes after them); every layer writes its K/V into the cache, and row b's next-token logits come
   from position len_b - 1.
 - Decode: one jitted step per token. Row b's pending token sits at its own position len_b: every layer writes one
   K/V entry at slot len_b and attends over slots 0 .. len_b (later slots hold padding or stale entries, masked).
-- Logits: only the last position's hidden vector goes through the tied output layer (this rank's vocab slice);
+- Logits: only the last position's hidden vector goes through the output layer (this rank's vocab slice);
   the (B, V / tp) slices are gathered over "model" into (B, V) floats, never B*S*V. Padded vocab ids are masked,
   then temperature, top-k and top-p (nucleus) sampling run on the global (B, V) array (greedy at temperature 0).
 - Pipeline (P > 1): each prefill or decode is one microbatch through the pipeline's tick loop (P ticks,
@@ -125,7 +126,7 @@ class CachedDecoder:
         else:
             x_BTD, cache = pipelined_decode(model, x_BTD, cache, start_B, schedule)
         x_BD = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
-        local_BV = model.embedding.attend(model.final_layernorm(x_BD))  # this rank's vocab slice
+        local_BV = model.attend(model.final_layernorm(x_BD))  # this rank's vocab slice
         logits_BV = gather_from_model_parallel(local_BV.astype(jnp.float32))
         return all_gather_invariant(logits_BV, DATA, axis=0), cache
 

@@ -311,8 +311,11 @@ def sample_text(model: ShardedModel, params, dataset, num_tokens: int, seed: int
 def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
     m, t = cfg.model, cfg.training
     family = f"BERT ({m.layernorm_placement}-LN)" if m.is_bert else "GPT"
-    print(f"mtx: {family} {m.num_layers} layers x {m.hidden_size} wide, {m.num_attention_heads} heads, "
+    groups = f" ({m.query_groups} key/value groups)" if m.group_query_attention else ""
+    print(f"mtx: {family} {m.num_layers} layers x {m.hidden_size} wide, {m.num_attention_heads} heads{groups}, "
           f"{cfg.model.num_params() / 1e6:.2f}M parameters (vocab {m.vocab_size} padded to {m.padded_vocab_size})")
+    if m.llama_blocks():
+        print(f"mtx: Llama's blocks: {' '.join(m.llama_blocks())}")
     print(f"mtx: mesh data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} model={mesh.shape['model']} on "
           f"{mesh.size} {jax.devices()[0].platform} device(s); {model.num_microbatches} microbatch(es) of "
           f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")

@@ -9,11 +9,17 @@ command-line tools' own numeric flags use the same ranges through `mtx.cli.range
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 import typing
 from pathlib import Path
 from typing import Any
+
+
+def described(default: Any, help: str) -> Any:
+    """A schema field: its default and its help, which `train.py --help` shows for the field's flag (mtx/cli.py)."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 # The valid range of every numeric field, checked first by `Config.validate` with the field's flag in the message
@@ -24,6 +30,7 @@ RANGES = {
     "seq_length": ">= 1", "max_position_embeddings": ">= 1", "vocab_size": ">= 1",
     "make_vocab_size_divisible_by": ">= 1", "hidden_dropout": "[0, 1)", "attention_dropout": "[0, 1)",
     "init_method_std": "> 0", "layernorm_epsilon": "> 0", "label_smoothing": "[0, 1)", "num_tokentypes": ">= 0",
+    "rotary_base": "> 0", "rotary_percent": "(0, 1]", "norm_epsilon": "> 0", "num_query_groups": ">= 1",
     # parallel
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1", "data_parallel_size": ">= 1 or -1",
     "num_layers_in_first_pipeline_stage": ">= 0", "num_layers_in_last_pipeline_stage": ">= 0",
@@ -127,6 +134,7 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     _check(not (t.use_flash_attn and m.attention_dropout > 0),
            "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
     _check_model_type(cfg)
+    _check_architecture(cfg)
     _check_checkpointing(t)
     _check_megatron_flags(cfg)
     if num_devices is not None:
@@ -193,6 +201,38 @@ def _check_model_type(cfg) -> None:
            f"--num-tokentypes {m.num_tokentypes} cannot tell sentence A from B; use 2, or --bert-no-binary-head.")
     _check(m.seq_length >= 8, f"--seq-length {m.seq_length} is too short for BERT's [CLS] A [SEP] B [SEP] samples; "
                               "use at least 8.")
+
+
+def _check_architecture(cfg) -> None:
+    """Llama's blocks (mtx/architecture.py): names, the rotary dimensions, the key/value groups against the heads
+    and TP, and what they do not combine with (BERT; rope with positions restarting inside an attention window)."""
+    m, d, tp = cfg.model, cfg.data, cfg.parallel.tensor_model_parallel_size
+    _check(m.position_embedding_type in ("learned_absolute", "rope"),
+           f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}.")
+    _check(m.normalization in ("LayerNorm", "RMSNorm"),
+           f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}.")
+    _check(not m.rope or (m.rotary_dim >= 2 and m.rotary_dim % 2 == 0),
+           f"--rotary-percent {m.rotary_percent} of head dim {m.head_dim} rotates {m.rotary_dim} dimensions, which "
+           "must be even and at least 2 (they rotate in pairs); choose a percent giving an even count.")
+    _check(m.num_query_groups is None or m.group_query_attention,
+           f"--num-query-groups {m.num_query_groups} only acts with --group-query-attention; pass both or neither.")
+    g, n = m.query_groups, m.num_attention_heads
+    _check(n % g == 0, f"--num-query-groups {g} does not divide --num-attention-heads {n}; each group serves the "
+                       "same number of query heads: choose G dividing the heads.")
+    _check(g % tp == 0 or tp % g == 0,
+           f"--num-query-groups {g} neither splits over --tensor-model-parallel-size {tp} (G divisible by TP) nor "
+           "is replicated whole on groups of ranks (TP a multiple of G); choose G and TP so that one divides the "
+           "other.")
+    _check(not m.is_bert or not m.llama_blocks(),
+           f"{', '.join(m.llama_blocks())}: Llama's blocks are built for GPT only; drop them for --model-type bert.")
+    _check(not (m.rope and d.reset_position_ids and not d.reset_attention_mask),
+           "--reset-position-ids with --position-embedding-type rope needs --reset-attention-mask: rotary positions "
+           "reach attention only through their differences, which restart with the documents only when each "
+           "document attends to itself alone; pass --reset-attention-mask too.")
+    default_epsilon = next(f.default for f in dataclasses.fields(m) if f.name == "layernorm_epsilon")
+    _check(m.norm_epsilon is None or m.layernorm_epsilon in (default_epsilon, m.norm_epsilon),
+           f"--norm-epsilon {m.norm_epsilon} and --layernorm-epsilon {m.layernorm_epsilon} name the same epsilon; "
+           "pass one of them.")
 
 
 def _check_pipeline(cfg) -> None:

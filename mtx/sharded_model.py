@@ -27,10 +27,10 @@ from mtx.config import Config
 from mtx.models.bert import BERT
 from mtx.models.gpt import GPT
 from mtx.objectives import micro_loss, objective_for
-from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.pipeline import Schedule, SlotExchange, pipelined_final_hidden, pipelined_loss, to_slots
 from mtx.parallel.sharded import (fit_spec, init_sharded, is_stacked, map_specs, named_shardings,
-                                  partition_specs, shard_over, split_abstract, with_axis)
+                                  partition_specs, replicated_groups, shard_over, split_abstract, with_axis)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -58,8 +58,10 @@ class ShardedModel:
         self.cfg, self.mesh = cfg, mesh
         self.make_model = build_model(cfg)
         self.graphdef, self.abstract_params = split_abstract(self.make_model)
-        self.param_specs = partition_specs(self.abstract_params)  # as declared; the shard_map's in/out specs
+        tp = mesh.shape[MODEL]
+        self.param_specs = partition_specs(self.abstract_params, tp)  # as declared; the shard_map's in/out specs
         self.param_shardings = named_shardings(self.abstract_params, mesh)  # as stored on this mesh
+        self.replicated_groups = replicated_groups(self.abstract_params, tp)  # key/value groups when G < TP
         # The distributed optimizer (--use-distributed-optimizer) also splits each parameter over "data" in the
         # training state, fp32 master weights and Adam's moments alike, along one more dimension (`data_dim`).
         data = mesh.shape[DATA] if cfg.parallel.use_distributed_optimizer else 1

@@ -30,18 +30,20 @@ from mtx.sharded_model import DTYPES, ShardedModel
 from mtx.state import TrainState, abstract_state, init_state, optimizer_for
 
 
-def gradient_axes(param_specs, stored_specs, sequence_parallel: bool):
+def gradient_axes(param_specs, stored_specs, sequence_parallel: bool, replicated_groups):
     """Per parameter, the mesh axes its gradient is summed over once per step (and its copy cast to vary over inside
     the step, so autodiff inserts no earlier reduction): "data" always; "pipeline" for the parameters every stage
     holds (those not in the layer stack, and a stack that P does not divide, stored whole on every stage); "model"
     for the layer stack's replicated LayerNorms and biases under sequence parallelism, which each rank applies to its
-    own rows only (Megatron's all-reduce of the sequence-parallel LayerNorm gradients). Not the heads' replicated
-    parameters: they act on the gathered, identical rows."""
-    def axes(spec, stored):
-        layer_replicated = sequence_parallel and is_stacked(spec) and MODEL not in spec
-        return (DATA, *(() if is_stacked(stored) else (PIPELINE,)), *((MODEL,) if layer_replicated else ()))
+    own rows only (Megatron's all-reduce of the sequence-parallel LayerNorm gradients), and for the parameters
+    flagged in `replicated_groups` (a tree like the specs: grouped-query attention's key/value groups replicated
+    because G < TP, of which each rank uses its own). Not the heads' replicated parameters: they act on the
+    gathered, identical rows."""
+    def axes(spec, stored, local):
+        per_rank = local or (sequence_parallel and is_stacked(spec) and MODEL not in spec)
+        return (DATA, *(() if is_stacked(stored) else (PIPELINE,)), *((MODEL,) if per_rank else ()))
 
-    return jax.tree.map(axes, param_specs, stored_specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(axes, param_specs, stored_specs, replicated_groups, is_leaf=lambda x: isinstance(x, P))
 
 
 def _reduce(g, axes, dim):
@@ -91,7 +93,8 @@ class TrainStep:
         first = jax.lax.axis_index(DATA) * rows
         keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
         # Each rank differentiates its own copy: gradients stay local until the explicit reductions below.
-        reduce_axes = gradient_axes(model.param_specs, model.master_specs, cfg.sequence_parallel)
+        reduce_axes = gradient_axes(model.param_specs, model.master_specs, cfg.sequence_parallel,
+                                    model.replicated_groups)
         params = map_specs(self._gather_master, params, model.param_specs, model.master_specs)
         params = jax.tree.map(vary, params, reduce_axes, is_leaf=lambda x: isinstance(x, tuple))
         params, to_stored = jax.vjp(model.local_slots, params)  # uneven or virtual stages: the layers' chunk slots
@@ -125,7 +128,8 @@ class TrainStep:
         grads, = to_stored(grads)
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
         # holds (embeddings, final LN) also sum their per-stage parts over "pipeline", and with sequence parallelism
-        # the layers' replicated LayerNorms and biases their per-rank (per-rows) parts over "model".
+        # the layers' replicated LayerNorms and biases their per-rank (per-rows) parts over "model", as do
+        # replicated key/value groups (each rank's from the heads it holds).
         # With the distributed optimizer the "data" part is a reduce-scatter: each rank keeps the sum of its shard.
         grads = map_specs(lambda g, master, axes: _reduce(g, axes, data_dim(master)), grads, model.master_specs,
                           reduce_axes)

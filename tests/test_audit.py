@@ -182,3 +182,26 @@ def test_sequence_parallel_layer_gathers_and_scatters_instead_of_all_reducing(tp
     assert r["elements"]["backward"] == r["elements"]["forward"]
 
 
+
+
+LLAMA_BLOCKS = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
+                    untie_embeddings_and_output_weights=True, disable_bias_linear=True)
+
+
+@pytest.mark.parametrize("tp,groups,sp", [(2, 2, False), (4, 2, False), (4, 4, True), (8, 2, True)])
+def test_llama_blocks_keep_the_papers_collectives(tp, groups, sp):
+    """Rotary positions, RMSNorm, SwiGLU (one f for gate and up), no biases, grouped-query attention with the
+    key/value groups split over "model" (G >= tp) or replicated (G < tp: their gradients are summed once per step,
+    not per layer): still two all-reduces forward and two backward (or, with sequence parallelism, two all-gathers
+    and two reduce-scatters) of b*s*h elements, nothing else."""
+    b = 2 * tp if sp else B
+    r = audit.audit_layer(_cfg(tp, micro_batch_size=b, sequence_parallel=sp, num_query_groups=groups, **LLAMA_BLOCKS))
+    if sp:
+        expected = {"all-gather model": 2, "reduce-scatter model": 2}
+        assert r["elements"]["forward"] == {"all-gather model": 2 * b * S * D,
+                                            "reduce-scatter model": 2 * b * S * D // tp}
+    else:
+        expected = {"all-reduce model": 2}
+        assert r["ops"]["forward"] == r["ops"]["backward"] == [
+            {"kind": "all-reduce", "axes": "model", "elements": B * S * D}] * 2
+    assert r["by_axis"] == {"forward": expected, "backward": expected}, r["ops"]

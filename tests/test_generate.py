@@ -22,19 +22,26 @@ TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(vocab_size=V
                                                                     attention_dropout=0.0)
 
 
+# Llama's blocks, the 2 key/value groups split over TP 2 and replicated over TP 4 (tests/test_llama.py).
+LLAMA = dict(position_embedding_type="rope", rotary_percent=0.5, normalization="RMSNorm", swiglu=True,
+             group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=True,
+             disable_bias_linear=True)
+
+
 @functools.cache
-def setup(mesh, num_layers=2):
-    """(model, randomly initialised params) of the tiny model on a (data, pipeline, model) mesh. Parameters do not
-    depend on the mesh, so they are initialised once per model on one device and laid out on the others."""
+def setup(mesh, num_layers=2, llama=False):
+    """(model, randomly initialised params) of the tiny model (with Llama's blocks) on a (data, pipeline, model)
+    mesh. Parameters do not depend on the mesh, so they are initialised once per model on one device and laid out
+    on the others."""
     dp, pp, tp = mesh
     uneven = {"num_layers_in_first_pipeline_stage": num_layers - (num_layers // pp) * (pp - 1)} if num_layers % pp \
         else {}
     cfg = TINY.replace(num_layers=num_layers, data_parallel_size=dp, pipeline_model_parallel_size=pp,
                        tensor_model_parallel_size=tp, micro_batch_size=1, global_batch_size=dp * pp,
-                       **uneven).validate(8)
+                       **uneven, **(LLAMA if llama else {})).validate(8)
     model = ShardedModel(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
     if mesh != (1, 1, 1):
-        return model, jax.device_put(setup((1, 1, 1), num_layers)[1], model.param_shardings)
+        return model, jax.device_put(setup((1, 1, 1), num_layers, llama)[1], model.param_shardings)
     if num_layers == 2:
         return model, init_state(model).params
     # The training init's parameters without compiling the optimizer's init.
@@ -45,7 +52,7 @@ def setup(mesh, num_layers=2):
 def _full_forward(model):
     def local(params, tokens_BS):  # test-only: gathers all B*S*V logits
         hidden_BSD = model.local_final_hidden(params, tokens_BS)
-        logits_BSV = model.merge(params).embedding.attend(hidden_BSD)
+        logits_BSV = model.merge(params).attend(hidden_BSD)
         return gather_from_model_parallel(logits_BSV.astype(jnp.float32))
 
     sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA)), out_specs=P(DATA))
@@ -72,12 +79,15 @@ def uncached_greedy(model, params, prompt, n):
     return ids
 
 
-@pytest.mark.parametrize("mesh,num_layers", [((1, 1, 1), 2), ((1, 1, 2), 2), ((2, 1, 4), 2), ((1, 2, 2), 2),
-                                             ((1, 2, 1), 3)])
-def test_cached_logits_equal_the_full_forward_at_every_step(mesh, num_layers):
+@pytest.mark.parametrize("mesh,num_layers,llama", [((1, 1, 1), 2, False), ((1, 1, 2), 2, False),
+                                                   ((2, 1, 4), 2, False), ((1, 2, 2), 2, False),
+                                                   ((1, 2, 1), 3, False), ((1, 1, 4), 2, True), ((1, 2, 2), 2, True)])
+def test_cached_logits_equal_the_full_forward_at_every_step(mesh, num_layers, llama):
     """Prefill two prompts of different lengths, then teacher-force the rest of a random sequence token by token:
-    every step's (B, V) logits equal the uncached forward's at that position ((1, 2, 1) x 3 layers: uneven stages)."""
-    model, params = setup(mesh, num_layers)
+    every step's (B, V) logits equal the uncached forward's at that position ((1, 2, 1) x 3 layers: uneven stages;
+    Llama's blocks: rotary positions of the cache slots, grouped keys and values replicated over TP 4 or split over
+    TP 2 with pipeline stages)."""
+    model, params = setup(mesh, num_layers, llama)
     seq = np.random.default_rng(0).integers(0, VOCAB, (2, S)).astype(np.int32)
     ref = full_logits(model, params, seq.tolist())
     tol = 1e-5 * np.abs(ref).max()

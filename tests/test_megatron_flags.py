@@ -58,8 +58,8 @@ def test_unimplemented_megatron_flags_say_so():
     parse_config(["--recompute-activations", "--eod-mask-loss", "--profile"])  # now implemented: accepted
     with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it.$"):
         parse_config(["--num-experts", "8", "--lr", "1e-3"])
-    with pytest.raises(ValueError, match="--swiglu, --use-mcore-models: mtx does not implement them"):
-        parse_config(["--swiglu", "--use-mcore-models"])
+    with pytest.raises(ValueError, match="--use-rope-scaling, --use-mcore-models: mtx does not implement them"):
+        parse_config(["--swiglu", "--use-rope-scaling", "--use-mcore-models"])  # --swiglu is implemented
     with pytest.raises(ValueError, match="did you mean --hidden-size"):
         parse_config(["--hiden-size", "8"])
     mtx_flags = {s for action in build_parser()._actions for s in action.option_strings}
@@ -126,8 +126,12 @@ def _hidden(model, params, batch):
                                             out_specs=P(DATA)))(params, model.put_batch(batch)))
 
 
-def test_a_packed_document_reads_as_if_alone():
-    model = ShardedModel(TINY.replace(tensor_model_parallel_size=1, global_batch_size=2), make_mesh(1, 1, 1))
+@pytest.mark.parametrize("blocks", [{}, {"position_embedding_type": "rope"}])
+def test_a_packed_document_reads_as_if_alone(blocks):
+    """Rotary positions need no restart: within a document only their differences count (the config allows
+    --reset-position-ids with rope only beside --reset-attention-mask)."""
+    model = ShardedModel(TINY.replace(tensor_model_parallel_size=1, global_batch_size=2, **blocks),
+                         make_mesh(1, 1, 1))
     params = model.init_params()
     rng = np.random.default_rng(0)
     doc1, doc2 = rng.integers(0, 256, (2, 12))

@@ -53,17 +53,17 @@ class BERT(nnx.Module):
         self.position_embeddings = param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std)
         self.tokentype_embeddings = (param(rngs, (cfg.tokentypes, d), (REPLICATED, REPLICATED), std=std)
                                      if cfg.tokentypes else None)
-        self.embedding_layernorm = (LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
+        self.embedding_layernorm = (LayerNorm(d, epsilon=cfg.epsilon, dtype=dtype)
                                     if self.post_layernorm else None)
         self.stack = ParallelTransformer(cfg, dtype=dtype, recompute=recompute, flash=flash, scan_layers=scan_layers,
                                          sequence_parallel=sequence_parallel, causal=False,
                                          post_layernorm=self.post_layernorm)
         self.layers = self.stack.build(rngs)  # stacked like GPT's: (L, ...) each, split into pipeline stages
         self.final_layernorm = (None if self.post_layernorm
-                                else LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype))
+                                else LayerNorm(d, epsilon=cfg.epsilon, dtype=dtype))
         # MLM head (Megatron's BertLMHead): dense + GeLU + LayerNorm, then the tied logits plus a vocab-split bias.
         self.lm_dense = Dense(d, d, std=std, dtype=dtype, rngs=rngs)
-        self.lm_layernorm = LayerNorm(d, epsilon=cfg.layernorm_epsilon, dtype=dtype)
+        self.lm_layernorm = LayerNorm(d, epsilon=cfg.epsilon, dtype=dtype)
         self.lm_bias = param(None, (cfg.padded_vocab_size,), (MODEL,))  # split over "model" like the logits
         if cfg.bert_binary_head:
             self.pooler = Dense(d, d, std=std, dtype=dtype, rngs=rngs)

@@ -147,8 +147,8 @@ class ParallelTransformer:
     def empty_cache(self, layers: TransformerLayer, batch: int, window: int) -> KVCache:
         """A zero KV cache for the held layers: (held L, B, S_max, n_local, H) each, typed like its spec
         (`KV_CACHE_SPEC`: it differs on every rank)."""
-        qkv_kernel = layers.attention.qkv.kernel  # local (held L, D, n_local * 3 * H)
-        held, n_local = qkv_kernel.shape[0], qkv_kernel.shape[-1] // (3 * self.cfg.head_dim)
+        proj_kernel = layers.attention.proj.kernel  # local (held L, n_local * H, D)
+        held, n_local = proj_kernel.shape[0], proj_kernel.shape[1] // self.cfg.head_dim
         zeros = jnp.zeros((held, batch, window, n_local, self.cfg.head_dim), self.dtype)
         zeros = vary(zeros, (DATA, PIPELINE, MODEL))
         return KVCache(zeros, zeros)

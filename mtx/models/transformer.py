@@ -1,8 +1,8 @@
 """The tensor-parallel transformer layer: self-attention and MLP, each one column- then one row-parallel linear.
 
 Dimension alphabet (used in every name and einsum of mtx): B batch, S sequence (Q/K for query/key positions),
-D model width, F MLP width, N heads, H head dim, V vocab, L layers, M microbatches, P pipeline stages; in inference,
-T new tokens of one step against a KV cache of S_max slots.
+D model width, F MLP width, N heads, G key/value groups, H head dim, R rotary dims of a head, V vocab, L layers,
+M microbatches, P pipeline stages; in inference, T new tokens of one step against a KV cache of S_max slots.
 Inside shard_map shapes are local: a rank holds n_local = N / tp heads and F / tp MLP columns.
 
 Communication of one layer, read top to bottom: the attention's QKV projection starts with `f` and its output
@@ -12,6 +12,10 @@ forward (g) and one backward (f) per block, two of each per layer (paper Fig. 3)
 With sequence parallelism (`sequence_parallel`, mtx/parallel/layers.py) the layer's input and output are this rank's
 rows (B / tp, S, D) of the residual stream: LayerNorm, dropout and the residual adds run on them only, `f` becomes an
 all-gather and `g` a reduce-scatter (two of each per layer, forward and backward).
+
+Llama's blocks (mtx/architecture.py) change what runs between the same collectives: rotary positions on q and k,
+RMSNorm for LayerNorm, SwiGLU for GeLU (its gate and up columns split alike), grouped-query attention (query, key
+and value kernels behind one `f`), linears without biases.
 
 Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's heads: the new keys and
 values are written into the cache locally, so decoding adds no collective beyond the same two g's per layer.
@@ -28,8 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
-from mtx.parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
-from mtx.parallel.ops import sequence_parallel_rows
+from mtx.models.rotary import apply_rotary
+from mtx.parallel.layers import ColumnParallelLinear, RowParallelLinear, normalization
+from mtx.parallel.ops import model_rank, model_size, sequence_parallel_rows
 from mtx.parallel.random import dropout, fold, model_parallel_keys
 
 
@@ -112,16 +117,34 @@ def write_rows(cache_BSNH, new_BTNH, start_B, write=None):
 
 
 class ParallelSelfAttention(nnx.Module):
-    """Fused QKV (column-parallel, so each rank owns whole heads), attention core, row-parallel output."""
+    """QKV projection (column-parallel, so each rank owns whole heads), attention core, row-parallel output.
+
+    Multi-head attention (GPT-2's) projects q, k and v with one fused kernel. Grouped-query attention
+    (--group-query-attention) has G key/value heads, query head i using group i // (N / G), and three kernels that
+    share one `f`: the query's split over "model" as always; the key's and value's split too when tp divides G (each
+    rank holds the G / tp groups of its n_local heads), or, when G < tp, replicated with each rank computing only the
+    one group its heads use (`replicated_groups`: their gradients are summed over "model" once per step, not per
+    layer). Which of the two is decided by the mesh, inside shard_map: the parameters are the same on every mesh.
+    Rotary positions (--position-embedding-type rope) rotate q and k of this rank's heads.
+    """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
                  flash: bool = False, causal: bool = True, sequence_parallel: bool = False):
-        d, std = cfg.hidden_size, cfg.init_method_std
-        # Columns are ordered (N, 3, H): a contiguous split over ranks gives each rank the q, k and v of its heads.
-        self.qkv = ColumnParallelLinear(d, 3 * d, std=std, sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+        d, h, std = cfg.hidden_size, cfg.head_dim, cfg.init_method_std
+        linear = functools.partial(ColumnParallelLinear, std=std, use_bias=not cfg.disable_bias_linear,
+                                   sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+        self.grouped = cfg.group_query_attention
+        if self.grouped:  # query columns (N, H); key and value columns (G, H)
+            g = cfg.query_groups
+            self.query, self.key, self.value = linear(d, d), linear(d, g * h, groups=g), linear(d, g * h, groups=g)
+        else:  # columns ordered (N, 3, H): a contiguous split over ranks gives each rank the q, k, v of its heads
+            self.qkv = linear(d, 3 * d)
         self.proj = RowParallelLinear(d, d, std=std / math.sqrt(2 * cfg.num_layers),
-                                      sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
-        self.head_dim = cfg.head_dim
+                                      use_bias=not cfg.disable_bias_linear, sequence_parallel=sequence_parallel,
+                                      dtype=dtype, rngs=rngs)
+        self.head_dim = h
+        self.groups, self.heads_per_group = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups
+        self.rotary = dict(rotary_dim=cfg.rotary_dim, base=cfg.rotary_base) if cfg.rope else None
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
         self.flash = flash  # fused attention (--use-flash-attn); never with attention dropout (Config.validate)
@@ -129,9 +152,35 @@ class ParallelSelfAttention(nnx.Module):
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         """(B, S, D) -> (B, S, D), or this rank's rows (B / tp, S, D) with sequence parallelism; attention sees whole
-        rows. mask_BS and keys_B cover the whole microbatch."""
-        q, k, v = self.qkv.split_call(x_BSD, 3, self.head_dim)  # (B, S, n_local, H) each
+        rows (at positions 0 .. S - 1). mask_BS and keys_B cover the whole microbatch."""
+        q, k, v = self._project(x_BSD, jnp.arange(x_BSD.shape[1]))  # (B, S, n_local, H) each
         return self.proj(self._attend(q, k, v, mask_BS, keys_B))
+
+    def _project(self, x_BSD, positions):
+        """x -> q, k, v of this rank's heads (B, S, n_local, H) at `positions` ((S,) or (B, S)): keys and values
+        repeated from their groups to the heads that use them, q and k rotated with rope."""
+        if self.grouped:
+            q, k, v = self._grouped_qkv(x_BSD)
+        else:
+            q, k, v = self.qkv.split_call(x_BSD, 3, self.head_dim)
+        if self.rotary is not None:
+            q, k = (apply_rotary(a, positions, **self.rotary) for a in (q, k))
+        repeat = q.shape[2] // k.shape[2]  # this rank's heads per group it holds
+        if repeat > 1:
+            k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+        return q, k, v
+
+    def _grouped_qkv(self, x_BSD):
+        """Grouped-query projections with one `f`: q (B, S, n_local, H); k and v (B, S, g, H), g = G / tp groups,
+        or with replicated groups (G < tp) the one group of this rank's heads."""
+        x = self.query.enter(x_BSD)
+        b, s = x.shape[:2]
+        q = self.query.local_call(x).reshape(b, s, -1, self.head_dim)
+        if self.groups % model_size() == 0:  # split: this rank's G / tp groups
+            return q, *(p.local_call(x).reshape(b, s, -1, self.head_dim) for p in (self.key, self.value))
+        group = model_rank() * q.shape[2] // self.heads_per_group  # the group of this rank's first (and every) head
+        start = group * self.head_dim
+        return q, *(p.local_call(x, start, self.head_dim)[:, :, None] for p in (self.key, self.value))
 
     def _attend(self, q, k, v, mask_BS, keys_B):
         """(B, S, n_local, H) q, k, v -> (B, S, n_local * H) context of this rank's heads."""
@@ -147,28 +196,37 @@ class ParallelSelfAttention(nnx.Module):
         """Inference with a KV cache: (B, T, D) new tokens at positions start_B + t -> ((B, T, D), updated cache).
 
         The new keys/values of this rank's heads go into this rank's cache slice (no communication); the only
-        collective is the output projection's g, as in training. No dropout.
+        collective is the output projection's g, as in training. No dropout. With grouped-query attention the cache
+        holds the keys and values repeated per head (a cache of the G groups is still to come).
         """
         b, t, _ = x_BTD.shape
-        q, k, v = self.qkv.split_call(x_BTD, 3, self.head_dim)  # (B, T, n_local, H) each
+        q, k, v = self._project(x_BTD, start_B[:, None] + jnp.arange(t))  # (B, T, n_local, H) each
         cache = KVCache(write_rows(cache.k, k, start_B, write), write_rows(cache.v, v, start_B, write))
         ctx_BTNH = cached_attention_core(q, cache.k, cache.v, start_B)
         return self.proj(ctx_BTNH.reshape(b, t, -1)), cache
 
 
 class ParallelMLP(nnx.Module):
-    """Column-parallel D -> F, GeLU, row-parallel F -> D.
+    """Column-parallel D -> F, GeLU, row-parallel F -> D; with --swiglu, silu(x W_gate) * (x W_up), then W_down.
 
-    Column split first: GeLU is element-wise, so it commutes with the split and needs no all-reduce in between.
+    Column split first: GeLU is element-wise, so it commutes with the split and needs no all-reduce in between. So
+    is SwiGLU's product when each rank holds the same columns of the gate and the up matrix: fc1's kernel is
+    (D, 2, F), gate then up, split over "model" along F, and one `f` serves both matmuls.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, sequence_parallel: bool = False):
         d, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_method_std
-        self.fc1 = ColumnParallelLinear(d, f, std=std, sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
-        self.fc2 = RowParallelLinear(f, d, std=std / math.sqrt(2 * cfg.num_layers),
+        bias = not cfg.disable_bias_linear
+        self.swiglu = cfg.swiglu
+        self.fc1 = ColumnParallelLinear(d, f, std=std, use_bias=bias, parts=2 if cfg.swiglu else 1,
+                                        sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+        self.fc2 = RowParallelLinear(f, d, std=std / math.sqrt(2 * cfg.num_layers), use_bias=bias,
                                      sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BSD):
+        if self.swiglu:
+            gate_BSF, up_BSF = self.fc1.parts_call(x_BSD)
+            return self.fc2(jax.nn.silu(gate_BSF) * up_BSF)
         return self.fc2(jax.nn.gelu(self.fc1(x_BSD), approximate=True))
 
 
@@ -178,16 +236,16 @@ class TransformerLayer(nnx.Module):
 
     post_layernorm=True gives the original BERT/Transformer block instead, LN(x + drop(attn(x))) then
     LN(x + drop(mlp(x))), with the same parameters (paper section 4.2 compares the two); causal=False makes the
-    attention bidirectional.
+    attention bidirectional. LN is LayerNorm or RMSNorm (--normalization).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
                  flash: bool = False, causal: bool = True, post_layernorm: bool = False,
                  sequence_parallel: bool = False):
-        self.ln1 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
+        self.ln1 = normalization(cfg, cfg.hidden_size, dtype=dtype)
         self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
                                                flash=flash, causal=causal, sequence_parallel=sequence_parallel)
-        self.ln2 = LayerNorm(cfg.hidden_size, epsilon=cfg.layernorm_epsilon, dtype=dtype)
+        self.ln2 = normalization(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs, sequence_parallel=sequence_parallel)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm

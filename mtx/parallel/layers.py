@@ -24,15 +24,21 @@ from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequ
 REPLICATED = None
 
 
-def param(rngs: nnx.Rngs | None, shape, spec: tuple, *, std: float | None = None, value: float = 0.0) -> nnx.Param:
-    """A float32 parameter of global `shape` with layout `spec`: N(0, std) when `std` is given, else `value`."""
+def param(rngs: nnx.Rngs | None, shape, spec: tuple, *, std: float | None = None, value: float = 0.0,
+          groups: int | None = None) -> nnx.Param:
+    """A float32 parameter of global `shape` with layout `spec`: N(0, std) when `std` is given, else `value`.
+
+    groups: the "model"-split last axis is this many groups that cannot be cut (grouped-query attention's key/value
+    heads): split when the model size divides them, else replicated, each rank using only its own group
+    (`replicated_groups`, mtx/parallel/sharded.py).
+    """
     assert len(spec) == len(shape), (shape, spec)
     if std is None:
         init = jnp.full(shape, value, jnp.float32)
     else:
         init = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     # eager_sharding=False: the layout is metadata; arrays are placed by the caller's jit out_shardings.
-    return nnx.Param(init, out_sharding=spec, eager_sharding=False)
+    return nnx.Param(init, out_sharding=spec, eager_sharding=False, **({} if groups is None else {"groups": groups}))
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -44,9 +50,16 @@ class ColumnParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.kernel = param(rngs, (in_features, out_features), (REPLICATED, MODEL), std=std)
-        self.bias = param(None, (out_features,), (MODEL,)) if use_bias else None
+                 gather_output: bool = False, sequence_parallel: bool = False, parts: int = 1,
+                 groups: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+        """parts > 1: `parts` matrices (in, parts, out) whose columns split over ranks alike, so each rank holds the
+        matching columns of each (SwiGLU's gate and up; `parts_call`). groups: the columns are this many groups,
+        replicated on every rank when the model size does not divide them (grouped-query attention's key/value
+        heads, see `param`); `local_call` then uses the group it is given."""
+        shape, spec = ((in_features, out_features), (REPLICATED, MODEL)) if parts == 1 else (
+            (in_features, parts, out_features), (REPLICATED, REPLICATED, MODEL))
+        self.kernel = param(rngs, shape, spec, std=std, groups=groups)
+        self.bias = param(None, shape[1:], spec[1:], groups=groups) if use_bias else None
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.dtype = dtype
@@ -72,11 +85,34 @@ class ColumnParallelLinear(nnx.Module):
         return tuple(self._matmuls(x_BSD, [kernel[:, :, j] for j in range(parts)],
                                    None if bias is None else [bias[:, j] for j in range(parts)]))
 
+    def parts_call(self, x_BSD):
+        """The `parts` matmuls of a (D, parts, F) kernel with one `f` (or all-gather): (B, S, F / tp) each."""
+        kernel = self.kernel[...].astype(self.dtype)
+        bias = None if self.bias is None else self.bias[...].astype(self.dtype)
+        parts = range(kernel.shape[1])
+        return tuple(self._matmuls(x_BSD, [kernel[:, j] for j in parts],
+                                   None if bias is None else [bias[j] for j in parts]))
+
+    def enter(self, x_BSD):
+        """The input of this rank's matmuls: f (replicated input) or, with sequence parallelism, the all-gather of the
+        ranks' rows. Layers that share one input (q, k and v) enter it once and call `local_call` on it."""
+        x_BSD = x_BSD.astype(self.dtype)
+        return gather_from_sequence_parallel(x_BSD) if self.sequence_parallel else f(x_BSD)
+
+    def local_call(self, x_BSD, start=None, size=None):
+        """X A + b on an entered input: this rank's columns, or of replicated groups the columns start .. start +
+        size (a traced start, this rank's)."""
+        kernel = self.kernel[...].astype(self.dtype)
+        bias = None if self.bias is None else self.bias[...].astype(self.dtype)
+        if start is not None:
+            kernel = jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=1)
+            bias = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
+        y = x_BSD @ kernel
+        return y if bias is None else y + bias
+
     def _matmuls(self, x, kernels, biases):
         spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
-        x = x.astype(self.dtype)
-        # f (replicated input) or, with sequence parallelism, the all-gather of the ranks' rows
-        x = gather_from_sequence_parallel(x) if self.sequence_parallel else f(x)
+        x = self.enter(x)
         outs = []
         for j, kernel in enumerate(kernels):
             y = jnp.einsum(spec, x, kernel)
@@ -119,7 +155,8 @@ class VocabParallelEmbedding(nnx.Module):
 
     Each rank looks up the ids in its range, writes zeros for the others, and `g` sums the partial lookups, so every
     rank ends with the full embedding. `attend` reuses the table as the (tied) output layer, giving this rank's slice
-    of the logits, which are never gathered.
+    of the logits, which are never gathered; an untied output layer (--untie-embeddings-and-output-weights) is a
+    second table of the same layout used only through `attend`.
     """
 
     def __init__(self, num_embeddings: int, features: int, *, std: float, sequence_parallel: bool = False,
@@ -166,3 +203,25 @@ class LayerNorm(nnx.Module):
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
         return (y * self.scale[...] + self.bias[...]).astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm (--normalization RMSNorm): x / sqrt(mean(x^2) + eps) times a replicated scale, no mean subtraction and
+    no bias; float32 whatever the compute dtype. Replicated like LayerNorm's parameters, so sequence parallelism
+    treats it the same way (its gradient summed over "model" once per step)."""
+
+    def __init__(self, features: int, *, epsilon: float = 1e-5, dtype=jnp.float32):
+        self.scale = param(None, (features,), (REPLICATED,), value=1.0)
+        self.epsilon = epsilon
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.epsilon)
+        return (y * self.scale[...]).astype(self.dtype)
+
+
+def normalization(cfg, features: int, *, dtype):
+    """The block's normalization layer of `features` (--normalization, --norm-epsilon)."""
+    norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return norm(features, epsilon=cfg.epsilon, dtype=dtype)

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 
 
 def split_abstract(make: Callable[[], nnx.Module]):
@@ -17,16 +17,31 @@ def split_abstract(make: Callable[[], nnx.Module]):
     return nnx.split(nnx.eval_shape(make))
 
 
-def partition_specs(state):
-    """The PartitionSpec of every parameter, as declared where the parameter was created (a tree like `state`)."""
-    return nnx.get_partition_spec(state)
+def partition_specs(state, model_size: int = 1):
+    """The PartitionSpec of every parameter, as declared where the parameter was created (a tree like `state`), on
+    a mesh of `model_size` model ranks: groups that this size does not divide are replicated (`replicated_groups`)."""
+    return map_specs(lambda spec, replicated: P(*(None if replicated and a == MODEL else a for a in spec)),
+                     nnx.get_partition_spec(state), replicated_groups(state, model_size))
+
+
+def replicated_groups(state, model_size: int):
+    """Per parameter of `state` (a tree like its specs), whether it is declared in groups (`groups`,
+    mtx/parallel/layers.py) that `model_size` ranks cannot split, G < TP: such a parameter is replicated over
+    "model" and each rank uses its own group, so its gradient differs per rank (the training step sums it over
+    "model" once per step, mtx/step.py)."""
+    def replicated(v):
+        groups = v.get_metadata().get("groups")
+        return v.replace(groups is not None and groups % model_size != 0)
+
+    return jax.tree.map(replicated, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def named_shardings(state, mesh: jax.sharding.Mesh):
-    """Where each parameter is stored on `mesh`: its declared layout, minus any mesh axis that does not divide the
-    dimension (an uneven pipeline layout's layer stack, say, is then kept whole on every stage)."""
-    return jax.tree.map(lambda spec, x: NamedSharding(mesh, fit_spec(spec, x.shape, mesh)), partition_specs(state),
-                        state, is_leaf=lambda x: isinstance(x, P))
+    """Where each parameter is stored on `mesh`: its layout on the mesh (`partition_specs`), minus any mesh axis
+    that does not divide the dimension (an uneven pipeline layout's layer stack, say, is then kept whole on every
+    stage)."""
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, fit_spec(spec, x.shape, mesh)),
+                        partition_specs(state, mesh.shape[MODEL]), state, is_leaf=lambda x: isinstance(x, P))
 
 
 def is_stacked(spec: P) -> bool:
