@@ -152,7 +152,8 @@ def test_slot_exchange_fills_every_slot_moving_only_other_devices_layers(counts,
 
 def test_lockstep_shifts_each_value_one_device_along_the_ring_per_tick():
     """The tick primitive every schedule runs on: what a tick sends NEXT arrives at stage s + 1 (the last stage's at
-    stage 0), what it sends PREVIOUS at stage s - 1, in time for the next tick; the carry and the outs are the work's."""
+    stage 0), what it sends PREVIOUS at stage s - 1, in time for the next tick; the carry and the outs are the
+    work's."""
     from mtx.parallel.mesh import PIPELINE
     from mtx.parallel.pipeline import NEXT, PREVIOUS, lockstep
 
