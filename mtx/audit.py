@@ -45,13 +45,13 @@ from mtx.config import Config
 from mtx.hlo import KINDS, collectives, loop_collectives, summarize
 from mtx.models.stack import save_matmul_outputs
 from mtx.models.transformer import TransformerLayer
+from mtx.architecture import ADDED_FIELDS
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
 from mtx.parallel.sharded import named_shardings, partition_specs, replicated_groups
 
 # Llama's blocks (mtx/architecture.py), which the audit takes as train.py does.
-BLOCKS = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
-          "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights", "disable_bias_linear")
+BLOCKS = sorted(ADDED_FIELDS)
 _NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,gpu-all-reduce-combiner"}  # see the docstring
 
 

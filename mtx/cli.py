@@ -1,8 +1,8 @@
 """Command-line flags with Megatron-LM's names, generated from the config schema (one flag per field).
 
 `--config FILE` loads a TOML preset; flags given on the command line override it. Each flag's type comes from its
-field's annotation and its help from the field's `help` metadata in mtx/config.py, so the schema stays the single
-source of truth. eval.py and `python -m mtx.audit` build their model and parallelism flags from it too
+field's annotation and its help from the field's `help` metadata (mtx/config.py, mtx/architecture.py), so the schema
+stays the single source of truth. eval.py and `python -m mtx.audit` build their model and parallelism flags from it too
 (`add_config_flags`), so a flag means the same in every entry point.
 """
 

@@ -13,6 +13,8 @@ import os
 import re
 from pathlib import Path
 
+WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed run logs into it (mtx/metrics.py)
+
 
 def check_run_dir(path: str | Path, flag: str) -> None:
     """Refuses a run directory that is a file, sits where nothing can be written, or holds files mtx did not write."""
@@ -57,8 +59,8 @@ def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
     if entry.name == "config.json":
         return is_mtx_config(entry)
-    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp", "wandb_run_id", "wandb_run_id.tmp"):  # (a tmp: a
-        # resume cut short while it rewrote the file; wandb_run_id: mtx/metrics.py)
+    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp", WANDB_ID, WANDB_ID + ".tmp"):  # (a tmp: a resume cut
+        # short while it rewrote the file)
         return entry.is_file()
     if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
                            or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):
@@ -83,7 +85,7 @@ def run_files(cfg, run_dir) -> str:
     """The line that says where the run's files go: its directory (--save, else --run-dir, else runs/<time>) and the
     tracker directories outside it."""
     t, folder = cfg.training, lambda path: os.path.join(path, "")  # "runs/x" and "runs/x/" -> "runs/x/"
-    files = ["config.json", "metrics.jsonl", *(["wandb_run_id"] if t.wandb_project else []),
+    files = ["config.json", "metrics.jsonl", *([WANDB_ID] if t.wandb_project else []),
              *(["checkpoints"] if t.save else [])]
     line = f"mtx: run directory {folder(run_dir)} ({', '.join(files)})"
     if t.tensorboard_dir:

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 
 from mtx.errors import first_line
+from mtx.files import WANDB_ID
 
 # Dense bf16 peak FLOP/s per device (H100/H200 SXM: 989 TFLOP/s).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -47,9 +48,6 @@ def _installed(package: str) -> bool:
         return importlib.util.find_spec(package) is not None
     except ValueError:  # a module set to None in sys.modules (import blocked)
         return False
-
-
-WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed run logs into it
 
 
 class MetricsLogger:
@@ -130,7 +128,11 @@ class TrackerError(RuntimeError):
 
 class _WandB:
     """One W&B run (wandb.init's project, name, dir and config), imported only when asked for: the optional extra
-    `pip install 'mtx[wandb]'`. WANDB_MODE=offline keeps it on disk (`wandb sync` uploads it later)."""
+    `pip install 'mtx[wandb]'`. WANDB_MODE=offline keeps it on disk (`wandb sync` uploads it later).
+
+    With `resume`, the W&B run whose id `id_file` holds goes on. W&B keeps a run's steps increasing, so steps logged
+    after the checkpoint a run resumes from and run again are not logged twice: the W&B run keeps their first values
+    (metrics.jsonl holds the new ones)."""
 
     def __init__(self, project: str, name: str, dir: str, config: dict[str, Any], id_file: Path, resume: bool):
         import wandb

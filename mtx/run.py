@@ -115,7 +115,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
                  dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
     logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step, wandb=wandb,
-                           resumed_at=plan.load_step if t.load and not t.finetune else None)
+                           resumed_at=(plan.load_step or 0) if t.load and not t.finetune else None)
+    saver = workers = batches = None  # closed in the finally below, whatever fails after this point
     try:
         saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
                              keep_every=t.keep_checkpoint_every) if t.save else None
@@ -126,25 +127,21 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 loader.close()
         else:
             state = train_step.init_state()
-    except BaseException:
-        logger.close()
-        raise
-    start = int(jax.device_get(state.step))
-    if main:
-        _print_banner(cfg, mesh, model, start)
+        start = int(jax.device_get(state.step))
+        if main:
+            _print_banner(cfg, mesh, model, start)
 
-    result = RunResult(state, model, run_dir)
-    flops_per_token = cfg.model.flops_per_token()
-    console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
-                       loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
-    pending, interval_start, interval_steps = [], time.perf_counter(), 0
-    # Batches from worker processes (each with its own copy of the dataset) or this process's prefetch thread.
-    workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
-    source = workers or dataset
-    batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size)),
-                       range(start, t.train_iters), depth=cfg.data.prefetch_depth)
-    profiler = _Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
-    try:
+        result = RunResult(state, model, run_dir)
+        flops_per_token = cfg.model.flops_per_token()
+        console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
+                           loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
+        pending, interval_start, interval_steps = [], time.perf_counter(), 0
+        # Batches from worker processes (each with its own copy of the dataset) or this process's prefetch thread.
+        workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
+        source = workers or dataset
+        batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size)),
+                           range(start, t.train_iters), depth=cfg.data.prefetch_depth)
+        profiler = _Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
         with _StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
             for step, batch in zip(range(start, t.train_iters), batches):
                 profiler.before(step)
@@ -197,10 +194,11 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             saver.close()
         raise
     finally:
-        logger.close()
+        if batches is not None:
+            batches.close()  # its thread stopped: it asks the workers nothing more
         if workers:
-            batches.close()  # the prefetch thread asks the workers nothing more
             workers.close()
+        logger.close()
     result.state = state
     if result.stopped:
         if main:

@@ -113,6 +113,8 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     _check(m.num_attention_heads % tp == 0,
            f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size "
            f"{tp}; use a TP size that divides the head count.")
+    _check(m.ffn_size >= 1, f"--swiglu's MLP width from --hidden-size {m.hidden_size} (2 / 3 of 4 x, in multiples of "
+                            "64) is 0; pass --ffn-hidden-size.")
     _check(m.ffn_size % tp == 0,
            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}.")
     _check(m.padded_vocab_size % (tp * m.make_vocab_size_divisible_by) == 0,

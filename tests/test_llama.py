@@ -163,6 +163,7 @@ def test_key_value_groups_are_split_or_replicated_by_the_mesh_alone():
     (dict(norm_epsilon=1e-6, layernorm_epsilon=1e-4), "name the same epsilon"),
     (dict(position_embedding_type="rope", reset_position_ids=True), "needs --reset-attention-mask"),
     (dict(swiglu=True, model_type="bert", vocab_file="v.txt"), "--swiglu: Llama's blocks are built for GPT only"),
+    (dict(swiglu=True, hidden_size=16, num_attention_heads=2), "is 0; pass --ffn-hidden-size"),
 ])
 def test_bad_blocks_are_refused_in_one_line(flags, needle):
     with pytest.raises(ValueError, match=needle):

@@ -18,8 +18,8 @@ _DONE = object()
 def prefetch(make: Callable[[int], object], steps: range, depth: int = 2) -> Iterator[object]:
     """Yields make(step) for each step, computed on a worker thread up to `depth` steps ahead.
 
-    An exception in `make` is raised here, at the step it belongs to. Stopping early (break, an error in the loop)
-    stops the worker at its next batch.
+    An exception in `make` is raised here, at the step it belongs to. Stopping early (break, an error in the loop,
+    closing the generator) stops the worker: closing returns once it has finished the batch it was making.
     """
     if depth < 1:
         yield from (make(step) for step in steps)
@@ -27,22 +27,25 @@ def prefetch(make: Callable[[int], object], steps: range, depth: int = 2) -> Ite
     ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def hand_over(item) -> bool:
+        """Puts item in the queue unless the consumer stopped first; whether it was put."""
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def work():
         try:
             for step in steps:
-                item = make(step)
-                while not stop.is_set():
-                    try:
-                        ready.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not hand_over(make(step)):
                     return
         except BaseException as e:  # handed to the consumer, raised at the step that failed
-            ready.put(e)
+            hand_over(e)
             return
-        ready.put(_DONE)
+        hand_over(_DONE)
 
     worker = threading.Thread(target=work, name="mtx-prefetch", daemon=True)
     worker.start()
@@ -53,3 +56,4 @@ def prefetch(make: Callable[[int], object], steps: range, depth: int = 2) -> Ite
             yield item
     finally:
         stop.set()
+        worker.join()  # (after the batch it is making): nothing it uses is closed under it

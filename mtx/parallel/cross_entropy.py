@@ -29,9 +29,10 @@ def vocab_parallel_cross_entropy(logits_BSV, targets_BS, *, label_smoothing: flo
     z = logits_BSV.astype(jnp.float32)
     v_local = z.shape[-1]
     axes = (MODEL, PIPELINE) if pipeline_share else MODEL
-    first = model_rank() * v_local
-    if pipeline_share:
+    if pipeline_share:  # slice (model rank, stage) of the vocabulary, model-rank-major
         first = (model_rank() * jax.lax.axis_size(PIPELINE) + jax.lax.axis_index(PIPELINE)) * v_local
+    else:
+        first = model_rank() * v_local
     if vocab_size is not None:
         real_V = first + jnp.arange(v_local) < vocab_size
         z = jnp.where(real_V, z, -jnp.inf)

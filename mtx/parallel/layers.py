@@ -183,7 +183,8 @@ class VocabParallelEmbedding(nnx.Module):
         `pipeline_share`, of this pipeline stage's 1 / P of it (B, S, V / (tp P))."""
         table_VD = self.embedding[...]
         if pipeline_share:
-            rows = table_VD.shape[0] // jax.lax.axis_size(PIPELINE)
+            rows, left = divmod(table_VD.shape[0], jax.lax.axis_size(PIPELINE))
+            assert not left, "the pipeline stages must split the vocabulary slice evenly"
             table_VD = jax.lax.dynamic_slice_in_dim(table_VD, jax.lax.axis_index(PIPELINE) * rows, rows)
         return f(x_BSD.astype(self.dtype)) @ table_VD.astype(self.dtype).T
 

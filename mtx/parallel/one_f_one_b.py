@@ -24,10 +24,12 @@ The head is spread over the stages (GPT): the last virtual stage's output goes t
 logits of its 1 / P of the vocabulary (of its model rank's slice) and the loss's max, sum of exponentials and target
 logit are reduced over "pipeline" and "model" together; the gradient wrt that output comes back summed. So no stage
 carries the logits alone (left there, they made the last stage's tick the longest: docs/benchmarks.md 4d). BERT's
-heads run on the last stage.
+heads run on the last stage, and so does GPT's when P does not divide a model rank's vocabulary slice (a multiple
+of 128 rows, so only for P not a power of two).
 
-Memory: a (microbatch, chunk) is in flight on device s for 2 (P V - 1 - s - P c) ticks, the tick of its forward and
-of its backward included, so at most K = 2 P V - 1 are alive per device, whatever M. The forward slot runs the chunk
+Memory: a (microbatch, chunk) is in flight on device s from the tick of its forward to the tick of its backward, 2
+(P V - 1 - s - P c) ticks later, so at most K = 2 P V - 1 are alive per device (both end ticks count: a tick runs
+its forward before its backward), whatever M. The forward slot runs the chunk
 under `jax.vjp` and keeps, in slot t mod K of a ring, its input and what `--recompute-granularity` keeps of it
 (everything without recomputation, the matmul outputs with `matmuls`, each layer's input with `full`:
 `_keep_policy`); the backward slot pulls back through those residuals, recomputing only what the policy dropped, as
