@@ -182,8 +182,6 @@ def test_sequence_parallel_layer_gathers_and_scatters_instead_of_all_reducing(tp
     assert r["elements"]["backward"] == r["elements"]["forward"]
 
 
-
-
 LLAMA_BLOCKS = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
                     untie_embeddings_and_output_weights=True, disable_bias_linear=True)
 

@@ -6,7 +6,7 @@ import collections
 import numpy as np
 import pytest
 
-from mtx.data.bert_dataset import BertDataset, sentences_from_text, truncate_seq_pair
+from mtx.data.bert_dataset import BertDataset, replace_masked, sentences_from_text, truncate_seq_pair
 from mtx.data.indexed import IndexedDataset
 from mtx.data.preprocess import main as preprocess
 from mtx.data.sentences import split_documents, split_sentences
@@ -108,7 +108,7 @@ def test_ngram_lengths_decrease(wiki):
 def test_masking_draws_what_megatrons_formulation_draws(wiki):
     """mask() picks its n-gram candidates and lengths with cheaper calls (a shuffled index array, one uniform draw
     against the n-gram distribution); with the same seed it must mask exactly what Megatron's formulation does:
-    shuffle the list of n-gram sets, rng.choice each length, then 80/10/10."""
+    shuffle the list of n-gram sets, rng.choice each length, then 80/10/10 (the shared `replace_masked`)."""
     tok = wiki.tokenizer
 
     def megatron(tokens, rng):
@@ -136,15 +136,9 @@ def test_masking_draws_what_megatrons_formulation_draws(wiki):
             index_set = sum(available[n - 1], [])
             if len(positions) + len(index_set) > num or covered.intersection(index_set):
                 continue
-            for index in index_set:
-                covered.add(index)
-                if rng.random() < 0.8:
-                    output[index] = tok.mask
-                elif rng.random() < 0.5:
-                    output[index] = tokens[index]
-                else:
-                    output[index] = int(rng.integers(0, tok.vocab_size))
-                positions.append(index)
+            covered.update(index_set)
+            replace_masked(output, tokens, index_set, tok, rng)  # the same 80/10/10 draws after each candidate
+            positions += index_set
         return output, sorted(positions)
 
     for k in range(40):

@@ -37,8 +37,18 @@ def test_workers_make_the_batches_this_process_makes(model, bert_toy):
         assert_same(workers.batch("valid", 0, 2), dataset.batch("valid", 0, 2))
 
 
-def test_a_run_with_workers_trains_on_the_same_batches(tmp_path):
+def test_a_run_with_workers_trains_on_the_same_batches(tmp_path, monkeypatch):
+    import mtx.run
+
+    asked = []
+
+    class Counted(BatchWorkers):  # the run's batches come from the workers
+        def batch(self, split, index, batch_size):
+            asked.append(index)
+            return super().batch(split, index, batch_size)
+
+    monkeypatch.setattr(mtx.run, "BatchWorkers", Counted)
     cfg = GPT.replace(train_iters=3, hidden_dropout=0.0, attention_dropout=0.0)
     plain = train(cfg.replace(run_dir=str(tmp_path / "plain")), progress=False)
     workers = train(cfg.replace(run_dir=str(tmp_path / "workers"), num_workers=2), progress=False)
-    assert workers.losses == plain.losses
+    assert asked == [0, 1, 2] and workers.losses == plain.losses

@@ -193,20 +193,26 @@ class BertDataset:
                 index_set = [i for word in words[w:w + n] for i in word]
             if len(positions) + len(index_set) > num_to_predict or covered.intersection(index_set):
                 continue
-            for index in index_set:
-                covered.add(index)
-                if rng.random() < 0.8:
-                    output[index] = tok.mask
-                elif rng.random() < 0.5:
-                    output[index] = tokens[index]
-                else:
-                    output[index] = int(rng.integers(0, tok.vocab_size))
-                positions.append(index)
-                labels.append(tokens[index])
+            covered.update(index_set)
+            replace_masked(output, tokens, index_set, tok, rng)
+            positions += index_set
+            labels += [tokens[index] for index in index_set]
             spans.append(n)
         order = np.argsort(positions)
         return (output, np.asarray(positions, np.int64)[order], np.asarray(labels, np.int64)[order],
                 np.asarray(spans, np.int64))
+
+
+def replace_masked(output: list[int], tokens: list[int], index_set: list[int], tok, rng) -> None:
+    """BERT's 80/10/10, in place: each chosen position of `output` becomes [MASK] (80%), keeps its token (10%) or
+    takes a random id (10%), drawn position by position as Megatron draws them."""
+    for index in index_set:
+        if rng.random() < 0.8:
+            output[index] = tok.mask
+        elif rng.random() < 0.5:
+            output[index] = tokens[index]
+        else:
+            output[index] = int(rng.integers(0, tok.vocab_size))
 
 
 def _a_and_b_segments(sentences: list[list[int]], rng) -> tuple[list[int], list[int], bool]:
