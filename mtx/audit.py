@@ -64,7 +64,8 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  num_microbatches: int | None = None, num_devices: int | None = None,
                  sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",
                  virtual_pipeline_model_parallel_size: int | None = None,
-                 use_distributed_optimizer: bool = False, **blocks) -> Config:
+                 use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False, **blocks) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
     blocks: the fields of Llama's blocks (`BLOCKS`: --swiglu, --group-query-attention, ...), GPT-2's by default.
@@ -81,7 +82,8 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
         pipeline_schedule=pipeline_schedule, virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
-        use_distributed_optimizer=use_distributed_optimizer, **blocks,
+        use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather, **blocks,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
@@ -224,7 +226,9 @@ def audit_pipeline(cfg: Config) -> dict:
 def audit_data_parallel(cfg: Config) -> dict:
     """The collectives over "data" of a whole training step's loss and gradients: one all-reduce of the gradients
     (parameters replicated over "data"), or with the distributed optimizer a reduce-scatter of the gradients and an
-    all-gather of the parameters (each once per step and parameter; the layer stack is one parameter per weight)."""
+    all-gather of the parameters (each once per step and parameter; the layer stack is one parameter per weight).
+    With --overlap-grad-reduce (and --overlap-param-gather) the layer stack's move into the scanned layer's forward
+    and backward bodies, run once a layer: `in_layer_loop` counts those (static counts, once per body)."""
     from mtx.step import TrainStep
 
     mesh = _mesh(cfg, pipeline=True)
@@ -233,8 +237,11 @@ def audit_data_parallel(cfg: Config) -> dict:
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, m.seq_length + 1), jnp.int32,
                                   sharding=train_step.model.batch_sharding)
     forward = lambda p, x, step: train_step.loss_and_grads(p, x, step)[0]
-    report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step))
+    hlo = []
+    report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step), hlo=hlo)
     ops = [op for phase in ("forward", "backward") for op in report["ops"][phase] if op["axes"] == DATA]
+    report["in_layer_loop"] = dict(Counter(kind for kind, axes, _ in loop_collectives(hlo[1], dict(mesh.shape))
+                                           if axes == DATA))
     report["data"] = {kind: {"ops": sum(op["kind"] == kind for op in ops),
                              "elements": sum(op["elements"] for op in ops if op["kind"] == kind)}
                       for kind in KINDS if any(op["kind"] == kind for op in ops)} | {
@@ -277,7 +284,8 @@ def build_parser():
     add_config_flags(ap, fields, defaults={"data_parallel_size": 1, "num_layers": None}, helps=helps)
     add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
     ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
-    add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer"), defaults={})
+    add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce",
+                          "overlap_param_gather"), defaults={})
     add_config_flags(ap, BLOCKS, defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return ap
@@ -343,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind, row in data.items():
                 if kind != "parameters":
                     print(f"  {kind:<16}{row['ops']:>5} ops {row['elements']:>16,} elements")
+            if loop := report["data_parallel"]["in_layer_loop"]:
+                print("  in the layer loop (once a layer): " + ", ".join(f"{n} {k}" for k, n in sorted(loop.items())))
     return 0
 
 

@@ -41,6 +41,11 @@ class ParallelConfig:
     use_distributed_optimizer: bool = _f(
         False, 'ZeRO-1: fp32 master weights and Adam moments split over "data" (12 / DP bytes per parameter), '
         "gradients reduce-scattered and parameters all-gathered each step")
+    overlap_grad_reduce: bool = _f(
+        False, 'reduce each layer\'s gradients over "data" as its backward ends, overlapped with the next layer\'s '
+        "(in every microbatch)")
+    overlap_param_gather: bool = _f(
+        False, "distributed optimizer: gather each layer's parameters as it runs, overlapped with the layer before")
     coordinator_address: str | None = _f(
         None, 'multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process')
     num_processes: int | None = _f(None, "multi-host: processes in the run, one per host")

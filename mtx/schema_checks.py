@@ -127,6 +127,7 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
            f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
            f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
     _check_pipeline(cfg)
+    _check_overlap(p)
     cfg.stage_layer_counts()  # refuses layers that do not split over the stages as asked
     _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
     _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),
@@ -144,6 +145,16 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                f"{t.micro_batch_size} x data-parallel size {dp}; make it a multiple of {t.micro_batch_size * dp}.")
+
+
+def _check_overlap(p) -> None:
+    """The overlapped data-parallel reductions: Megatron's requirements, and the unpipelined step they live in."""
+    _check(not p.overlap_param_gather or (p.use_distributed_optimizer and p.overlap_grad_reduce),
+           "--overlap-param-gather gathers the distributed optimizer's shards layer by layer; pass it with "
+           "--use-distributed-optimizer and --overlap-grad-reduce.")
+    _check(not p.overlap_grad_reduce or p.pipeline_model_parallel_size == 1,
+           "--overlap-grad-reduce reduces inside the unpipelined backward; with --pipeline-model-parallel-size "
+           f"{p.pipeline_model_parallel_size} the schedule reduces once after its last tick: drop the flag.")
 
 
 def _check_checkpointing(t) -> None:

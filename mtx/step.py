@@ -13,6 +13,8 @@ The model, its layouts and batch placement are the ShardedModel's (mtx/sharded_m
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -22,6 +24,7 @@ from mtx.objectives import micro_loss
 from mtx.optim import learning_rate_schedule
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.one_f_one_b import one_f_one_b
+from mtx.parallel.overlap import LayerReduction, layer_hook, reduction_kind
 from mtx.parallel.pipeline import pipelined_loss
 from mtx.parallel.random import sample_keys
 from mtx.parallel.ops import vary
@@ -52,6 +55,11 @@ def _reduce(g, axes, dim):
     if dim is None:
         return jax.lax.psum(g, axes)
     g = jax.lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True)
+    return _reduce_rest(g, axes)
+
+
+def _reduce_rest(g, axes):
+    """One parameter's gradient summed over `axes` but "data" (reduced already)."""
     rest = tuple(axis for axis in axes if axis != DATA)
     return jax.lax.psum(g, rest) if rest else g
 
@@ -95,9 +103,18 @@ class TrainStep:
         # Each rank differentiates its own copy: gradients stay local until the explicit reductions below.
         reduce_axes = gradient_axes(model.param_specs, model.master_specs, cfg.sequence_parallel,
                                     model.replicated_groups)
-        params = map_specs(self._gather_master, params, model.param_specs, model.master_specs)
-        params = jax.tree.map(vary, params, reduce_axes, is_leaf=lambda x: isinstance(x, tuple))
+        kinds = self._reduction_kinds()
+        # With --overlap-grad-reduce the layer stack stays invariant over "data" (replicated optimizer) or takes its
+        # shards (distributed): each layer's reduction then happens in the backward (mtx/parallel/overlap.py).
+        vary_axes = jax.tree.map(lambda axes, kind: tuple(a for a in axes if kind != "all_reduce" or a != DATA),
+                                 reduce_axes, kinds, is_leaf=lambda x: isinstance(x, tuple))
+        shards = jax.tree.map(vary, params, vary_axes, is_leaf=lambda x: isinstance(x, tuple))
+        gathered = map_specs(lambda p, spec, master, kind: p if kind == "gather" else self._gather_master(
+            p, spec, master), shards, model.param_specs, model.master_specs, kinds)
+        params = map_specs(lambda p, spec, shard, kind: shard if kind in ("gather", "reduce_scatter") else p,
+                           gathered, model.param_specs, shards, kinds)
         params, to_stored = jax.vjp(model.local_slots, params)  # uneven or virtual stages: the layers' chunk slots
+        merge = self._merge_with(kinds, gathered, model.master_specs)
 
         if model.pipeline is not None and model.pipeline.kind != "gpipe":  # 1F1B: the backward written out
             loss, grads = one_f_one_b(model.graphdef, params, model.objective, batch_M, model.pipeline, counts,
@@ -106,13 +123,13 @@ class TrainStep:
                                       seq_length=cfg.model.seq_length)
         elif model.pipeline is not None:  # GPipe: autodiff through one forward over all M microbatches
             def loss_fn(p):
-                return pipelined_loss(model.merge(p), model.objective, batch_M, model.pipeline, counts,
+                return pipelined_loss(merge(p), model.objective, batch_M, model.pipeline, counts,
                                       keys_MB=keys_MB) * scale
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
         else:  # gradient accumulation: one microbatch's activations alive at a time
             def micro_grads(batch_B, keys_B):
-                loss_fn = lambda p: micro_loss(model.objective, model.merge(p), batch_B, counts, keys_B=keys_B) * scale
+                loss_fn = lambda p: micro_loss(model.objective, merge(p), batch_B, counts, keys_B=keys_B) * scale
                 return jax.value_and_grad(loss_fn)(params)
 
             if m == 1:  # no accumulator: zeroing and adding it are two more passes over every gradient
@@ -131,9 +148,48 @@ class TrainStep:
         # the layers' replicated LayerNorms and biases their per-rank (per-rows) parts over "model", as do
         # replicated key/value groups (each rank's from the heads it holds).
         # With the distributed optimizer the "data" part is a reduce-scatter: each rank keeps the sum of its shard.
-        grads = map_specs(lambda g, master, axes: _reduce(g, axes, data_dim(master)), grads, model.master_specs,
-                          reduce_axes)
+        grads = map_specs(lambda g, master, axes, kind: _reduce(g, axes, data_dim(master)) if kind == "after" else
+                          _reduce_rest(g, axes), grads, model.master_specs, reduce_axes, kinds)
         return jax.lax.psum(loss, (DATA, PIPELINE)) / scale, grads
+
+    def _reduction_kinds(self):
+        """Per parameter, where its "data" reduction happens: "after" the backward, or inside it, layer by layer
+        (`reduction_kind`, with --overlap-grad-reduce)."""
+        model, p = self.model, self.cfg.parallel
+        if not p.overlap_grad_reduce:
+            return jax.tree.map(lambda spec: "after", model.param_specs, is_leaf=lambda x: isinstance(x, P))
+        return map_specs(lambda spec, master: reduction_kind(spec, master, distributed=p.use_distributed_optimizer,
+                                                             param_gather=p.overlap_param_gather) or "after",
+                         model.param_specs, model.master_specs)
+
+    def _merge_with(self, kinds, gathered, master_specs):
+        """`model.merge`, with the layer stack's overlapped reductions when there are any."""
+        model = self.model
+        if not self.cfg.parallel.overlap_grad_reduce:
+            return model.merge
+        compute = DTYPES[self.cfg.training.compute_dtype]
+
+        def reduction(kind, spec, master, whole):
+            dim = data_dim(master)
+            return LayerReduction(kind, None if dim is None else dim - 1, self._wire_dtype(whole, spec, compute),
+                                  whole if kind == "reduce_scatter" else None)
+
+        plan = map_specs(reduction, kinds["layers"], model.param_specs["layers"], master_specs["layers"],
+                         gathered["layers"])
+        hook = layer_hook(jax.tree.leaves(plan, is_leaf=lambda x: isinstance(x, LayerReduction)))
+
+        def merge(params):
+            local = model.merge(params)
+            local.stack = dataclasses.replace(local.stack, per_layer=hook)
+            return local
+
+        return merge
+
+    @staticmethod
+    def _wire_dtype(p, spec, compute):
+        """The dtype a parameter's all-gather sends: the compute dtype for matrices, which is what the forward casts
+        them to anyway (half the bytes in bf16), else its own."""
+        return compute if p.ndim - is_stacked(spec) >= 2 else p.dtype
 
     def _gather_master(self, p, spec, master):
         """Inside shard_map, the distributed optimizer's all-gather over "data" of one parameter's master shard (laid
@@ -143,9 +199,7 @@ class TrainStep:
         dim = data_dim(master)
         if dim is None:
             return p
-        compute = DTYPES[self.cfg.training.compute_dtype]
-        matrix = p.ndim - is_stacked(spec) >= 2
-        wire = p.astype(compute) if matrix else p
+        wire = p.astype(self._wire_dtype(p, spec, DTYPES[self.cfg.training.compute_dtype]))
         return jax.lax.all_gather(wire, DATA, axis=dim, tiled=True).astype(p.dtype)
 
     # ---- jitted ----

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -79,7 +79,9 @@ class ParallelTransformer:
 
     causal: GPT's masked attention (False: BERT's bidirectional); post_layernorm: the original BERT block;
     recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity); scan_layers: one lax.scan over the
-    stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model".
+    stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model";
+    per_layer: set by the training step for its overlapped data-parallel reductions (mtx/parallel/overlap.py), applied
+    to each layer's parameters as it runs, outside its recomputation (so a gather there is never repeated).
     """
 
     cfg: ModelConfig
@@ -90,6 +92,7 @@ class ParallelTransformer:
     sequence_parallel: bool = False
     causal: bool = True
     post_layernorm: bool = False
+    per_layer: Callable | None = None  # training step: (layer's parameters, index) -> what it computes with
 
     def build(self, rngs: nnx.Rngs) -> TransformerLayer:
         """The L layers as one TransformerLayer whose every parameter has a leading (L,) axis declared "pipeline"."""
@@ -127,13 +130,17 @@ class ParallelTransformer:
         elif self.recompute == "matmuls":  # keep the matmuls' outputs; recompute LN, GeLU, bias adds, dropout
             body = jax.checkpoint(body, policy=save_matmul_outputs)
 
+        if self.per_layer is not None:
+            checkpointed = body
+            body = lambda x_BSD, inputs: checkpointed(x_BSD, (self.per_layer(*inputs), inputs[1]))
+
         def run_first(n, x_BSD):  # the first n held layers
             if self.scan_layers:
                 held = jax.tree.map(lambda a: a[:n], stacked)
                 return jax.lax.scan(body, x_BSD, (held, jnp.arange(n)))[0] if n else x_BSD
-            per_layer = jax.tree.map(_unstack, stacked)  # unrolled: each layer's saved activations are own buffers
+            unstacked = jax.tree.map(_unstack, stacked)  # unrolled: each layer's saved activations are own buffers
             for i in range(n):
-                x_BSD, _ = body(x_BSD, (jax.tree.map(lambda parts: parts[i], per_layer,
+                x_BSD, _ = body(x_BSD, (jax.tree.map(lambda parts: parts[i], unstacked,
                                                      is_leaf=lambda x: isinstance(x, tuple)), i))
             return x_BSD
 

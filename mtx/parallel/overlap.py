@@ -1,0 +1,113 @@
+"""Data-parallel communication overlapped with compute, layer by layer (Megatron's `--overlap-grad-reduce` and
+`--overlap-param-gather`), inside the training step's shard_map.
+
+Without them the step reduces every gradient over "data" once, after the whole backward (all-reduce; with the
+distributed optimizer a reduce-scatter), and the distributed optimizer gathers every parameter before the forward.
+In a stacked layer stack nothing of that can start early: the stack's gradient is one (L, ...) array, complete
+only when the backward of layer 0 is. Here the step hands the layer stack a function applied to each layer's
+parameters as that layer runs (`ParallelTransformer.per_layer`); its transpose is that layer's reduction, so the
+backward reduces layer l while it computes layer l - 1, and XLA's asynchronous collectives overlap the two:
+
+- replicated optimizer: the layer's parameters enter invariant over "data" and are cast to vary (no data moves);
+  the cast's transpose is the all-reduce of that layer's gradient (Megatron's `f`, over "data" instead of "model").
+- distributed optimizer, `--overlap-grad-reduce`: the parameters are gathered once before the forward, as without
+  the flag; the layer takes its gathered copy in the forward and its backward reduce-scatters the layer's gradient
+  onto this rank's shard (`_scattered_in_backward`).
+- distributed optimizer, `--overlap-param-gather` too: the layer all-gathers its own shards as it runs (in the
+  compute dtype, like the up-front gather), so the gather of layer l + 1 overlaps layer l; the transpose is the same
+  reduce-scatter (in fp32, as every gradient reduction: `_gathered`).
+
+Every microbatch reduces its own gradients this way (the accumulator then holds reduced gradients, sharded with the
+distributed optimizer: ZeRO-2's accumulation), so with gradient accumulation the step moves M times the bytes of
+one reduction, each behind that microbatch's backward; one microbatch per step (the usual data-parallel setting)
+moves exactly what the step without the flags moves. Parameters outside the stack (embeddings, final LayerNorm)
+and the sums over "model" (sequence parallelism's replicated LayerNorms, replicated key/value groups) are reduced
+after the backward as before. The pipelined schedules keep their one reduction after the last tick.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from mtx.parallel.mesh import DATA
+from mtx.parallel.ops import vary
+from mtx.parallel.sharded import data_dim, is_stacked
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scattered_in_backward(shard, dim, gathered):
+    """The gathered parameter (computed before the forward) in the forward; in the backward its gradient
+    reduce-scattered over "data" onto `shard` along `dim`."""
+    return gathered
+
+
+def _scattered_fwd(shard, dim, gathered):
+    return gathered, None
+
+
+def _scattered_bwd(dim, _, ct):
+    return jax.lax.psum_scatter(ct, DATA, scatter_dimension=dim, tiled=True), None
+
+
+_scattered_in_backward.defvjp(_scattered_fwd, _scattered_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(shard, dim, wire):
+    """`shard` all-gathered over "data" along `dim`, sent in dtype `wire` (the compute dtype for matrices: the forward
+    casts them to it anyway); in the backward the gradient reduce-scattered in its own dtype (fp32)."""
+    return jax.lax.all_gather(shard.astype(wire), DATA, axis=dim, tiled=True).astype(shard.dtype)
+
+
+def _gathered_fwd(shard, dim, wire):
+    return _gathered(shard, dim, wire), None
+
+
+def _gathered_bwd(dim, wire, _, ct):
+    return (jax.lax.psum_scatter(ct, DATA, scatter_dimension=dim, tiled=True),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+class LayerReduction(NamedTuple):
+    """How one stacked parameter is reduced inside the backward, layer by layer (see the module docstring)."""
+
+    kind: str  # "all_reduce" | "reduce_scatter" | "gather"
+    dim: int | None = None  # the dimension of one layer's parameter that "data" splits (distributed optimizer)
+    wire: jnp.dtype | None = None  # "gather": the dtype it sends
+    gathered: jax.Array | None = None  # "reduce_scatter": the whole stack, gathered before the forward
+
+    def __call__(self, w, i):
+        """One layer's parameter `w` (layer index `i`) -> what the layer computes with."""
+        if self.kind == "all_reduce":
+            return vary(w, (DATA,))
+        if self.kind == "reduce_scatter":
+            return _scattered_in_backward(w, self.dim, self.gathered[i])
+        return _gathered(w, self.dim, self.wire)
+
+
+def reduction_kind(spec: P, master: P, *, distributed: bool, param_gather: bool) -> str | None:
+    """How a parameter (declared `spec`, stored `master`) is reduced inside the backward; None for the parameters
+    outside the layer stack, reduced after the backward."""
+    if not is_stacked(spec):
+        return None
+    if not distributed or data_dim(master) is None:  # replicated over "data": all-reduce
+        return "all_reduce"
+    return "gather" if param_gather else "reduce_scatter"
+
+
+def layer_hook(reductions: list[LayerReduction]):
+    """The stack's `per_layer` function: (one layer's parameters as handed over, layer index) -> the parameters the
+    layer computes with; `reductions` lists each leaf's LayerReduction in the order of the layer's leaves."""
+    def per_layer(layer_state, i):
+        leaves, treedef = jax.tree.flatten(layer_state)
+        assert len(leaves) == len(reductions), "the reductions are made from the same layer stack"
+        return jax.tree.unflatten(treedef, [reduce(w, i) for w, reduce in zip(leaves, reductions)])
+
+    return per_layer
