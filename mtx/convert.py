@@ -60,13 +60,19 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
         vocab_size=hf["vocab_size"], hidden_dropout=hf.get("resid_pdrop", 0.1),  # mtx uses it for embd_pdrop too
         attention_dropout=hf.get("attn_pdrop", 0.1), layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         init_method_std=hf.get("initializer_range", 0.02), tensor_model_parallel_size=1)
+    return validated(values, _HF_KEYS, seed)
+
+
+def validated(values: dict, hf_keys: dict[str, str], seed: int | None) -> Config:
+    """The Config of `values`, validated as train.py's flags are; a refusal names config.json's key (`hf_keys`: flag
+    -> key), not the flag."""
     if seed is not None:
         values["seed"] = seed
     try:
         return Config().replace(**values).validate()
-    except ValueError as e:  # name config.json's keys, not train.py's flags
+    except ValueError as e:
         message = str(e)
-        for flag, key in _HF_KEYS.items():
+        for flag, key in hf_keys.items():
             message = message.replace(flag, key)
         raise ValueError(f"config.json: {message}") from None
 
