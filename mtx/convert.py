@@ -16,6 +16,7 @@ optimizer state, so `train.py --load`, eval.py and `mtx.loading.load_model` all 
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -180,6 +181,7 @@ def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     if files:
         from safetensors.numpy import load_file
 
+        importlib.import_module("ml_dtypes")  # NumPy reads bfloat16 (most Llama checkpoints) once it is imported
         tensors = {k: v for f in files for k, v in load_file(d / f).items()}
     elif (d / "pytorch_model.bin").is_file():
         try:

@@ -235,6 +235,25 @@ def test_tensors_that_do_not_fit_are_refused_in_one_line(tmp_path, capsys):
         assert not (tmp_path / "c").exists()
 
 
+def test_bfloat16_checkpoints_are_read(tmp_path):
+    """Llama checkpoints are mostly bfloat16, which NumPy reads only with ml_dtypes imported: read_hf does so itself
+    (a fresh process, as this one has imported JAX and so ml_dtypes), and the weights widen to float32 exactly."""
+    import subprocess
+    import sys
+
+    import ml_dtypes
+
+    hf = hf_config()
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in random_hf_tensors(hf).items()}
+    write_hf(tmp_path / "hf", hf, tensors)
+    code = ("import sys; from mtx.convert import read_hf; t = read_hf(sys.argv[1])[1]; "
+            "print(t['model.norm.weight'].dtype, len(t))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["bfloat16", str(len(tensors))]
+    flat = params_from_hf(read_hf(tmp_path / "hf")[1], config_from_hf(hf).model)
+    assert np.array_equal(flat["final_layernorm.scale"], tensors["model.norm.weight"].astype(np.float32))
+
+
 def test_checkpoints_without_all_of_llamas_blocks_do_not_export():
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True)
     refuse_unconvertible(ModelConfig(**llama), "ckpt")
