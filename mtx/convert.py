@@ -250,7 +250,7 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     from mtx.checkpoint import Checkpointer, is_checkpoint_dir
     from mtx.loading import load_model
 
-    _check_fresh(hf_dir, "--hf-dir", "model directory")
+    _check_fresh(hf_dir, "--hf-dir", "model")
     _check(is_checkpoint_dir(load), f"--load {load} holds no checkpoint; pass a directory written by --save or "
            "by from-hf.")
     ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
