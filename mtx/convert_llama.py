@@ -43,6 +43,8 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
     missing = [key for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                                "max_position_embeddings", "vocab_size") if hf.get(key) is None]
     _check(not missing, f"config.json lacks {', '.join(missing)}; pass a Llama config.json (save_pretrained).")
+    tied = hf.get("tie_word_embeddings", False)  # HF Llama's default: an lm_head of its own
+    _check(isinstance(tied, bool), f"config.json has tie_word_embeddings {tied!r}; pass true or false.")
     heads, groups = hf["num_attention_heads"], hf.get("num_key_value_heads")
     grouped = groups is not None and groups != heads  # as many groups as heads is multi-head attention
     values = dict(
@@ -52,7 +54,7 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
         position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
         norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True, group_query_attention=grouped,
         num_query_groups=groups if grouped else None, disable_bias_linear=True,
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),  # HF Llama's default: untied
+        untie_embeddings_and_output_weights=not tied,
         hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
         init_method_std=hf.get("initializer_range", 0.02), tensor_model_parallel_size=1)
     cfg = validated(values, _HF_KEYS, seed)

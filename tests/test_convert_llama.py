@@ -210,6 +210,7 @@ def refused(capsys, argv) -> str:
     ({"intermediate_size": None}, "config.json lacks intermediate_size"),
     ({"num_key_value_heads": 3}, "config.json: num_key_value_heads 3 does not divide num_attention_heads 4"),
     ({"rms_norm_eps": -1.0}, "config.json: rms_norm_eps must be > 0"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings 'yes'; pass true or false"),
 ])
 def test_what_mtx_cannot_compute_is_refused_in_one_line(tmp_path, capsys, changes, needle):
     hf = {k: v for k, v in (hf_config() | changes).items() if v is not None or k == "rope_scaling"}
