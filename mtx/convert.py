@@ -1,7 +1,10 @@
-"""Hugging Face GPT-2 <-> mtx checkpoints, so published weights can be fine-tuned, evaluated and shared back.
+"""Hugging Face GPT-2 and Llama <-> mtx checkpoints, so published weights can be fine-tuned, evaluated and shared back.
 
     python -m mtx.convert from-hf --hf-dir DIR --save CKPT [--seed N]   # config.json + model.safetensors -> orbax
-    python -m mtx.convert to-hf --load CKPT --hf-dir OUT [--ckpt-step N]  # -> GPT2LMHeadModel directory
+    python -m mtx.convert to-hf --load CKPT --hf-dir OUT [--ckpt-step N]  # -> GPT2LMHeadModel / LlamaForCausalLM
+
+config.json's model_type picks the family: gpt2 here, llama in mtx/convert_llama.py; on export, a checkpoint with
+Llama's blocks (mtx/architecture.py) becomes a LlamaForCausalLM, one without a GPT2LMHeadModel. The rest is GPT-2's.
 
 The two models compute the same function; only layouts differ. HF's Conv1D stores weights (in, out), as mtx's
 `kernel` does, so linears copy straight across. Two things move: the fused QKV columns, which HF orders [q | k | v]
@@ -13,6 +16,7 @@ optimizer state, so `train.py --load`, eval.py and `mtx.loading.load_model` all 
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -43,7 +47,7 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
     """GPT-2 config.json -> an mtx Config with the same architecture (TP 1; other sizes are chosen at load)."""
     act = hf.get("activation_function", "gelu_new")
     _check(hf.get("model_type", "gpt2") == "gpt2",
-           f"config.json has model_type {hf.get('model_type')!r}; only GPT-2 (model_type gpt2) converts.")
+           f"config.json has model_type {hf.get('model_type')!r}; only gpt2 and llama convert.")
     _check(act in TANH_GELUS, f"config.json has activation_function {act!r} but mtx uses the tanh GeLU; "
            "convert only gelu_new models.")
     _check(hf.get("scale_attn_weights", True) and not hf.get("scale_attn_by_inverse_layer_idx", False),
@@ -60,13 +64,19 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
         vocab_size=hf["vocab_size"], hidden_dropout=hf.get("resid_pdrop", 0.1),  # mtx uses it for embd_pdrop too
         attention_dropout=hf.get("attn_pdrop", 0.1), layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         init_method_std=hf.get("initializer_range", 0.02), tensor_model_parallel_size=1)
+    return validated(values, _HF_KEYS, seed)
+
+
+def validated(values: dict, hf_keys: dict[str, str], seed: int | None) -> Config:
+    """The Config of `values`, validated as train.py's flags are; a refusal names config.json's key (`hf_keys`: flag
+    -> key), not the flag."""
     if seed is not None:
         values["seed"] = seed
     try:
         return Config().replace(**values).validate()
-    except ValueError as e:  # name config.json's keys, not train.py's flags
+    except ValueError as e:
         message = str(e)
-        for flag, key in _HF_KEYS.items():
+        for flag, key in hf_keys.items():
             message = message.replace(flag, key)
         raise ValueError(f"config.json: {message}") from None
 
@@ -153,10 +163,10 @@ def _take(t: dict, name: str) -> np.ndarray:
 
 # ---- files ----
 def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config.json dict, tensors) of a local HF GPT-2 directory: model.safetensors (sharded or not), else
+    """(config.json dict, tensors) of a local HF model directory: model.safetensors (sharded or not), else
     pytorch_model.bin when torch is installed."""
     d = Path(hf_dir)
-    _check(d.is_dir(), f"--hf-dir {d}: no such directory; pass a local Hugging Face GPT-2 directory.")
+    _check(d.is_dir(), f"--hf-dir {d}: no such directory; pass a local Hugging Face model directory.")
     _check((d / "config.json").is_file(), f"--hf-dir {d} has no config.json; pass a Hugging Face model directory.")
     try:
         hf = json.loads((d / "config.json").read_text())
@@ -171,6 +181,7 @@ def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     if files:
         from safetensors.numpy import load_file
 
+        importlib.import_module("ml_dtypes")  # NumPy reads bfloat16 (most Llama checkpoints) once it is imported
         tensors = {k: v for f in files for k, v in load_file(d / f).items()}
     elif (d / "pytorch_model.bin").is_file():
         try:
@@ -208,7 +219,7 @@ def _param_name(path) -> str:
 
 
 def from_hf(hf_dir: str | Path, save: str | Path, *, seed: int | None = None) -> Config:
-    """Converts a local HF GPT-2 directory into an mtx checkpoint (step 0) in `save`; returns its Config."""
+    """Converts a local HF GPT-2 or Llama directory into an mtx checkpoint (step 0) in `save`; returns its Config."""
     import jax
 
     from mtx.checkpoint import Checkpointer
@@ -217,8 +228,9 @@ def from_hf(hf_dir: str | Path, save: str | Path, *, seed: int | None = None) ->
 
     _check_fresh(save, "--save", "checkpoint")
     hf, tensors = read_hf(hf_dir)
-    cfg = config_from_hf(hf, seed=seed)
-    flat = params_from_hf(tensors, cfg.model)
+    family = _family(hf.get("model_type"))
+    cfg = family.config_from_hf(hf, seed=seed)
+    flat = family.params_from_hf(tensors, cfg.model)
     model = ShardedModel(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     ckpt = Checkpointer(save)
     try:
@@ -230,14 +242,15 @@ def from_hf(hf_dir: str | Path, save: str | Path, *, seed: int | None = None) ->
 
 
 def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None) -> None:
-    """Writes the mtx checkpoint in `load` as a GPT2LMHeadModel directory (config.json + model.safetensors)."""
+    """Writes the mtx checkpoint in `load` as a GPT2LMHeadModel or, with Llama's blocks, a LlamaForCausalLM directory
+    (config.json + model.safetensors)."""
     import jax
     from safetensors.numpy import save_file
 
     from mtx.checkpoint import Checkpointer, is_checkpoint_dir
     from mtx.loading import load_model
 
-    _check_fresh(hf_dir, "--hf-dir", "model directory")
+    _check_fresh(hf_dir, "--hf-dir", "model")
     _check(is_checkpoint_dir(load), f"--load {load} holds no checkpoint; pass a directory written by --save or "
            "by from-hf.")
     ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
@@ -245,15 +258,26 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
         model_cfg = ckpt.saved_config(ckpt_step if ckpt_step is not None else ckpt.latest_step()).model
     finally:
         ckpt.close()
-    _check(not model_cfg.llama_blocks(), f"--load {load} was trained with {', '.join(model_cfg.llama_blocks())}, "
-           "which GPT2LMHeadModel does not have; only GPT-2's blocks convert.")
+    llama = bool(model_cfg.llama_blocks())
+    family = _family("llama" if llama else "gpt2")
+    if llama:
+        family.refuse_unconvertible(model_cfg, load)
     _, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=ckpt_step)
     flat = {_param_name(path): np.asarray(jax.device_get(leaf))
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     out = Path(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(params_to_hf(flat, model_cfg), out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config_to_hf(model_cfg), indent=2) + "\n")
+    save_file(family.params_to_hf(flat, model_cfg), out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(family.config_to_hf(model_cfg), indent=2) + "\n")
+
+
+def _family(model_type):
+    """The module that maps a config.json model_type: this one for gpt2, mtx/convert_llama.py for llama."""
+    if model_type == "llama":
+        from mtx import convert_llama  # imported here: it builds on this module
+
+        return convert_llama
+    return sys.modules[__name__]  # gpt2, or refused by name in config_from_hf
 
 
 def _check_fresh(path: str | Path, flag: str, what: str) -> None:
@@ -270,12 +294,12 @@ def _check(ok: bool, message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m mtx.convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("from-hf", help="Hugging Face GPT-2 directory -> mtx checkpoint")
+    a = sub.add_parser("from-hf", help="Hugging Face GPT-2 or Llama directory -> mtx checkpoint")
     a.add_argument("--hf-dir", required=True, help="local directory with config.json and model.safetensors")
     a.add_argument("--save", required=True, help="new mtx checkpoint directory")
     a.add_argument("--seed", type=ranged(int, ">= 0"), default=None,
                    help="training seed stored in the checkpoint's config")
-    b = sub.add_parser("to-hf", help="mtx checkpoint -> Hugging Face GPT2LMHeadModel directory")
+    b = sub.add_parser("to-hf", help="mtx checkpoint -> Hugging Face GPT2LMHeadModel or LlamaForCausalLM directory")
     b.add_argument("--load", required=True, help="mtx checkpoint directory")
     b.add_argument("--hf-dir", required=True, help="new output directory")
     b.add_argument("--ckpt-step", type=ranged(int, ">= 0"), default=None, help="step to convert (default: latest)")
@@ -284,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-hf":
             cfg = from_hf(args.hf_dir, args.save, seed=args.seed)
             m = cfg.model
-            print(f"wrote {args.save}: GPT-2 L={m.num_layers} D={m.hidden_size} N={m.num_attention_heads} "
+            family = f"Llama G={m.query_groups} F={m.ffn_size}" if m.llama_blocks() else "GPT-2"
+            print(f"wrote {args.save}: {family} L={m.num_layers} D={m.hidden_size} N={m.num_attention_heads} "
                   f"V={m.vocab_size} (padded {m.padded_vocab_size}), step 0")
         else:
             to_hf(args.load, args.hf_dir, ckpt_step=args.ckpt_step)

@@ -196,7 +196,7 @@ def test_checkpoints_move_between_meshes_with_the_groups_split_or_replicated(tmp
     np.testing.assert_allclose([resumed.losses[s] for s in (3, 4)], [full.losses[s] for s in (3, 4)], rtol=1e-5)
     from mtx.convert import to_hf
 
-    with pytest.raises(ValueError, match="which GPT2LMHeadModel does not have; only GPT-2's blocks convert"):
+    with pytest.raises(ValueError, match="rotates 6 of each head's 8 dimensions .* LlamaForCausalLM rotates whole"):
         to_hf(ckpt, tmp_path / "hf")
 
 
