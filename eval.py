@@ -17,15 +17,19 @@ simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GP
 
 # The checkpoint, tokenizer, mesh and process flags every task takes, from the config schema (mtx/cli.py). Unset,
 # they mean "as the checkpoint was saved" where the checkpoint has a say: its micro batch, its tokenizer, its step.
-_COMMON_FIELDS = ("load", "ckpt_step", "vocab_file", "merge_file", "micro_batch_size", "tensor_model_parallel_size",
-                  "pipeline_model_parallel_size", "data_parallel_size", "bf16", "coordinator_address",
-                  "num_processes", "process_id", "distributed_timeout", "distributed_timeout_minutes")
+_COMMON_FIELDS = ("load", "ckpt_step", "vocab_file", "merge_file", "tokenizer_type", "tokenizer_model",
+                  "micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "data_parallel_size", "bf16", "coordinator_address", "num_processes", "process_id",
+                  "distributed_timeout", "distributed_timeout_minutes")
 _COMMON_DEFAULTS = {"micro_batch_size": None, "tensor_model_parallel_size": 1}
 _COMMON_HELPS = {
     "load": "checkpoint directory (written by train.py --save)",
     "ckpt_step": "checkpoint step to load; None: the latest",
     "vocab_file": "GPT-2 encoder.json; None: the checkpoint's tokenizer",
     "merge_file": "GPT-2 vocab.bpe; None: the checkpoint's tokenizer",
+    "tokenizer_type": "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; None: by the files "
+                      "given, or the checkpoint's tokenizer",
+    "tokenizer_model": "HuggingFaceTokenizer: a local directory holding tokenizer.json; None: the checkpoint's",
     "micro_batch_size": "sequences per data-parallel rank and batch; None: the checkpoint's",
 }
 
@@ -80,7 +84,8 @@ def prepare(args):
     if not args.load and not getattr(args, "dry_run", False):
         raise ValueError(f"{args.task} needs --load; pass a checkpoint directory written by train.py --save.")
     cfg = ev.checkpoint_config(args.load, args.ckpt_step) if args.load else None
-    tokenizer = ev.checkpoint_tokenizer(cfg, args.vocab_file, args.merge_file)
+    tokenizer = ev.checkpoint_tokenizer(cfg, args.vocab_file, args.merge_file, args.tokenizer_type,
+                                        args.tokenizer_model)
     max_positions = cfg.model.max_positions if cfg else None
     seq = getattr(args, "seq_length", None) or (cfg.model.seq_length if cfg else 1024)
     if seq < 1 or (max_positions and seq > max_positions):

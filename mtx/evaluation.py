@@ -147,11 +147,21 @@ def lambada_split(text: str) -> tuple[str, str]:
 
 
 def lambada_tokens(tokenizer, text: str) -> tuple[list[int], int]:
-    """(ids, k): the example's token ids, whose last k are the target word's subwords. An empty context is the
-    end-of-document token (the first subword needs something to be predicted from)."""
+    """(ids, k): the example's token ids, whose last k are the target word's subwords.
+
+    Megatron encodes the context and " " + last word apart and joins the ids; any tokenizer encodes context + " " +
+    last word here, whole, and the target is what follows the longest prefix those ids share with the context's own.
+    For GPT-2's BPE, which never joins a space-led word to what precedes it, these are the same ids; a tokenizer that
+    marks word starts itself (SentencePiece's "▁", prepended to every text) would give " word" alone one "▁" too many.
+    Where the context's last tokens merge with the word, they count as the word's. When no token of the context is
+    left before the word (an empty context), the end-of-document token precedes it: the first subword needs
+    something to be predicted from."""
     context, target = lambada_split(text)
-    target_ids = tokenizer.encode(target)
-    return (tokenizer.encode(context) or [tokenizer.eod]) + target_ids, len(target_ids)
+    ids, context_ids = tokenizer.encode(context + target), tokenizer.encode(context)
+    shared = next((i for i, (a, b) in enumerate(zip(ids, context_ids)) if a != b), min(len(ids), len(context_ids)))
+    if shared == len(ids):
+        raise ValueError(f"the LAMBADA target {target.strip()!r} encodes to no token of its own.")
+    return ([tokenizer.eod] if shared == 0 else []) + ids, len(ids) - shared
 
 
 def lambada_example(ids: Sequence[int], k: int, seq_length: int):
@@ -251,15 +261,19 @@ def checkpoint_config(load: str, ckpt_step: int | None = None):
         ckpt.close()
 
 
-def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | None = None):
-    """The tokenizer the flags name, else the one the checkpoint was trained with; refuses one whose vocabulary
-    size differs from the model's."""
+def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | None = None,
+                         tokenizer_type: str | None = None, tokenizer_model: str | None = None):
+    """The tokenizer the flags name (any of them given), else the one the checkpoint was trained with (GPT-2 BPE,
+    WordPiece, a Hugging Face tokenizer.json or bytes); refuses one whose vocabulary size differs from the model's."""
     from mtx.data import build_tokenizer
 
-    if vocab_file is None and merge_file is None and cfg is not None:
-        vocab_file, merge_file = cfg.data.vocab_file, cfg.data.merge_file
-    tokenizer = build_tokenizer(vocab_file, merge_file)
+    flags = (vocab_file, merge_file, tokenizer_type, tokenizer_model)
+    if all(f is None for f in flags) and cfg is not None:
+        d = cfg.data
+        flags = (d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model)
+    tokenizer = build_tokenizer(*flags)
     if cfg is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model has vocab_size "
-                         f"{cfg.model.vocab_size}; pass the --vocab-file and --merge-file it was trained with.")
+                         f"{cfg.model.vocab_size}; pass the tokenizer it was trained with (--vocab-file and "
+                         "--merge-file, or --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR).")
     return tokenizer

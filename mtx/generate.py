@@ -1,10 +1,11 @@
 """Text generation with a KV cache sharded by heads, batched, on any (data, pipeline, model) mesh.
 
-- Cache: per layer, K and V of shape (B, S_max, n_local, H) on each rank, S_max = the model's max positions (the
-  learned position table; with rope, the window generation runs in). Heads split over "model" exactly like the QKV
-  columns that produce them (grouped-query attention's keys and values repeated per head), rows over "data", the
-  stacked layer axis over "pipeline" like the layer parameters: the global spec (pipeline, data, None, model, None)
-  is declared once, beside the layer stack (`KV_CACHE_SPEC`, mtx/models/stack.py).
+- Cache: per layer, K and V of shape (B, S_max, g, H) on each rank, S_max = the model's max positions (the learned
+  position table; with rope, the window generation runs in), g the rank's key/value heads: its n_local heads, or
+  with grouped-query attention its G / TP groups (the one group of its heads when G < TP), N / G times less memory
+  than a copy per query head. They split over "model" exactly like the columns that produce them, rows over "data",
+  the stacked layer axis over "pipeline" like the layer parameters: the global spec (pipeline, data, None, model,
+  None) is declared once, beside the layer stack (`KV_CACHE_SPEC`, mtx/models/stack.py).
 - Prefill: the prompts, right-padded to (B, S_max), run once. Causal attention alone keeps real tokens from seeing
   the padding (it comes after them); every layer writes its K/V into the cache, and row b's next-token logits come
   from position len_b - 1.

@@ -1,5 +1,6 @@
 """Evaluation: WikiText detokenization and windows, the sharded scorer against a plain forward on every mesh,
-LAMBADA's every-subword rule, and eval.py's JSON output and one-line errors."""
+LAMBADA's every-subword rule, eval.py's JSON output and one-line errors, and both tasks with a Hugging Face
+tokenizer on a Llama-shaped model."""
 
 import importlib.util
 import inspect
@@ -271,3 +272,89 @@ def test_cli_generate(checkpoint, capsys):
     assert rc == 0, err
     assert [s["prompt"] for s in result["samples"]] == ["The ", "A b"]
     assert all(0 < s["new_tokens"] <= 5 and isinstance(s["completion"], str) for s in result["samples"])
+
+
+# ---- a Hugging Face tokenizer and Llama's blocks ----
+WIKI = (" = Lobster = \n The European lobster , H. gammarus , is 3 @.@ 5 m long and well @-@ known . It lives in "
+        "the sea ( 24 in deep ) . \n = = Life = = \n The lobster 's life is long ; it eats the fish . \n")
+LAMBADA = ["the lobster lives in the sea", "It eats what the fish\neat", "one", "The sea is long and the lobster is "
+           "well known for its claws"]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """A tokenizer.json like Llama 2's (Hugging Face's conversion of its SentencePiece model): "▁" prepended to the
+    text and for every space, BPE pieces learned within words, "</s>" the end of a document. -> its directory."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from mtx.data.dataset import builtin_corpus
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")  # learn pieces within words
+    tok.train_from_iterator([builtin_corpus()[:20_000], WIKI, *LAMBADA],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.pre_tokenizer = None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    folder = tmp_path_factory.mktemp("hf_tokenizer")
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_lambada_targets_are_the_words_ids_in_the_whole_text(hf_tokenizer):
+    """Encoded alone, " claws" would start with a "▁" of its own; the target is the word's ids in the whole text."""
+    tok = build_tokenizer(None, None, "HuggingFaceTokenizer", str(hf_tokenizer))
+    ids, k = ev.lambada_tokens(tok, LAMBADA[3])
+    assert ids == tok.encode(LAMBADA[3]) and tok.decode(ids[-k:]) == "claws"
+    assert tok.encode(" claws") != ids[-k:] and tok.encode(" claws")[1:] == ids[-k:]
+    ids, k = ev.lambada_tokens(tok, LAMBADA[1])  # the newline before the word is one space, as in Megatron
+    assert ids == tok.encode("It eats what the fish eat") and tok.decode(ids[-k:]) == "eat"
+    assert ev.lambada_tokens(tok, "one") == ([tok.eod, *tok.encode(" one")], len(tok.encode(" one")))
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(hf_tokenizer, tmp_path_factory):
+    """A tiny Llama (8 heads in 2 key/value groups, rope, RMSNorm, SwiGLU, no biases, untied output) trained 0 steps on
+    text tokenized by `hf_tokenizer` (the checkpoint records the tokenizer)."""
+    folder = tmp_path_factory.mktemp("llama")
+    (folder / "corpus.txt").write_text(WIKI * 40, encoding="utf-8")
+    cfg = Config().replace(**load_preset(ROOT / "configs/tiny.toml")).replace(
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
+        num_query_groups=2, untie_embeddings_and_output_weights=True, disable_bias_linear=True, train_iters=0,
+        save=str(folder / "ckpt"), data_path=(str(folder / "corpus.txt"),), tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=str(hf_tokenizer), tensor_model_parallel_size=1, data_parallel_size=1)
+    train(cfg, progress=False)
+    return folder / "ckpt"
+
+
+def test_wikitext_lambada_and_generate_with_a_hugging_face_tokenizer_on_a_llama(
+        llama_checkpoint, hf_tokenizer, tmp_path, capsys):
+    """The checkpoint's tokenizer (or the same one named by flags) on one device and with the 2 groups replicated over
+    TP 4 in 2 pipeline stages: finite losses, the same numbers and the same greedy text on both meshes."""
+    (tmp_path / "wiki.txt").write_text(WIKI * 3, encoding="utf-8")
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA))
+    tokenizer_flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_tokenizer)]
+    runs = []
+    for mesh in ([], ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", *tokenizer_flags]):
+        common = ["--load", str(llama_checkpoint), *mesh]
+        results = []
+        for argv in (["wikitext", "--data-path", str(tmp_path / "wiki.txt"), "--overlapping-eval", "8"],
+                     ["lambada", "--data-path", str(tmp_path / "l.jsonl")],
+                     ["generate", "--prompt", "The lobster", "--max-new-tokens", "6", "--temperature", "0"]):
+            rc, result, err = _cli(capsys, *argv, *common)
+            assert rc == 0, err
+            results.append(result)
+        runs.append(results)
+    (wiki, lam, gen), (wiki4, lam4, gen4) = runs
+    tok = build_tokenizer(None, None, "HuggingFaceTokenizer", str(hf_tokenizer))
+    t = len(tok.encode(wikitext_detokenize(WIKI * 3)))
+    assert (wiki["tokens"], wiki["scored_tokens"], wiki["windows"]) == (t, t - 1, ev.num_windows(t, 32, 8))
+    assert wiki["windows"] > 4 and lam["n"] == 4 and lam["target_tokens"] >= 4
+    assert all(np.isfinite(x) for x in (wiki["loss"], wiki["ppl"], wiki["adjusted_ppl"], lam["target_loss"]))
+    assert abs(wiki["loss"] - np.log(tok.vocab_size)) < 1.0  # an untrained model is near uniform
+    for one, four in ((wiki, wiki4), (lam, lam4)):
+        assert {k: v for k, v in one.items() if "loss" not in k and "ppl" not in k} == {
+            k: v for k, v in four.items() if "loss" not in k and "ppl" not in k}
+        for key in one.keys() & {"loss", "ppl", "adjusted_ppl", "target_loss"}:
+            assert four[key] == pytest.approx(one[key], rel=1e-5), key
+    assert gen == gen4 and gen["samples"][0]["new_tokens"] == 6

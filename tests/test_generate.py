@@ -22,26 +22,27 @@ TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(vocab_size=V
                                                                     attention_dropout=0.0)
 
 
-# Llama's blocks, the 2 key/value groups split over TP 2 and replicated over TP 4 (tests/test_llama.py).
+# Llama's blocks: 8 query heads of 8 dims and G key/value groups (split over TP when TP divides G, else replicated:
+# tests/test_llama.py).
 LLAMA = dict(position_embedding_type="rope", rotary_percent=0.5, normalization="RMSNorm", swiglu=True,
-             group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=True,
-             disable_bias_linear=True)
+             group_query_attention=True, untie_embeddings_and_output_weights=True, disable_bias_linear=True)
 
 
 @functools.cache
-def setup(mesh, num_layers=2, llama=False):
-    """(model, randomly initialised params) of the tiny model (with Llama's blocks) on a (data, pipeline, model)
-    mesh. Parameters do not depend on the mesh, so they are initialised once per model on one device and laid out
-    on the others."""
+def setup(mesh, num_layers=2, groups=None):
+    """(model, randomly initialised params) of the tiny model (with Llama's blocks and `groups` key/value groups
+    unless None) on a (data, pipeline, model) mesh. Parameters do not depend on the mesh, so they are initialised
+    once per model on one device and laid out on the others."""
     dp, pp, tp = mesh
     uneven = {"num_layers_in_first_pipeline_stage": num_layers - (num_layers // pp) * (pp - 1)} if num_layers % pp \
         else {}
+    llama = {} if groups is None else dict(LLAMA, num_query_groups=groups)
     cfg = TINY.replace(num_layers=num_layers, data_parallel_size=dp, pipeline_model_parallel_size=pp,
                        tensor_model_parallel_size=tp, micro_batch_size=1, global_batch_size=dp * pp,
-                       **uneven, **(LLAMA if llama else {})).validate(8)
+                       **uneven, **llama).validate(8)
     model = ShardedModel(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
     if mesh != (1, 1, 1):
-        return model, jax.device_put(setup((1, 1, 1), num_layers, llama)[1], model.param_shardings)
+        return model, jax.device_put(setup((1, 1, 1), num_layers, groups)[1], model.param_shardings)
     if num_layers == 2:
         return model, init_state(model).params
     # The training init's parameters without compiling the optimizer's init.
@@ -79,21 +80,30 @@ def uncached_greedy(model, params, prompt, n):
     return ids
 
 
-@pytest.mark.parametrize("mesh,num_layers,llama", [((1, 1, 1), 2, False), ((1, 1, 2), 2, False),
-                                                   ((2, 1, 4), 2, False), ((1, 2, 2), 2, False),
-                                                   ((1, 2, 1), 3, False), ((1, 1, 4), 2, True), ((1, 2, 2), 2, True)])
-def test_cached_logits_equal_the_full_forward_at_every_step(mesh, num_layers, llama):
+# (mesh, layers, key/value groups or None for GPT-2's blocks). Llama's: G = 2 on one device, split over TP 2 (one
+# group a rank), replicated over TP 4 (G < TP), both with pipeline stages; G = 1 (multi-query) replicated over TP 2
+# with two data ranks.
+CACHED_CASES = [((1, 1, 1), 2, None), ((1, 1, 2), 2, None), ((2, 1, 4), 2, None), ((1, 2, 2), 2, None),
+                ((1, 2, 1), 3, None), ((1, 1, 1), 2, 2), ((1, 1, 2), 2, 2), ((1, 1, 4), 2, 2), ((1, 2, 2), 2, 2),
+                ((1, 2, 4), 2, 2), ((2, 1, 2), 2, 1)]
+
+
+def prefill_two_prompts(model, params, seq, lengths):
+    dec = decoder_for(model)
+    return dec, *dec.prefill(params, *dec.windows([seq[b, : lengths[b]].tolist() for b in range(2)]))
+
+
+@pytest.mark.parametrize("mesh,num_layers,groups", CACHED_CASES)
+def test_cached_logits_equal_the_full_forward_at_every_step(mesh, num_layers, groups):
     """Prefill two prompts of different lengths, then teacher-force the rest of a random sequence token by token:
     every step's (B, V) logits equal the uncached forward's at that position ((1, 2, 1) x 3 layers: uneven stages;
-    Llama's blocks: rotary positions of the cache slots, grouped keys and values replicated over TP 4 or split over
-    TP 2 with pipeline stages)."""
-    model, params = setup(mesh, num_layers, llama)
+    Llama's blocks: rotary positions of the cache slots, a cache of the key/value groups, split or replicated)."""
+    model, params = setup(mesh, num_layers, groups)
     seq = np.random.default_rng(0).integers(0, VOCAB, (2, S)).astype(np.int32)
     ref = full_logits(model, params, seq.tolist())
     tol = 1e-5 * np.abs(ref).max()
-    dec = decoder_for(model)
     lengths = np.array([5, 9], np.int32)
-    logits, cache = dec.prefill(params, *dec.windows([seq[b, : lengths[b]].tolist() for b in range(2)]))
+    dec, logits, cache = prefill_two_prompts(model, params, seq, lengths)
     np.testing.assert_allclose(np.asarray(logits), ref[[0, 1], lengths - 1], rtol=0, atol=tol)
     positions = lengths.copy()
     while positions.max() < S:
@@ -102,6 +112,27 @@ def test_cached_logits_equal_the_full_forward_at_every_step(mesh, num_layers, ll
         np.testing.assert_allclose(np.asarray(logits), ref[[0, 1], positions], rtol=0, atol=tol,
                                    err_msg=f"positions {positions} on {mesh}")
         positions = positions + 1
+
+
+# The key/value heads each rank caches in CACHED_CASES: N / tp of the 8 heads, then G / tp groups or one.
+LOCAL_HEADS = [8, 4, 2, 4, 8, 2, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("case,local_heads", list(zip(CACHED_CASES, LOCAL_HEADS)))
+def test_the_cache_holds_each_ranks_key_value_heads_only(case, local_heads):
+    """Per device, K and V are (held L, B / dp, S_max, g, H): g = N / tp heads with GPT-2's blocks, G / tp groups
+    when tp divides G, one group when G < tp. Llama's 2 groups on one device: 2 x (2, 2, 32, 2, 8) float32, 16 KiB,
+    where a copy per query head was 64 KiB."""
+    (dp, pp, _), num_layers, _ = case
+    model, params = setup(*case)
+    seq = np.random.default_rng(0).integers(0, VOCAB, (2, S)).astype(np.int32)
+    _, _, cache = prefill_two_prompts(model, params, seq, np.array([5, 9], np.int32))
+    held = -(-num_layers // pp)  # an uneven first stage holds the extra layer; every stage stores that many
+    for array in cache:
+        assert {s.data.shape for s in array.addressable_shards} == {(held, 2 // dp, S, local_heads, 8)}
+    assert sum(a.addressable_shards[0].data.nbytes for a in cache) == 2 * held * (2 // dp) * S * local_heads * 8 * 4
+    if case == ((1, 1, 1), 2, 2):
+        assert sum(a.nbytes for a in cache) == 16 * 1024
 
 
 def test_greedy_generation_is_the_argmax_of_the_full_forward_step_by_step():

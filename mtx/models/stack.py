@@ -22,13 +22,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import ModelConfig
-from mtx.models.transformer import KVCache, TransformerLayer
+from mtx.models.transformer import KVCache, TransformerLayer, local_kv_heads
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.ops import vary, vary_like
 from mtx.parallel.random import fold
 
-# The stacked KV cache (L, B, S_max, N, H): layers split like the layer stack, rows like the batch, heads like the QKV
-# columns that produce them.
+# The stacked KV cache (L, B, S_max, G, H), G key/value heads (N without grouping): layers split like the layer stack,
+# rows like the batch, key/value heads like the columns that produce them. With replicated groups (G < TP) each rank
+# holds its own heads' group, so that axis of the global array has TP entries (TP / G copies of each group).
 KV_CACHE_SPEC = KVCache(P(PIPELINE, DATA, None, MODEL, None), P(PIPELINE, DATA, None, MODEL, None))
 
 LAYER_INPUT = "layer_input"  # checkpoint name of each layer's input (what `full` recomputation keeps)
@@ -152,17 +153,16 @@ class ParallelTransformer:
         return jax.lax.switch(index, [functools.partial(run_first, n) for n in choices], x_BSD)
 
     def empty_cache(self, layers: TransformerLayer, batch: int, window: int) -> KVCache:
-        """A zero KV cache for the held layers: (held L, B, S_max, n_local, H) each, typed like its spec
-        (`KV_CACHE_SPEC`: it differs on every rank)."""
-        proj_kernel = layers.attention.proj.kernel  # local (held L, n_local * H, D)
-        held, n_local = proj_kernel.shape[0], proj_kernel.shape[1] // self.cfg.head_dim
-        zeros = jnp.zeros((held, batch, window, n_local, self.cfg.head_dim), self.dtype)
-        zeros = vary(zeros, (DATA, PIPELINE, MODEL))
+        """A zero KV cache for the held layers: (held L, B, S_max, g, H) each, g this rank's key/value heads
+        (`local_kv_heads`), typed like its spec (`KV_CACHE_SPEC`: it differs on every rank)."""
+        held = layers.attention.proj.kernel.shape[0]  # local (held L, n_local * H, D)
+        shape = (held, batch, window, local_kv_heads(self.cfg), self.cfg.head_dim)
+        zeros = vary(jnp.zeros(shape, self.dtype), (DATA, PIPELINE, MODEL))
         return KVCache(zeros, zeros)
 
     def decode(self, layers: TransformerLayer, x_BTD, cache: KVCache, start_B, *, real_layers=None, write=None):
         """Inference through the held layers with their KV caches: (B, T, D) new tokens at positions start_B + t,
-        cache (held L, B, S_max, n_local, H) each -> ((B, T, D), updated cache).
+        cache (held L, B, S_max, g, H) each -> ((B, T, D), updated cache).
 
         The cache is stacked per layer and scanned alongside the layer parameters (one compiled layer). real_layers
         as in `__call__`, but here a padding layer runs and its output is dropped (one compiled layer, as before);

@@ -17,8 +17,9 @@ Llama's blocks (mtx/architecture.py) change what runs between the same collectiv
 RMSNorm for LayerNorm, SwiGLU for GeLU (its gate and up columns split alike), grouped-query attention (query, key
 and value kernels behind one `f`), linears without biases.
 
-Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's heads: the new keys and
-values are written into the cache locally, so decoding adds no collective beyond the same two g's per layer.
+Inference (`decode`) runs the same weights on T new tokens with a KV cache of this rank's key/value heads (with
+grouped-query attention its groups, not their copies per query head): the new keys and values are written into the
+cache locally, so decoding adds no collective beyond the same two g's per layer.
 """
 
 from __future__ import annotations
@@ -79,40 +80,60 @@ def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, causal=True):
 
 
 class KVCache(NamedTuple):
-    """Keys and values of the tokens seen so far, (B, S_max, n_local, H) each for one layer (a leading layer axis
-    when stacked). Heads are split over "model" exactly like the QKV columns that produce them."""
+    """Keys and values of the tokens seen so far, (B, S_max, g, H) each for one layer (a leading layer axis when
+    stacked), g = `local_kv_heads`: the key/value heads this rank computes, split over "model" exactly like the
+    columns that produce them (grouped-query attention: its groups, N / G times fewer than its query heads)."""
 
     k: jax.Array
     v: jax.Array
 
 
-def cached_attention_core(q_BTNH, k_BSNH, v_BSNH, start_B):
-    """Attention of T new queries at absolute positions start_B + t over a (B, S_max) key cache, in float32.
+def local_kv_heads(cfg: ModelConfig) -> int:
+    """Key/value heads of this rank (inside shard_map): its n_local = N / tp heads without grouping; with G groups,
+    its G / tp groups when tp divides G, else (G < tp) the one group that all its heads use."""
+    tp = model_size()
+    if not cfg.group_query_attention:
+        return cfg.num_attention_heads // tp
+    return cfg.query_groups // tp if cfg.query_groups % tp == 0 else 1
+
+
+def repeat_groups(kv_BSGH, heads: int):
+    """(B, S, g, H) keys or values of g groups -> (B, S, heads, H), each group repeated to its heads (query head j
+    of this rank uses local group j // (heads / g))."""
+    repeat = heads // kv_BSGH.shape[2]
+    return jnp.repeat(kv_BSGH, repeat, axis=2) if repeat > 1 else kv_BSGH
+
+
+def cached_attention_core(q_BTNH, k_BSGH, v_BSGH, start_B):
+    """Attention of T new queries at absolute positions start_B + t over a (B, S_max) cache of g key/value heads,
+    in float32; the N query heads are viewed as (g, N / g), so each group's keys serve its heads without copies.
 
     Query t of row b may see cache slots 0 .. start_B[b] + t (its own position included); later slots hold stale
     keys or padding and are masked. With T = S_max and start_B = 0 this is `attention_core`'s causal mask.
     """
-    t, s, h = q_BTNH.shape[1], k_BSNH.shape[1], q_BTNH.shape[-1]
-    scores_BNTS = jnp.einsum("bqnh,bknh->bnqk", q_BTNH, k_BSNH, preferred_element_type=jnp.float32)
-    scores_BNTS = scores_BNTS / math.sqrt(h)
+    (b, t, n, h), (s, g) = q_BTNH.shape, k_BSGH.shape[1:3]
+    q_BTGNH = q_BTNH.reshape(b, t, g, n // g, h)  # N here: the heads of one group
+    scores_BGNTS = jnp.einsum("btgnh,bsgh->bgnts", q_BTGNH, k_BSGH, preferred_element_type=jnp.float32)
+    scores_BGNTS = scores_BGNTS / math.sqrt(h)
     allowed_BTS = jnp.arange(s)[None, None, :] <= (start_B[:, None] + jnp.arange(t)[None, :])[:, :, None]
-    scores_BNTS = jnp.where(allowed_BTS[:, None], scores_BNTS, jnp.finfo(jnp.float32).min)
-    probs_BNTS = jax.nn.softmax(scores_BNTS, axis=-1)
-    return jnp.einsum("bnqk,bknh->bqnh", probs_BNTS.astype(v_BSNH.dtype), v_BSNH)
+    scores_BGNTS = jnp.where(allowed_BTS[:, None, None], scores_BGNTS, jnp.finfo(jnp.float32).min)
+    probs_BGNTS = jax.nn.softmax(scores_BGNTS, axis=-1)
+    ctx_BTGNH = jnp.einsum("bgnts,bsgh->btgnh", probs_BGNTS.astype(v_BSGH.dtype), v_BSGH)
+    return ctx_BTGNH.reshape(b, t, n, h)
 
 
-def write_rows(cache_BSNH, new_BTNH, start_B, write=None):
+def write_rows(cache_BSGH, new_BTGH, start_B, write=None):
     """Writes row b's T new entries at slots start_B[b] .. start_B[b] + T - 1 of the cache.
 
     write: optional bool (a pipeline stage that is not on its tick): False keeps the old entries (selecting among
     T slots per row, not the whole cache).
     """
-    t = new_BTNH.shape[1]
-    new_BTNH = new_BTNH.astype(cache_BSNH.dtype)
+    t = new_BTGH.shape[1]
+    new_BTGH = new_BTGH.astype(cache_BSGH.dtype)
     if write is not None:
-        old_BTNH = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, t, axis=0))(cache_BSNH, start_B)
-        new_BTNH = jnp.where(write, new_BTNH, old_BTNH)
-    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice_in_dim(c, u, s, axis=0))(cache_BSNH, new_BTNH,
+        old_BTGH = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, t, axis=0))(cache_BSGH, start_B)
+        new_BTGH = jnp.where(write, new_BTGH, old_BTGH)
+    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice_in_dim(c, u, s, axis=0))(cache_BSGH, new_BTGH,
                                                                                             start_B)
 
 
@@ -153,21 +174,19 @@ class ParallelSelfAttention(nnx.Module):
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
         """(B, S, D) -> (B, S, D), or this rank's rows (B / tp, S, D) with sequence parallelism; attention sees whole
         rows (at positions 0 .. S - 1). mask_BS and keys_B cover the whole microbatch."""
-        q, k, v = self._project(x_BSD, jnp.arange(x_BSD.shape[1]))  # (B, S, n_local, H) each
+        q, k, v = self._project(x_BSD, jnp.arange(x_BSD.shape[1]))
+        k, v = (repeat_groups(a, q.shape[2]) for a in (k, v))  # (B, S, n_local, H) each
         return self.proj(self._attend(q, k, v, mask_BS, keys_B))
 
     def _project(self, x_BSD, positions):
-        """x -> q, k, v of this rank's heads (B, S, n_local, H) at `positions` ((S,) or (B, S)): keys and values
-        repeated from their groups to the heads that use them, q and k rotated with rope."""
+        """x -> q (B, S, n_local, H) of this rank's heads, k and v (B, S, g, H) of its key/value heads (its groups
+        with grouped-query attention, `local_kv_heads`) at `positions` ((S,) or (B, S)); q and k rotated with rope."""
         if self.grouped:
             q, k, v = self._grouped_qkv(x_BSD)
         else:
             q, k, v = self.qkv.split_call(x_BSD, 3, self.head_dim)
         if self.rotary is not None:
             q, k = (apply_rotary(a, positions, **self.rotary) for a in (q, k))
-        repeat = q.shape[2] // k.shape[2]  # this rank's heads per group it holds
-        if repeat > 1:
-            k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
         return q, k, v
 
     def _grouped_qkv(self, x_BSD):
@@ -195,12 +214,12 @@ class ParallelSelfAttention(nnx.Module):
     def decode(self, x_BTD, cache: KVCache, start_B, *, write=None):
         """Inference with a KV cache: (B, T, D) new tokens at positions start_B + t -> ((B, T, D), updated cache).
 
-        The new keys/values of this rank's heads go into this rank's cache slice (no communication); the only
-        collective is the output projection's g, as in training. No dropout. With grouped-query attention the cache
-        holds the keys and values repeated per head (a cache of the G groups is still to come).
+        The new keys/values of this rank's key/value heads go into this rank's cache slice (no communication); the
+        only collective is the output projection's g, as in training. No dropout. With grouped-query attention the
+        cache holds the groups only, (B, S_max, g, H), and attention reads each group for its heads.
         """
         b, t, _ = x_BTD.shape
-        q, k, v = self._project(x_BTD, start_B[:, None] + jnp.arange(t))  # (B, T, n_local, H) each
+        q, k, v = self._project(x_BTD, start_B[:, None] + jnp.arange(t))  # q (B, T, n_local, H); k, v (B, T, g, H)
         cache = KVCache(write_rows(cache.k, k, start_B, write), write_rows(cache.v, v, start_B, write))
         ctx_BTNH = cached_attention_core(q, cache.k, cache.v, start_B)
         return self.proj(ctx_BTNH.reshape(b, t, -1)), cache
