@@ -182,8 +182,9 @@ def audit_pipeline(cfg: Config) -> dict:
     interleaved: two in the body of one scan of forward and backward slots (the activations to the next stage, the
     input gradients to the previous one), and the head's collectives over "pipeline" once a microbatch (the last
     stage's output to every stage, the loss's three sums over the stages' vocabulary shares, the gradient wrt that
-    output summed back; GPT, mtx/parallel/one_f_one_b.py). Outside the ticks, uneven or virtual stages move the layers stored on
-    another device into each device's chunk slots, and their gradients back, once a step (`layer exchange`)."""
+    output summed back; GPT, mtx/parallel/one_f_one_b.py). Outside the ticks, uneven or virtual stages move the
+    layers stored on another device into each device's chunk slots, and their gradients back, once a step
+    (`layer exchange`)."""
     from mtx.sharded_model import ShardedModel
     from mtx.step import TrainStep
 
