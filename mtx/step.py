@@ -2,9 +2,10 @@
 
 Inside the shard_map every collective is explicit: the model's f/g over "model", and exactly one gradient all-reduce
 over "data" per step, after all microbatches are accumulated (with the distributed optimizer, a reduce-scatter of
-the gradients and, before the forward, an all-gather of the parameters' shards). Each data rank differentiates its
-own copy of the parameters (cast to "varying" over "data" before the loss), so autodiff inserts no hidden reduction
-per microbatch.
+the gradients and, before the forward, an all-gather of the parameters' shards; with --overlap-grad-reduce the layer
+stack's share of them runs inside each layer's backward and forward instead: mtx/parallel/overlap.py). Each data
+rank differentiates its own copy of the parameters (cast to "varying" over "data" before the loss), so autodiff
+inserts no hidden reduction per microbatch.
 
 A batch is a pytree of arrays with the global batch as leading axis (GPT: one (G, S + 1) token array; BERT: a dict
 of fields); the model family's objective (mtx/objectives.py) says how a microbatch becomes its share of the loss.
