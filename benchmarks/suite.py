@@ -4,14 +4,14 @@
     python benchmarks/suite.py --rows 4gpu --baseline results.jsonl     # efficiency against 1-GPU rows run earlier
     python benchmarks/suite.py --table-only --baseline a.jsonl b.jsonl --plot docs/scaling.png   # the table, drawn
 
-Rows are named groups (ROWS below): mtx rows run `benchmarks/bench.py`, the baselines `benchmarks/plain_gpt.py`
-(plain JAX, no shard_map) and `benchmarks/torch_gpt.py` (torch.compile nanoGPT). Each row runs in its own process
-on the first `gpus` devices (CUDA_VISIBLE_DEVICES), so rows never share a GPU and a failing row (out of memory)
-costs only itself. The table reports, besides bench.py's fields, each mtx row's scaling against the 1-GPU mtx row of
-the same model (a GSPMD row's against the 1-GPU plain-JAX row): weak-scaling efficiency = per-GPU tokens/s of the
-larger model and mesh / per-GPU tokens/s of 1.2B on 1 GPU, in model FLOPs (the paper's Figure 5 uses FLOP/s: the
-models differ), and strong-scaling speedup = tokens/s on n GPUs / tokens/s on 1 GPU for the same model and global
-batch (paper Table 8).
+Rows are named groups (ROWS below): mtx rows run `benchmarks/bench.py`, the baselines `benchmarks/plain_gpt.py` (plain
+JAX, no shard_map), `benchmarks/torch_gpt.py` (torch.compile nanoGPT) and `benchmarks/torch_llama.py` (torch.compile
+Llama). Each row runs in its own process on the first `gpus` devices (CUDA_VISIBLE_DEVICES), so rows never share a GPU
+and a failing row (out of memory) costs only itself. The table reports, besides bench.py's fields, each mtx row's
+scaling against the 1-GPU mtx row of the same model (a GSPMD row's against the 1-GPU plain-JAX row): weak-scaling
+efficiency = per-GPU tokens/s of the larger model and mesh / per-GPU tokens/s of 1.2B on 1 GPU, in model FLOPs (the
+paper's Figure 5 uses FLOP/s: the models differ), and strong-scaling speedup = tokens/s on n GPUs / tokens/s on 1 GPU
+for the same model and global batch (paper Table 8).
 """
 
 from __future__ import annotations
@@ -62,6 +62,16 @@ def torch_row(name, mb, layers=40, hidden=1536, heads=16, model="gpt_1.2b"):
     return {"name": name, "gpus": 1, "script": "benchmarks/torch_gpt.py", "args": args, "model": model}
 
 
+# The 1B Llama preset at 4,096 tokens a sequence, 4 a microbatch (16,384 tokens a step, as the 1.2B GPT rows' 16 x
+# 1,024): mtx with the preset's own fast settings beside torch_llama.py's defaults (that preset's shape).
+LLAMA_SEQ, LLAMA_MB = 4096, 4
+
+
+def torch_llama_row(name, mb=LLAMA_MB, seq=LLAMA_SEQ, model="llama_1b"):
+    args = ["--seq", str(seq), "--micro-batch", str(mb)]
+    return {"name": name, "gpus": 1, "script": "benchmarks/torch_llama.py", "args": args, "model": model}
+
+
 ROWS = {
     "1gpu": [
         mtx("1.2B, 1 GPU", 1, "gpt_1.2b", 1, 1, 1, 16, 16),
@@ -71,6 +81,8 @@ ROWS = {
         torch_row("1.2B, PyTorch", 16),
         mtx("355M, 1 GPU", 1, "gpt2_355m", 1, 1, 1, 16, 16),
         torch_row("355M, PyTorch", 16, layers=24, hidden=1024, heads=16, model="gpt2_355m"),
+        mtx("1B Llama, 1 GPU", 1, "llama_1b", 1, 1, 1, LLAMA_MB, LLAMA_MB, "--seq-length", str(LLAMA_SEQ)),
+        torch_llama_row("1B Llama, PyTorch"),
     ],
     "2gpu": [
         mtx("2.5B, TP 2 (weak)", 2, "gpt_2.5b", 1, 1, 2, 16, 16),

@@ -47,21 +47,32 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    for name, default in [("layers", 40), ("hidden", 1536), ("heads", 16), ("seq", 1024), ("vocab", 51200),
-                          ("micro-batch", 8), ("steps", 10), ("warmup", 3)]:
-        ap.add_argument(f"--{name}", type=int, default=default)
-    a = ap.parse_args()
-    torch.manual_seed(0)
-    model = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab).cuda()
+def parse_args(sizes, argv=None, doc=__doc__):
+    """The shape flags (name, default: its type is the flag's; a bool is a switch) of a baseline plus the timing
+    flags every baseline shares."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in [*sizes, ("micro-batch", 8), ("steps", 10), ("warmup", 3)]:
+        if isinstance(default, bool):
+            ap.add_argument(f"--{name}", action="store_true")
+        else:
+            ap.add_argument(f"--{name}", type=type(default), default=default)
+    ap.add_argument("--device", default="cuda", help="cpu: an eager smoke test (no torch.compile, no fused AdamW)")
+    return ap.parse_args(argv)
+
+
+def time_training(model, a, vocab, flops_per_token, baseline) -> dict:
+    """Warm-up then timed AdamW steps of `model(idx, targets) -> loss` on random ids (batch a.micro_batch x a.seq),
+    timed like bench.py -> its JSON line (printed), with bench.py's field names so suite.py tabulates both."""
+    cuda = a.device == "cuda"
+    model = model.to(a.device)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    step = torch.compile(model)
-    idx = torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda)
+    step = torch.compile(model) if cuda else model
+    idx = torch.randint(0, vocab, (a.micro_batch, a.seq + 1), device=a.device)
+    sync = torch.cuda.synchronize if cuda else lambda: None
 
     def train_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(a.device, dtype=torch.bfloat16):
             loss = step(idx[:, :-1], idx[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -71,20 +82,31 @@ def main():
 
     for _ in range(a.warmup):
         train_step()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
-        train_step()
-        torch.cuda.synchronize()
+        loss = train_step()
+        sync()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     tokens_per_s = a.micro_batch * a.seq / step_s
-    flops = tokens_per_s * (6 * n_params + 12 * a.layers * a.hidden * a.seq)
-    print(json.dumps({"baseline": "torch.compile nanoGPT", "device": torch.cuda.get_device_name(), "params": n_params,
-                      "micro_batch": a.micro_batch, "step_s": step_s, "tokens_per_s": tokens_per_s,
-                      "tflops_per_device": flops / 1e12, "mfu": flops / 989e12,
-                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}), flush=True)
+    flops = tokens_per_s * flops_per_token
+    result = {"baseline": baseline, "device": torch.cuda.get_device_name() if cuda else a.device,
+              "params": n_params, "seq": a.seq, "micro_batch": a.micro_batch, "step_s": step_s,
+              "step_s_min": min(times), "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12,
+              "mfu": flops / 989e12, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+              "loss": float(loss.detach())}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main(argv=None):
+    a = parse_args([("layers", 40), ("hidden", 1536), ("heads", 16), ("seq", 1024), ("vocab", 51200)], argv)
+    torch.manual_seed(0)
+    model = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab)
+    n_params = sum(p.numel() for p in model.parameters())
+    time_training(model, a, a.vocab, 6 * n_params + 12 * a.layers * a.hidden * a.seq, "torch.compile nanoGPT")
 
 
 if __name__ == "__main__":

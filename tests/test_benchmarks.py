@@ -181,7 +181,7 @@ def test_every_suite_row_is_a_valid_run_on_its_gpu_count(group):
     from mtx.cli import parse_config
 
     for row in suite.ROWS[group]:
-        if row["script"] == "benchmarks/torch_gpt.py":
+        if row["script"].startswith("benchmarks/torch_"):  # torch_gpt.py, torch_llama.py: flags of their own
             continue
         cfg = parse_config([a for a in row["args"] if a != "--gspmd"]).validate(row["gpus"])  # plain_gpt's own flag
         p = cfg.parallel
