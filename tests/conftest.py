@@ -61,3 +61,23 @@ def refused(capsys):
         return errors[0].strip()
 
     return run
+
+
+@pytest.fixture
+def shared_initial_state(monkeypatch):
+    """`TrainStep.init_state` (so also `mtx.run.train`) built once per state shape and placed on each later mesh:
+    the initial state does not depend on the mesh (tests/test_training.py), and building it costs as much as a
+    step's compile on CPU. For tests that compare one config's losses across meshes."""
+    from mtx.state import state_shardings
+    from mtx.step import TrainStep
+
+    built, own = {}, TrainStep.init_state
+
+    def init_state(self):
+        abstract = self.abstract_state()
+        key = str(jax.tree.structure(abstract)), tuple((x.shape, x.dtype) for x in jax.tree.leaves(abstract))
+        if key not in built:
+            built[key] = jax.device_get(own(self))
+        return jax.device_put(built[key], state_shardings(self.model))
+
+    monkeypatch.setattr(TrainStep, "init_state", init_state)

@@ -23,7 +23,7 @@ def cfg_for(mesh, **flags):
     return BASE.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, **flags)
 
 
-def test_losses_equal_the_replicated_optimizer_on_every_mesh(tmp_path):
+def test_losses_equal_the_replicated_optimizer_on_every_mesh(tmp_path, shared_initial_state):
     ref = train(cfg_for((8, 1, 1), train_iters=10, run_dir=str(tmp_path / "ref")), progress=False)
     ref_losses = [ref.losses[s] for s in range(1, 11)]
     for mesh, flags in [((8, 1, 1), {}), ((4, 1, 2), {}), ((2, 2, 2), {"virtual_pipeline_model_parallel_size": 2}),
