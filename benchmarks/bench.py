@@ -4,8 +4,8 @@
         [--steps 10 --warmup 3 --json out.jsonl --profile TRACE_DIR] [any train.py flag]
 
 Prints one JSON line: median step time, tokens/s, model TFLOP/s per device and MFU (6N + 12 L D S FLOPs per token,
-against 989 TFLOP/s dense bf16 for H100/H200), peak device memory, and the mesh. Data loading is excluded: the tokens
-are random, generated once on the device.
+against 989 TFLOP/s dense bf16 for H100/H200), peak device memory, and the mesh. Data loading is excluded: one
+synthetic batch, made once (`synthetic_batch`: random tokens for GPT, BERT's real masking statistics for BERT).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     train_step = TrainStep(model)
     state = train_step.init_state()
     t, m = cfg.training, cfg.model
-    tokens = model.put_batch(np.random.default_rng(0).integers(
-        0, m.vocab_size, (t.global_batch_size, m.seq_length + 1)).astype(np.int32))
+    batch = synthetic_batch(cfg)
+    tokens = model.put_batch(batch)
+
     def run_step():
         nonlocal state, metrics
         state, metrics = train_step(state, tokens)
@@ -61,10 +62,45 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
         "peak_mem_gib": max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) / 2**30,
         "loss": float(metrics["loss"]), "profile": summary,
+        "padding": None if not m.is_bert else float(1 - batch["padding_mask"].mean()),  # BERT: the batch's padding
         "pipeline": None if model.pipeline is None else {
             "schedule": model.pipeline.kind, "stages": model.pipeline.stages, "virtual": model.pipeline.virtual,
             "microbatches": model.pipeline.microbatches, "ideal_bubble": model.pipeline.bubble},
     }
+
+
+def synthetic_batch(cfg):
+    """One global batch of synthetic data. GPT: random token ids. BERT: sentence pairs cut by mtx's own sample
+    builder (mtx/data/bert_dataset.py: Megatron's targets, 10% short samples and their padding,
+    whole-word n-gram masking of 15%) of random documents over a made-up WordPiece vocabulary of the config's size, a fifth of it "##"
+    continuations as in BERT's, so the step sees BERT's real masking and padding statistics."""
+    import tempfile
+
+    import numpy as np
+
+    t, m = cfg.training, cfg.model
+    rng = np.random.default_rng(0)
+    if not m.is_bert:
+        return rng.integers(0, m.vocab_size, (t.global_batch_size, m.seq_length + 1)).astype(np.int32)
+    from mtx.data.bert_dataset import BertDataset
+    from mtx.data.tokenizer import BertWordPieceTokenizer
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    pieces = [f"##p{i}" if i % 5 == 0 else f"p{i}" for i in range(m.vocab_size - len(special))]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as vocab:
+        vocab.write("\n".join(special + pieces) + "\n")
+        vocab.flush()
+        tokenizer = BertWordPieceTokenizer(vocab.name, fast=False)
+    # Documents of 10-60 sentences of 8-48 tokens (~1,000 tokens, a Wikipedia article's length): about two samples
+    # each, the last one short; 2 x the batch of them is enough.
+    per_doc = rng.integers(10, 61, 2 * t.global_batch_size)
+    sentences = rng.integers(8, 49, int(per_doc.sum()))
+    offsets, doc_idx = np.concatenate([[0], np.cumsum(sentences)]), np.concatenate([[0], np.cumsum(per_doc)])
+    tokens = rng.integers(len(special), m.vocab_size, offsets[-1]).astype(np.int32)
+    data = BertDataset(tokens, offsets, doc_idx, seq_length=m.seq_length, tokenizer=tokenizer, seed=0, split="1,0,0",
+                       mask_prob=cfg.data.mask_prob, short_seq_prob=cfg.data.short_seq_prob,
+                       binary_head=m.bert_binary_head, source="synthetic documents")
+    return data.batch("train", 0, t.global_batch_size)
 
 
 def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None):
