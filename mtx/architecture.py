@@ -3,10 +3,11 @@ that follows from them (padded vocabulary, parameter count, training FLOPs per t
 
 GPT-2's blocks are the defaults: learned absolute positions, LayerNorm, a GeLU MLP, multi-head attention, biases on
 every linear, the output layer tied to the input embedding. Megatron-Core's flags switch each to Llama's: rotary
-positions (`--position-embedding-type rope`, `--rotary-base`, `--rotary-percent`), `--normalization RMSNorm`,
-`--swiglu`, grouped-query attention (`--group-query-attention --num-query-groups G`), `--disable-bias-linear` and
-`--untie-embeddings-and-output-weights`. Their combinations are checked with the rest of the config
-(mtx/schema_checks.py); how each runs under tensor parallelism is in docs/design.md ("Llama's blocks").
+positions (`--position-embedding-type rope`, `--rotary-base`, `--rotary-percent`, Llama 3.1's frequency scaling
+`--use-rope-scaling`), `--normalization RMSNorm`, `--swiglu`, grouped-query attention (`--group-query-attention
+--num-query-groups G`), `--disable-bias-linear` and `--untie-embeddings-and-output-weights`. Their combinations
+are checked with the rest of the config (mtx/schema_checks.py); how each runs under tensor parallelism is in
+docs/design.md ("Llama's blocks").
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from mtx.schema_checks import described as _f
 # are the blocks those checkpoints were trained with (mtx/checkpoint.py does not count them as missing).
 ADDED_FIELDS = frozenset({"position_embedding_type", "rotary_base", "rotary_percent", "normalization",
                           "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups",
-                          "untie_embeddings_and_output_weights", "disable_bias_linear"})
+                          "untie_embeddings_and_output_weights", "disable_bias_linear", "use_rope_scaling",
+                          "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                          "rope_scaling_original_max_position_embeddings"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,15 @@ class ModelConfig:
                                                           "embeddings, GPT-2) | rope (rotary, applied to q and k)")
     rotary_base: float = _f(10000.0, "rope: base of the rotary frequencies (Llama 3: 500000)")
     rotary_percent: float = _f(1.0, "rope: fraction of each head's dimensions that rotate (the first ones)")
+    use_rope_scaling: bool = _f(False, "rope: Llama 3.1's frequency scaling for long contexts (HF rope_type llama3)")
+    rope_scaling_factor: float = _f(8.0, "--use-rope-scaling: how much the low frequencies are stretched (Llama 3.1: "
+                                         "8, Llama 3.2: 32)")
+    rope_scaling_low_freq_factor: float = _f(1.0, "--use-rope-scaling: wavelengths above the original context / this "
+                                                  "are stretched by the whole factor")
+    rope_scaling_high_freq_factor: float = _f(4.0, "--use-rope-scaling: wavelengths below the original context / "
+                                                   "this are kept (between the two: interpolated)")
+    rope_scaling_original_max_position_embeddings: int = _f(8192, "--use-rope-scaling: the context the model was "
+                                                                  "first trained at")
     normalization: str = _f("LayerNorm", "LayerNorm | RMSNorm (scale only, no mean subtraction)")
     norm_epsilon: float | None = _f(None, "epsilon of LayerNorm or RMSNorm (Megatron-Core's name of "
                                           "--layernorm-epsilon); None: --layernorm-epsilon")
@@ -96,6 +108,14 @@ class ModelConfig:
     @property
     def rope(self) -> bool:
         return self.position_embedding_type == "rope"
+
+    @property
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original max positions) with --use-rope-scaling, else None."""
+        if not self.use_rope_scaling:
+            return None
+        return (self.rope_scaling_factor, self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
+                self.rope_scaling_original_max_position_embeddings)
 
     @property
     def rotary_dim(self) -> int:

@@ -27,7 +27,7 @@ _SECTION_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
 # other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
 MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
-    expert-model-parallel-size context-parallel-size use-rotary-position-embeddings use-rope-scaling
+    expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
     rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
     no-masked-softmax-fusion no-bias-gelu-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
     accumulate-allreduce-grads-in-fp32 tp-comm-overlap recompute-method

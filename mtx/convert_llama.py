@@ -7,8 +7,9 @@ mtx's Llama blocks (mtx/architecture.py) compute HF's function, so only layouts 
 a contiguous split over "model" gives each rank whole heads and their groups. Without key/value groups
 (num_key_value_heads = num_attention_heads) mtx fuses q, k and v into one kernel ordered (N, 3, H). SwiGLU's gate and
 up matrices become fc1's (D, 2, F), gate first, whose F columns split alike. Rotary positions need no permutation:
-mtx rotates halves (i, i + H / 2) as HF's rotate_half does. The vocabulary is padded with zero rows (input and
-untied output table) and cut back on export.
+mtx rotates halves (i, i + H / 2) as HF's rotate_half does, and HF's rope_type llama3 (Llama 3.1 and 3.2) is
+mtx's --use-rope-scaling. The vocabulary is padded with zero rows (input and untied output table) and cut back on
+export.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ _HF_KEYS = {"--num-layers": "num_hidden_layers", "--hidden-size": "hidden_size",
             "--max-position-embeddings": "max_position_embeddings", "--seq-length": "max_position_embeddings",
             "--vocab-size": "vocab_size", "--attention-dropout": "attention_dropout", "--norm-epsilon": "rms_norm_eps",
             "--init-method-std": "initializer_range", "--num-query-groups": "num_key_value_heads",
-            "--rotary-base": "rope_theta"}
+            "--rotary-base": "rope_theta", "--rope-scaling-factor": "rope_scaling factor",
+            "--rope-scaling-low-freq-factor": "rope_scaling low_freq_factor",
+            "--rope-scaling-high-freq-factor": "rope_scaling high_freq_factor",
+            "--rope-scaling-original-max-position-embeddings": "rope_scaling original_max_position_embeddings"}
+# rope_type llama3's keys (Llama 3.1 and 3.2) -> mtx's fields of --use-rope-scaling
+_LLAMA3 = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+           "high_freq_factor": "rope_scaling_high_freq_factor",
+           "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
 
 
 # ---- config ----
@@ -39,7 +47,7 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
     for key in ("attention_bias", "mlp_bias"):
         _check(not hf.get(key, False), f"config.json has {key} true; mtx's Llama blocks have no biases "
                "(--disable-bias-linear), so only models without them convert.")
-    theta = _rope_theta(hf)
+    rope = _rope(hf)
     missing = [key for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                                "max_position_embeddings", "vocab_size") if hf.get(key) is None]
     _check(not missing, f"config.json lacks {', '.join(missing)}; pass a Llama config.json (save_pretrained).")
@@ -51,7 +59,7 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=heads,
         ffn_hidden_size=hf["intermediate_size"], seq_length=hf["max_position_embeddings"],
         max_position_embeddings=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
-        position_embedding_type="rope", rotary_base=theta, normalization="RMSNorm",
+        position_embedding_type="rope", **rope, normalization="RMSNorm",
         norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True, group_query_attention=grouped,
         num_query_groups=groups if grouped else None, disable_bias_linear=True,
         untie_embeddings_and_output_weights=not tied,
@@ -64,19 +72,26 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
     return cfg
 
 
-def _rope_theta(hf: dict) -> float:
-    """rope_theta, top-level (transformers 4) or in rope_parameters (transformers 5); scaled frequencies refused."""
+def _rope(hf: dict) -> dict:
+    """mtx's rope fields from rope_theta and rope_scaling (transformers 4) or rope_parameters (transformers 5):
+    plain or Llama 3.1's llama3 frequencies; other scalings (linear, dynamic, yarn, longrope) refused."""
     parameters = hf.get("rope_parameters") or {}
+    fields = {"rotary_base": hf.get("rope_theta", parameters.get("rope_theta", 10000.0))}
     for key in ("rope_scaling", "rope_parameters"):
         rope = hf.get(key) or {}
         _check(isinstance(rope, dict), f"config.json has {key} {rope!r}, not an object; pass a Llama config.json.")
         kind = rope.get("rope_type", rope.get("type", "default"))
-        _check(kind == "default", f"config.json has {key} of rope_type {kind!r}; mtx's rotary positions have no "
-               "frequency scaling, so only rope_type default converts.")
+        _check(kind in ("default", "llama3"), f"config.json has {key} of rope_type {kind!r}; mtx scales rotary "
+               "frequencies only as Llama 3.1 does, so only rope_type default or llama3 converts.")
         factor = rope.get("partial_rotary_factor", 1.0)
         _check(factor == 1.0, f"config.json has {key} with partial_rotary_factor {factor!r}; LlamaForCausalLM "
                "rotates whole heads.")
-    return hf.get("rope_theta", parameters.get("rope_theta", 10000.0))
+        if kind == "llama3":
+            missing = [k for k in _LLAMA3 if rope.get(k) is None]
+            _check(not missing, f"config.json's {key} of rope_type 'llama3' lacks {', '.join(missing)}; pass the "
+                   "model's own config.json.")
+            fields |= {"use_rope_scaling": True} | {field: rope[k] for k, field in _LLAMA3.items()}
+    return fields
 
 
 def config_to_hf(m: ModelConfig) -> dict:
@@ -87,11 +102,18 @@ def config_to_hf(m: ModelConfig) -> dict:
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.ffn_size,
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.query_groups, "head_dim": m.head_dim, "max_position_embeddings": m.max_positions,
-        "rms_norm_eps": m.epsilon, "rope_theta": m.rotary_base, "rope_scaling": None,
+        "rms_norm_eps": m.epsilon, "rope_theta": m.rotary_base, "rope_scaling": _rope_scaling(m),
         "attention_bias": False, "mlp_bias": False, "attention_dropout": m.attention_dropout,
         "initializer_range": m.init_method_std, "tie_word_embeddings": m.tied, "pretraining_tp": 1,
         "use_cache": True, "dtype": "float32",
     }
+
+
+def _rope_scaling(m: ModelConfig) -> dict | None:
+    """--use-rope-scaling as HF's rope_scaling of rope_type llama3 (transformers 5 reads it into rope_parameters)."""
+    if not m.use_rope_scaling:
+        return None
+    return {"rope_type": "llama3"} | {k: getattr(m, field) for k, field in _LLAMA3.items()}
 
 
 def refuse_unconvertible(m: ModelConfig, load) -> None:

@@ -31,6 +31,8 @@ RANGES = {
     "make_vocab_size_divisible_by": ">= 1", "hidden_dropout": "[0, 1)", "attention_dropout": "[0, 1)",
     "init_method_std": "> 0", "layernorm_epsilon": "> 0", "label_smoothing": "[0, 1)", "num_tokentypes": ">= 0",
     "rotary_base": "> 0", "rotary_percent": "(0, 1]", "norm_epsilon": "> 0", "num_query_groups": ">= 1",
+    "rope_scaling_factor": ">= 1", "rope_scaling_low_freq_factor": "> 0", "rope_scaling_high_freq_factor": "> 0",
+    "rope_scaling_original_max_position_embeddings": ">= 1",
     # parallel
     "tensor_model_parallel_size": ">= 1", "pipeline_model_parallel_size": ">= 1", "data_parallel_size": ">= 1 or -1",
     "num_layers_in_first_pipeline_stage": ">= 0", "num_layers_in_last_pipeline_stage": ">= 0",
@@ -227,6 +229,11 @@ def _check_architecture(cfg) -> None:
     _check(not m.rope or (m.rotary_dim >= 2 and m.rotary_dim % 2 == 0),
            f"--rotary-percent {m.rotary_percent} of head dim {m.head_dim} rotates {m.rotary_dim} dimensions, which "
            "must be even and at least 2 (they rotate in pairs); choose a percent giving an even count.")
+    _check(not m.use_rope_scaling or m.rope, "--use-rope-scaling scales rotary frequencies; pass it with "
+           "--position-embedding-type rope.")
+    _check(not m.use_rope_scaling or m.rope_scaling_high_freq_factor > m.rope_scaling_low_freq_factor,
+           f"--rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor} must be above "
+           f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor} (the kept wavelengths are the shorter).")
     _check(m.num_query_groups is None or m.group_query_attention,
            f"--num-query-groups {m.num_query_groups} only acts with --group-query-attention; pass both or neither.")
     g, n = m.query_groups, m.num_attention_heads

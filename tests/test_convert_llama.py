@@ -199,7 +199,7 @@ def refused(capsys, argv) -> str:
 
 
 @pytest.mark.parametrize("changes,needle", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "rope_scaling of rope_type 'llama3'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling of rope_type 'longrope'"),
     ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
      "rope_parameters of rope_type 'yarn'"),
     ({"rope_scaling": "linear"}, "rope_scaling 'linear', not an object"),

@@ -55,11 +55,11 @@ def test_megatron_flags_in_conflict_are_refused(flags, message):
 
 
 def test_unimplemented_megatron_flags_say_so():
-    parse_config(["--recompute-activations", "--eod-mask-loss", "--profile"])  # now implemented: accepted
+    parse_config(["--recompute-activations", "--eod-mask-loss", "--profile", "--use-rope-scaling"])  # implemented
     with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it.$"):
         parse_config(["--num-experts", "8", "--lr", "1e-3"])
-    with pytest.raises(ValueError, match="--use-rope-scaling, --use-mcore-models: mtx does not implement them"):
-        parse_config(["--swiglu", "--use-rope-scaling", "--use-mcore-models"])  # --swiglu is implemented
+    with pytest.raises(ValueError, match="--rotary-interleaved, --use-mcore-models: mtx does not implement them"):
+        parse_config(["--swiglu", "--rotary-interleaved", "--use-mcore-models"])  # --swiglu is implemented
     with pytest.raises(ValueError, match="did you mean --hidden-size"):
         parse_config(["--hiden-size", "8"])
     mtx_flags = {s for action in build_parser()._actions for s in action.option_strings}

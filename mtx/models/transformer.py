@@ -165,7 +165,8 @@ class ParallelSelfAttention(nnx.Module):
                                       dtype=dtype, rngs=rngs)
         self.head_dim = h
         self.groups, self.heads_per_group = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups
-        self.rotary = dict(rotary_dim=cfg.rotary_dim, base=cfg.rotary_base) if cfg.rope else None
+        self.rotary = (dict(rotary_dim=cfg.rotary_dim, base=cfg.rotary_base, scaling=cfg.rope_scaling)
+                       if cfg.rope else None)
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
         self.flash = flash  # fused attention (--use-flash-attn); never with attention dropout (Config.validate)
