@@ -25,6 +25,7 @@ import numpy as np
 
 from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
+from mtx.hf_checks import check as _check, validated
 
 PREFIX = "transformer."
 # HF name inside block h.{i} -> mtx name under `layers` (stacked over L).
@@ -65,20 +66,6 @@ def config_from_hf(hf: dict, *, seed: int | None = None) -> Config:
         attention_dropout=hf.get("attn_pdrop", 0.1), layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         init_method_std=hf.get("initializer_range", 0.02), tensor_model_parallel_size=1)
     return validated(values, _HF_KEYS, seed)
-
-
-def validated(values: dict, hf_keys: dict[str, str], seed: int | None) -> Config:
-    """The Config of `values`, validated as train.py's flags are; a refusal names config.json's key (`hf_keys`: flag
-    -> key), not the flag."""
-    if seed is not None:
-        values["seed"] = seed
-    try:
-        return Config().replace(**values).validate()
-    except ValueError as e:
-        message = str(e)
-        for flag, key in hf_keys.items():
-            message = message.replace(flag, key)
-        raise ValueError(f"config.json: {message}") from None
 
 
 _HF_KEYS = {"--num-layers": "n_layer", "--hidden-size": "n_embd", "--num-attention-heads": "n_head",
@@ -284,11 +271,6 @@ def _check_fresh(path: str | Path, flag: str, what: str) -> None:
     p = Path(path)
     _check(not (p.exists() and (not p.is_dir() or any(p.iterdir()))),
            f"{flag} {p} already exists and is not empty; choose a new {what} directory.")
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from mtx.config import Config, ModelConfig
-from mtx.convert import _check, validated
+from mtx.hf_checks import check as _check, validated
 
 PREFIX = "model."
 # Older HF versions saved each layer's rotary frequencies as a buffer; they follow from rope_theta.

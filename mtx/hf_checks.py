@@ -1,0 +1,27 @@
+"""Shared by the Hugging Face converters (mtx/convert.py, mtx/convert_llama.py): a config.json's values validated as
+train.py's flags are, and refusals in one line (a ValueError that `python -m mtx.convert` prints, exit status 2).
+Its own module so that the two converters import it, not each other."""
+
+from __future__ import annotations
+
+from mtx.config import Config
+
+
+def check(ok: bool, message: str) -> None:
+    """Refuses with `message` (one line naming the key or flag and the fix) unless `ok`."""
+    if not ok:
+        raise ValueError(message)
+
+
+def validated(values: dict, hf_keys: dict[str, str], seed: int | None) -> Config:
+    """The Config of `values`, validated as train.py's flags are; a refusal names config.json's key (`hf_keys`: flag
+    -> key), not the flag."""
+    if seed is not None:
+        values["seed"] = seed
+    try:
+        return Config().replace(**values).validate()
+    except ValueError as e:
+        message = str(e)
+        for flag, key in hf_keys.items():
+            message = message.replace(flag, key)
+        raise ValueError(f"config.json: {message}") from None
