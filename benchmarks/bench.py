@@ -24,7 +24,6 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None) -> dict:
     import jax
-    import numpy as np
 
     from mtx.metrics import peak_flops_per_device
     from mtx.parallel.mesh import make_mesh
@@ -91,8 +90,8 @@ def synthetic_batch(cfg):
         vocab.write("\n".join(special + pieces) + "\n")
         vocab.flush()
         tokenizer = BertWordPieceTokenizer(vocab.name, fast=False)
-    # Documents of 10-60 sentences of 8-48 tokens (~1,000 tokens, a Wikipedia article's length): about two samples
-    # each, the last one short; 2 x the batch of them is enough.
+    # Documents of 10-60 sentences of 8-48 tokens (~1,000 tokens): about two samples each, the last one short;
+    # 2 x the batch of them is enough.
     per_doc = rng.integers(10, 61, 2 * t.global_batch_size)
     sentences = rng.integers(8, 49, int(per_doc.sum()))
     offsets, doc_idx = np.concatenate([[0], np.cumsum(sentences)]), np.concatenate([[0], np.cumsum(per_doc)])
