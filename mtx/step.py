@@ -25,7 +25,7 @@ from mtx.objectives import micro_loss
 from mtx.optim import learning_rate_schedule
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.one_f_one_b import one_f_one_b
-from mtx.parallel.overlap import LayerReduction, layer_hook, reduction_kind
+from mtx.parallel.overlap import LayerReduction, gather_shard, layer_hook, reduction_kind
 from mtx.parallel.pipeline import pipelined_loss
 from mtx.parallel.random import sample_keys
 from mtx.parallel.ops import vary
@@ -200,8 +200,7 @@ class TrainStep:
         dim = data_dim(master)
         if dim is None:
             return p
-        wire = p.astype(self._wire_dtype(p, spec, DTYPES[self.cfg.training.compute_dtype]))
-        return jax.lax.all_gather(wire, DATA, axis=dim, tiled=True).astype(p.dtype)
+        return gather_shard(p, dim, self._wire_dtype(p, spec, DTYPES[self.cfg.training.compute_dtype]))
 
     # ---- jitted ----
     def loss_and_grads(self, params, batch, step, scale=1.0):

@@ -15,7 +15,7 @@ backward reduces layer l while it computes layer l - 1, and XLA's asynchronous c
   onto this rank's shard (`_scattered_in_backward`).
 - distributed optimizer, `--overlap-param-gather` too: the layer all-gathers its own shards as it runs (in the
   compute dtype, like the up-front gather), so the gather of layer l + 1 overlaps layer l; the transpose is the same
-  reduce-scatter (in fp32, as every gradient reduction: `_gathered`).
+  reduce-scatter (in fp32, as every gradient reduction: `gather_shard`, the up-front gather too).
 
 Every microbatch reduces its own gradients this way (the accumulator then holds reduced gradients, sharded with the
 distributed optimizer: ZeRO-2's accumulation), so with gradient accumulation the step moves M times the bytes of
@@ -58,21 +58,22 @@ _scattered_in_backward.defvjp(_scattered_fwd, _scattered_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gathered(shard, dim, wire):
+def gather_shard(shard, dim, wire):
     """`shard` all-gathered over "data" along `dim`, sent in dtype `wire` (the compute dtype for matrices: the forward
-    casts them to it anyway); in the backward the gradient reduce-scattered in its own dtype (fp32)."""
+    casts them to it anyway) and cast back; in the backward the gradient reduce-scattered in its own dtype (fp32).
+    The distributed optimizer's one gather, before the forward (mtx/step.py) or inside each layer (here)."""
     return jax.lax.all_gather(shard.astype(wire), DATA, axis=dim, tiled=True).astype(shard.dtype)
 
 
-def _gathered_fwd(shard, dim, wire):
-    return _gathered(shard, dim, wire), None
+def _gather_fwd(shard, dim, wire):
+    return gather_shard(shard, dim, wire), None
 
 
-def _gathered_bwd(dim, wire, _, ct):
+def _gather_bwd(dim, wire, _, ct):
     return (jax.lax.psum_scatter(ct, DATA, scatter_dimension=dim, tiled=True),)
 
 
-_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+gather_shard.defvjp(_gather_fwd, _gather_bwd)
 
 
 class LayerReduction(NamedTuple):
@@ -89,7 +90,7 @@ class LayerReduction(NamedTuple):
             return vary(w, (DATA,))
         if self.kind == "reduce_scatter":
             return _scattered_in_backward(w, self.dim, self.gathered[i])
-        return _gathered(w, self.dim, self.wire)
+        return gather_shard(w, self.dim, self.wire)
 
 
 def reduction_kind(spec: P, master: P, *, distributed: bool, param_gather: bool) -> str | None:
