@@ -5,6 +5,7 @@ in plain jax.numpy on the global parameters. Gradients are taken through the who
 doubled all-reduce in f/g shows up as a wrong input or parameter gradient.
 """
 
+import functools
 import math
 
 import jax
@@ -17,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import ModelConfig
-from mtx.models.transformer import ParallelMLP, ParallelSelfAttention, TransformerLayer
+from mtx.models.transformer import (ParallelMLP, ParallelSelfAttention, TransformerLayer, attention_core,
+                                    fused_attention)
 from mtx.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, make_mesh
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.sharded import init_sharded, partition_specs
@@ -208,6 +210,24 @@ def test_padding_mask_hides_padded_keys():
     y1, y2 = np.asarray(fn(params, x, mask)), np.asarray(fn(params, x2, mask))
     np.testing.assert_allclose(y1[:, : S // 2], y2[:, : S // 2], rtol=RTOL, atol=RTOL)
     assert not np.allclose(y1[:, S // 2:], y2[:, S // 2:])
+
+
+def test_fused_attention_with_bert_padding_equals_the_masked_reference():
+    """BERT's padding mask reaches the fused path as each row's count of real keys (cuDNN's form): every position's
+    output, padding queries included, and every input gradient equal the explicit-mask reference."""
+    b, s, n, h = 4, 16, 2, 8
+    q, k, v, dy = (jax.random.normal(jax.random.key(i), (b, s, n, h)) for i in range(4))
+    real = np.array([16, 11, 3, 0])  # a full row, two padded ones, and one of padding alone
+    mask_BS = jnp.asarray(np.arange(s)[None, :] < real[:, None], jnp.int32)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v, mask_BS=mask_BS, causal=False)[:3] * dy[:3])  # the padding row: never read
+
+    for fused_out, ref_out in zip(jax.value_and_grad(functools.partial(loss, fused_attention), (0, 1, 2))(q, k, v),
+                                  jax.value_and_grad(functools.partial(loss, attention_core), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(fused_out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
+    fused, ref = (np.asarray(f(q, k, v, mask_BS=mask_BS, causal=False)) for f in (fused_attention, attention_core))
+    np.testing.assert_allclose(fused[:3], ref[:3], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dp,tp", [(1, 1), (2, 4)])

@@ -72,11 +72,26 @@ def segment_mask(mask_BS):
 
 def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, causal=True):
     """Causal (or bidirectional) attention through `jax.nn.dot_product_attention`: cuDNN's flash attention on GPU
-    for bf16/fp16 (no S x S scores in memory), XLA's implementation elsewhere (the portable fallback). No dropout."""
-    gpu = jax.default_backend() == "gpu" and q_BSNH.dtype in (jnp.bfloat16, jnp.float16) and mask_BS is None
+    for bf16/fp16 (no S x S scores in memory), XLA's implementation elsewhere (the portable fallback). No dropout.
+
+    BERT's padding mask (bidirectional, 0/1) goes in as each row's count of real keys: its real tokens are a prefix
+    of the row (mtx/data/bert_dataset.py fills rows from the start), so "the first n keys" is exactly
+    `segment_mask`'s rule, padding queries included, and cuDNN takes it. Other masks (GPT's document ids) need the
+    full (S, S) mask, which cuDNN's entry point does not take: XLA's implementation then."""
+    half = q_BSNH.dtype in (jnp.bfloat16, jnp.float16)
+    if mask_BS is not None and not causal:
+        # At least one key: a row of padding alone (never read) must not divide by zero into NaN gradients.
+        real_keys_B = jnp.maximum(jnp.sum(mask_BS > 0, axis=1, dtype=jnp.int32), 1)
+        return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, key_value_seq_lengths=real_keys_B,
+                                            implementation="cudnn" if _gpu() and half else None)
+    gpu = _gpu() and half and mask_BS is None
     mask = None if mask_BS is None else segment_mask(mask_BS)
     return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, mask=mask, is_causal=causal,
                                         implementation="cudnn" if gpu else None)
+
+
+def _gpu() -> bool:
+    return jax.default_backend() == "gpu"
 
 
 class KVCache(NamedTuple):
