@@ -264,3 +264,15 @@ def test_bench_bad_flag_is_one_line(capsys):
     assert bench.run_cli(lambda cfg, **kw: measured.append(cfg), ["--hiden-size", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--hiden-size" in err and "--hidden-size" in err and not measured
+
+
+def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, capsys):
+    """benchmarks/gpu_checks.py (run on GPUs against cuDNN) passes XLA's fallback here, and fails a fused path that
+    ignores BERT's padding."""
+    from benchmarks import gpu_checks
+    shape = ["--batch", "4", "--seq", "32", "--heads", "2", "--head-dim", "8"]
+    assert gpu_checks.main(shape) == 0
+    unmasked = lambda q, k, v, *, mask_BS=None, causal=True: gpu_checks.attention_core(q, k, v, causal=causal)
+    monkeypatch.setattr(gpu_checks, "fused_attention", unmasked)
+    assert gpu_checks.main(shape) == 1
+    assert "out_real" in json.loads(capsys.readouterr().out.splitlines()[-1])["failed"]
