@@ -9,10 +9,14 @@ Only process 0 writes logs, metrics, config.json and prints; every process takes
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import jax
 
@@ -29,7 +33,8 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     with a stack of C++ logs, is set to twice that as a backstop. `timeout_minutes` (Megatron's
     --distributed-timeout-minutes) is how long the processes wait for each other to join: jax.distributed.initialize's
     initialization_timeout. JAX has no timeout for a collective itself (Megatron's NCCL timeout); the peer watch
-    stands in for it.
+    stands in for it. Process 0 hosts JAX's coordination service in a child process (`ServiceProcess`), so that the
+    service outlives process 0 when it dies and the others can stop in one line too.
     """
     if coordinator_address is None:
         return
@@ -38,16 +43,105 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     joining = 60 * timeout_minutes if timeout_minutes else max(heartbeat_timeout, 60)
     timeouts = dict(initialization_timeout=joining, heartbeat_timeout_seconds=2 * heartbeat_timeout + 10,
                     shutdown_timeout_seconds=max(heartbeat_timeout, 10))
-    if coordinator_address == "auto":
-        jax.distributed.initialize(**timeouts)
-    else:
-        if num_processes is None or process_id is None:
-            raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
-                             "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
-        jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
+    if coordinator_address != "auto" and (num_processes is None or process_id is None):
+        raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
+                         "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
+    with _service_in_child_process():
+        if coordinator_address == "auto":
+            jax.distributed.initialize(**timeouts)
+        else:
+            jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
     global _watch
     if jax.process_count() > 1:
         _watch = PeerWatch(heartbeat_timeout)
+
+
+def _runtime_library():
+    """The jaxlib module whose `get_distributed_runtime_service` jax.distributed calls (None if this JAX has none)."""
+    from jax._src import distributed
+
+    library = getattr(distributed, "_jax", None) or getattr(distributed, "xla_extension", None)
+    return library if hasattr(library, "get_distributed_runtime_service") else None
+
+
+@contextlib.contextmanager
+def _service_in_child_process():
+    """While jax.distributed.initialize runs, process 0's coordination service starts as a `ServiceProcess` instead of
+    inside this process (with mutual TLS or JAX's recoverability mode: inside, as JAX does)."""
+    library = _runtime_library()
+    if library is None:
+        yield
+        return
+    in_process = library.get_distributed_runtime_service
+
+    def start(bind_address, num_processes, *, heartbeat_timeout, shutdown_timeout, recoverable=False, **tls):
+        if recoverable or any(tls.values()):  # JAX passes its mTLS settings, None/False when off
+            return in_process(bind_address, num_processes, heartbeat_timeout=heartbeat_timeout,
+                              shutdown_timeout=shutdown_timeout, recoverable=recoverable, **tls)
+        return ServiceProcess(bind_address, num_processes, heartbeat_timeout, shutdown_timeout)
+
+    library.get_distributed_runtime_service = start
+    try:
+        yield
+    finally:
+        library.get_distributed_runtime_service = in_process
+
+
+class ServiceProcess:
+    """JAX's coordination service (the key-value store and heartbeats every process's client talks to), run in a
+    child process of process 0 rather than inside it.
+
+    Hosted inside process 0, the service died with it, and JAX's client on every other process then aborted from
+    C++ at once, before the peer watch could say anything. In its own process it outlives process 0: the others
+    see process 0 fall silent like any other peer and stop in one line. The child ignores SIGINT and SIGTERM (the
+    run's processes stop on them, and need the service while they save), is told to shut down by a normal
+    `jax.distributed.shutdown`, and otherwise (process 0 killed) keeps serving for the heartbeat timeout, the
+    survivors' time to stop, then exits.
+    """
+
+    def __init__(self, bind_address: str, num_processes: int, heartbeat_timeout: int, shutdown_timeout: int):
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                          env.get("PYTHONPATH")]))
+        args = [bind_address, str(num_processes), str(heartbeat_timeout), str(shutdown_timeout)]
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from mtx.distributed import serve; serve(sys.argv[1:])", *args],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            start_new_session=True)
+        said = self.process.stdout.readline().strip()
+        self.process.stdout.close()
+        if said != "serving":
+            self.process.kill()
+            raise RuntimeError(f"JAX's coordination service did not start on {bind_address} "
+                               f"({said or 'it exited'}); is the port of --coordinator-address free?")
+
+    def shutdown(self):
+        with contextlib.suppress(OSError):
+            self.process.stdin.write("shutdown\n")
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def serve(argv: list[str]) -> None:
+    """The child of `ServiceProcess`: starts the service, says "serving", and waits for process 0's order to shut
+    down; if process 0 is gone instead (its end of the pipe closes without the order), it serves the others for the
+    heartbeat timeout first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    bind_address, num_processes, heartbeat_timeout, shutdown_timeout = argv[0], *map(int, argv[1:])
+    try:
+        service = _runtime_library().get_distributed_runtime_service(
+            bind_address, num_processes, heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout)
+    except Exception as e:
+        print(first_line(e, 200), flush=True)
+        return
+    print("serving", flush=True)
+    if sys.stdin.readline().strip() != "shutdown":
+        time.sleep(heartbeat_timeout)
+    service.shutdown()
 
 
 def initialize_from(p) -> None:
@@ -91,8 +185,8 @@ class PeerWatch:
     every peer's: a peer whose counter has not moved for `timeout` seconds, or a store that no longer answers (process
     0, which hosts it, is gone), ends the process with `os._exit` (a normal exit would wait at JAX's shutdown barrier
     for the process that is gone). A process that finishes (`finish`) says so first, so the others do not mistake
-    its silence; one that fails stops beating without saying so, and the others stop too. (Process 0's death is
-    still JAX's abort on the others: their client of the service it hosted fails first; docs/design.md.)
+    its silence; one that fails stops beating without saying so, and the others stop too, process 0 included (the
+    service runs in a process of its own, `ServiceProcess`).
     """
 
     def __init__(self, timeout: float):
@@ -113,9 +207,9 @@ class PeerWatch:
                 beat += 1
                 self.store.key_value_set(f"mtx/peers/beat/{self.me}", str(beat), allow_overwrite=True)
                 said = dict(self.store.key_value_dir_get("mtx/peers/"))
-            except Exception as e:  # the store is gone: so is process 0, which hosts it
+            except Exception as e:  # the store is gone (its host, process 0's child, was killed)
                 if not self.stopped.is_set():
-                    self._end(f"the run's coordination service (process 0) stopped answering ({type(e).__name__})")
+                    self._end(f"the run's coordination service stopped answering ({type(e).__name__})")
                 return
             for peer in self.peers:
                 value, (last, since) = said.get(f"mtx/peers/beat/{peer}"), seen[peer]

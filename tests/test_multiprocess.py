@@ -152,6 +152,46 @@ def test_one_process_checkpoint_resumes_on_two_with_pipeline_and_a_dead_peer_sto
     print(f"process 0 exited {procs[0].returncode} {time.monotonic() - t0:.1f} s after its peer died:\n{out[-1500:]}")
 
 
+def test_when_process_0_dies_the_others_stop_in_one_line_and_its_service_process_ends(tmp_path):
+    """Process 0 hosts JAX's coordination service in a child process, which outlives it: process 1 then sees process
+    0 fall silent like any other peer (one line, status 1, not JAX's abort), and the child ends after serving."""
+    run = tmp_path / "run"
+    procs = _launch(["--train-iters", "200", "--save", str(run), "--save-interval", "1000",
+                     "--tensor-model-parallel-size", "4"])
+    _await_steps(procs, run / "metrics.jsonl", 2)
+    service = _children(procs[0].pid)
+    assert len(service) == 1, "process 0 runs its coordination service in one child process"
+    procs[0].kill()
+    try:
+        out, _ = procs[1].communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[1].kill()
+        pytest.fail("process 1 kept running 60 s after process 0 died")
+    assert procs[1].returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    said = ("process 0 of this run has not answered for 5 s", "another process of this run stopped answering")
+    assert len(errors) == 1 and any(m in errors[0] for m in said), out[-3000:]
+    assert "Check failed" not in out and "terminate called" not in out, out[-3000:]
+    print(f"process 1 after process 0 died: {errors[0]}")
+    procs[0].communicate()
+    deadline = time.monotonic() + 60  # it serves for JAX's heartbeat timeout (2 x 5 + 10 s), then exits
+    while _alive(service[0]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(service[0]), "the coordination service process outlived the run"
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return status != "Z"
+
+
 def test_eval_runs_on_two_processes_like_on_one(reference, tmp_path):
     """eval.py's scoring and generation with several processes: the same JSON as one process of 8 devices."""
     (tmp_path / "wiki.txt").write_text("= Title =\n the cat sat on the mat , and the dog sat on the log . \n" * 6)
