@@ -49,7 +49,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     times, summary = time_steps(run_step, steps=steps, warmup=warmup, profile=profile)
     step_s = statistics.median(times)
     tokens_per_s = t.global_batch_size * m.seq_length / step_s
-    flops = tokens_per_s * m.flops_per_token() / mesh.size
+    flops = tokens_per_s * m.flops_per_token(cfg.mlm_positions) / mesh.size
     peak = peak_flops_per_device()
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
     return {

@@ -23,7 +23,7 @@ ADDED_FIELDS = frozenset({"position_embedding_type", "rotary_base", "rotary_perc
                           "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups",
                           "untie_embeddings_and_output_weights", "disable_bias_linear", "use_rope_scaling",
                           "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                          "rope_scaling_original_max_position_embeddings"})
+                          "rope_scaling_original_max_position_embeddings", "mlm_head_positions"})
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class ModelConfig:
     layernorm_placement: str = _f("pre", "pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)")
     num_tokentypes: int = _f(2, "BERT's token-type (segment A/B) embeddings; 0: none; GPT has none")
     bert_binary_head: bool = _f(True, "BERT's sentence-order-prediction head on [CLS]")
+    mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "
+                                           "runs: masked (only the positions the loss reads, at most round-up("
+                                           "--mask-prob x S) a sequence) | all (every position, as Megatron)")
     position_embedding_type: str = _f("learned_absolute", "learned_absolute (a learned table added to the "
                                                           "embeddings, GPT-2) | rope (rotary, applied to q and k)")
     rotary_base: float = _f(10000.0, "rope: base of the rotary frequencies (Llama 3: 500000)")
@@ -158,12 +161,19 @@ class ModelConfig:
         """Parameters with the tokenizer's vocabulary, as Hugging Face counts them (Llama-3.2-1B: 1,235,814,400)."""
         return _num_params(self, self.vocab_size)
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self, mlm_positions: int | None = None) -> float:
         """Training FLOPs per token: 6N (forward + backward of every weight) + 12 L D S (attention scores and
         context, forward and backward, N H = D wide whatever the key/value groups); N counts the tied embedding
-        once, as it is used for the logits, and leaves out an untied input embedding (a lookup, no matmul)."""
+        once, as it is used for the logits, and leaves out an untied input embedding (a lookup, no matmul).
+
+        mlm_positions: BERT's masked-LM head runs at that many positions of each sequence (`Config.mlm_positions`),
+        not all S: its dense layer and logits count at that share of the tokens."""
         lookup = 0 if self.tied else self.padded_vocab_size * self.hidden_size
-        return 6 * (self.num_params() - lookup) + 12 * self.num_layers * self.hidden_size * self.seq_length
+        flops = 6 * (self.num_params() - lookup) + 12 * self.num_layers * self.hidden_size * self.seq_length
+        if self.is_bert and mlm_positions is not None:
+            head = self.hidden_size * (self.hidden_size + self.padded_vocab_size)  # dense D -> D, tied logits
+            flops -= 6 * head * (1 - mlm_positions / self.seq_length)
+        return flops
 
 
 def _num_params(m: ModelConfig, vocab: int) -> int:

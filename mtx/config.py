@@ -243,6 +243,15 @@ class Config:
                                   first=p.num_layers_in_first_pipeline_stage, last=p.num_layers_in_last_pipeline_stage)
 
     @property
+    def mlm_positions(self) -> int | None:
+        """BERT with --mlm-head-positions masked: the masked-LM head's positions per sequence, round-up(--mask-prob x
+        S), the most BERT's dataset masks in one sequence (mtx/data/bert_dataset.py); None: every position."""
+        m = self.model
+        if not (m.is_bert and m.mlm_head_positions == "masked"):
+            return None
+        return max(1, math.ceil(self.data.mask_prob * m.seq_length))
+
+    @property
     def virtual_stages(self) -> int:
         """V, the layer chunks each pipeline device holds: from --virtual-pipeline-model-parallel-size, else
         --num-layers-per-virtual-pipeline-stage, else a layout with more stages than devices; 1 otherwise."""

@@ -4,6 +4,7 @@ A batch is a pytree of arrays whose leading axis is the global batch (split over
 token array, BERT's a dict of (G, S) / (G,) fields. An objective splits the loss into the pieces the training step
 needs, so that plain gradient accumulation and the pipeline schedule run any family the same way:
 
+  check_batch(batch)          on the host, before the batch is placed: refuses one the loss cannot take (BERT)
   normalizers(batch)          the step's global counts (inside shard_map, from this data rank's share)
   for_evaluation()            the same objective as evaluation scores it (GPT: no label smoothing)
   embed(model, mb, keys_B)    the first stage: (B, S, D) embeddings of a microbatch
@@ -12,13 +13,14 @@ needs, so that plain gradient accumulation and the pipeline schedule run any fam
                               divided by the step's global counts, so summing over microbatches, data ranks and
                               pipeline stages gives the step's loss)
 
-All of it runs in the local view inside the step's shard_map.
+All of it but check_batch runs in the local view inside the step's shard_map.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtx.config import Config
 from mtx.parallel.mesh import DATA
@@ -38,6 +40,9 @@ class NextTokenPrediction:
 
     def for_evaluation(self):
         return NextTokenPrediction()  # the plain cross-entropy: validation loss and perplexity are comparable
+
+    def check_batch(self, batch) -> None:
+        """Any token window is a batch."""
 
     def normalizers(self, batch):
         """Predicted (loss-weighted) tokens of the whole batch; without a loss mask a static count (every data rank
@@ -79,7 +84,7 @@ class MaskedLMAndSentenceOrder:
     """
 
     def __init__(self, cfg: Config):
-        self.binary_head = cfg.model.bert_binary_head
+        self.binary_head, self.mlm_positions = cfg.model.bert_binary_head, cfg.mlm_positions
 
     def for_evaluation(self):
         return self
@@ -92,17 +97,43 @@ class MaskedLMAndSentenceOrder:
     def embed(self, model, batch, keys_B):
         return model.embed(batch["text"], batch["types"], keys_B=keys_B)
 
+    def check_batch(self, batch) -> None:
+        """A host batch with more masked positions in a sequence than the masked-LM head runs at is refused (its
+        loss would leave the rest out); BERT's dataset never makes one."""
+        if self.mlm_positions is None:
+            return
+        most = int(np.max(np.sum(np.asarray(batch["loss_mask"]) > 0, axis=1), initial=0))
+        if most > self.mlm_positions:
+            raise ValueError(f"a BERT batch masks {most} positions of one sequence, more than the "
+                             f"{self.mlm_positions} the masked-LM head runs at (round-up(--mask-prob x "
+                             "--seq-length)); pass the data's --mask-prob, or --mlm-head-positions all.")
+
     def attention_mask(self, batch):
         return batch["padding_mask"]
 
     def head_loss(self, model, x_BSD, batch, counts, weight_B=None):
-        mlm_BS, sop_B = model.head_losses(x_BSD, batch["labels"], batch["is_random"])
-        loss_mask_BS = batch["loss_mask"].astype(jnp.float32)
+        labels_BS, loss_mask_BS = batch["labels"], batch["loss_mask"]
+        if self.mlm_positions is None:  # the MLM head at every position, as Megatron
+            mlm_BS, sop_B = model.head_losses(x_BSD, labels_BS, batch["is_random"])
+        else:  # only at the (at most K) masked positions of each sequence: (B, K) losses and mask in place of (B, S)
+            at_BK, loss_mask_BS = masked_positions(loss_mask_BS, self.mlm_positions)
+            mlm_BS, sop_B = model.head_losses(x_BSD, jnp.take_along_axis(labels_BS, at_BK, axis=1),
+                                              batch["is_random"], positions_BK=at_BK)
+        loss_mask_BS = loss_mask_BS.astype(jnp.float32)
         weight_B = jnp.ones(sop_B.shape, jnp.float32) if weight_B is None else weight_B.astype(jnp.float32)
         loss = jnp.sum(jnp.where(loss_mask_BS * weight_B[:, None] > 0, mlm_BS, 0.0)) / counts["masked"]
         if self.binary_head:
             loss = loss + jnp.sum(sop_B * weight_B) / counts["sequences"]
         return loss
+
+
+def masked_positions(loss_mask_BS, k: int):
+    """(B, S) 0/1 loss mask -> (B, K) the first K masked positions of each sequence and (B, K) 0/1 which of them are
+    real (a sequence with fewer than K masked positions fills the rest with position 0, marked 0). K must be at least
+    the most positions any sequence masks (`Config.mlm_positions`: BERT's dataset never masks more)."""
+    at_BK = jax.vmap(lambda row_S: jnp.nonzero(row_S, size=k, fill_value=0)[0])(loss_mask_BS)
+    real_BK = jnp.arange(k)[None, :] < jnp.sum(loss_mask_BS > 0, axis=1, keepdims=True)
+    return at_BK.astype(jnp.int32), real_BK.astype(loss_mask_BS.dtype)
 
 
 def objective_for(cfg: Config):

@@ -23,7 +23,7 @@ import numpy as np
 from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
 from mtx.data import build_dataset
-from mtx.data.prefetch import prefetch
+from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator
 from mtx.distributed import barrier, is_main_process
@@ -132,15 +132,16 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             _print_banner(cfg, mesh, model, start)
 
         result = RunResult(state, model, run_dir)
-        flops_per_token = cfg.model.flops_per_token()
+        flops_per_token = cfg.model.flops_per_token(cfg.mlm_positions)
         console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
                            loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
         pending, interval_start, interval_steps = [], time.perf_counter(), 0
         # Batches from worker processes (each with its own copy of the dataset) or this process's prefetch thread.
         workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
         source = workers or dataset
+        batch_times = BatchTimes()
         batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size)),
-                           range(start, t.train_iters), depth=cfg.data.prefetch_depth)
+                           range(start, t.train_iters), depth=cfg.data.prefetch_depth, times=batch_times)
         profiler = _Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
         with _StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
             for step, batch in zip(range(start, t.train_iters), batches):
@@ -150,7 +151,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 pending.append((step + 1, metrics))
                 if step == start:  # the first step compiles: time the interval from its end
                     jax.block_until_ready(metrics)
-                    interval_start = time.perf_counter()
+                    interval_start, _ = time.perf_counter(), batch_times.take()
                 else:
                     interval_steps += 1
                 final = step + 1 == t.train_iters
@@ -159,7 +160,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                     fetched = jax.device_get(pending)  # the only host sync of the interval
                     elapsed = time.perf_counter() - interval_start
                     result.losses.update((s, float(m["loss"])) for s, m in fetched)
-                    record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size)
+                    record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
+                                     batch_times.take())
                     console.update(logger.log(record), len(fetched))
                     pending, interval_steps = [], 0
                 if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
@@ -176,7 +178,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 if saver and t.save_interval and (step + 1) % t.save_interval == 0:
                     saver.save(state, cfg)
                 if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
-                    interval_start = time.perf_counter()
+                    interval_start, _ = time.perf_counter(), batch_times.take()
                 if result.stopped:
                     break
             profiler.stop()  # a run that stopped inside the traced steps: not its final save
@@ -324,12 +326,16 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
               f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble (p-1)/(v m+p-1) = {sch.bubble:.1%}")
 
 
-def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float, devices: int) -> dict:
+def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float, devices: int,
+            batch_times: tuple[float, float]) -> dict:
     """The metrics record of a logging interval: the last step's values, skipped steps, and the interval's timing
-    over its `steps` timed steps (none when the interval held only the compiling first step)."""
+    over its `steps` timed steps (none when the interval held only the compiling first step): step time, throughput,
+    and per step the time spent making a batch (off the loop, on the prefetch thread) and waiting for one."""
     s, m = fetched[-1]
     timing = (throughput(tokens_per_step * steps, elapsed, flops_per_token, devices) if steps else
               {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
+    making, waiting = batch_times
+    timing["batch_make_s"], timing["batch_wait_s"] = (making / steps, waiting / steps) if steps else (None, None)
     return {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
             "loss_scale": float(m["loss_scale"]), "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
             "step_time_s": elapsed / steps if steps else None, **timing}

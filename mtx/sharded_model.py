@@ -134,7 +134,9 @@ class ShardedModel:
         global batch on every mesh).
 
         With several processes each one passes the same global batch and places only the rows its own devices hold.
+        The objective checks the batch on the host first (`check_batch`: BERT's masked positions).
         """
+        self.objective.check_batch(batch_np)
         if jax.process_count() == 1:
             return jax.tree.map(lambda a: jax.device_put(a, self.batch_sharding), batch_np)
         return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, self.batch_sharding, lambda i: a[i]),

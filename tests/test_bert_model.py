@@ -20,15 +20,18 @@ BASE = Config().replace(**load_preset("configs/bert_tiny.toml")).replace(
 
 
 def make_batch(seed=0, g=16, s=32):
-    """Random sentence-pair-shaped fields: real lengths 12..s, types 1 after a random split, ~15% masked."""
+    """Random sentence-pair-shaped fields: real lengths 12..s, types 1 after a random split, ~15% masked (at most
+    round-up(0.15 s) a row, as BERT's dataset)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(12, s + 1, g)
     real = (np.arange(s)[None] < lengths[:, None]).astype(np.int32)
     split = rng.integers(3, 10, g)
+    masked = (rng.random((g, s)) < 0.15) * real
+    masked *= np.cumsum(masked, axis=1) <= math.ceil(0.15 * s)
     return dict(text=(rng.integers(5, VOCAB, (g, s)) * real).astype(np.int32),
                 types=((np.arange(s)[None] >= split[:, None]) * real).astype(np.int32),
                 labels=rng.integers(0, VOCAB, (g, s)).astype(np.int32),
-                loss_mask=((rng.random((g, s)) < 0.15) * real).astype(np.int32),
+                loss_mask=masked.astype(np.int32),
                 padding_mask=real, is_random=rng.integers(0, 2, g).astype(np.int32))
 
 
@@ -158,3 +161,13 @@ def test_eval_loss_is_the_training_loss_on_every_mesh():
         model = ShardedModel(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
         got = float(model.eval_loss(jax.device_put(params, model.param_shardings), model.put_batch(batch)))
         assert got == pytest.approx(want, rel=1e-5), (dp, pp, tp)
+
+
+def test_a_batch_masking_more_than_the_head_reads_is_refused_on_the_host():
+    """With the masked-only MLM head a sequence with more masked positions than it runs at would lose the rest from
+    the loss: put_batch refuses it in one line naming the fix; --mlm-head-positions all takes it."""
+    batch = make_batch()
+    batch["loss_mask"][3] = batch["padding_mask"][3]  # every real token masked
+    with pytest.raises(ValueError, match=r"masks \d+ positions of one sequence, more than the 5 .* --mlm-head-positions all"):
+        train_step_on((1, 1, 1)).model.put_batch(batch)
+    train_step_on((1, 1, 1), mlm_head_positions="all").model.put_batch(batch)

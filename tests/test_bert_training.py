@@ -91,6 +91,28 @@ def test_post_layernorm_with_dropout_is_the_same_on_every_mesh(tiny):
     assert one[-1] < one[0] - 0.1, one
 
 
+def test_mlm_head_at_the_masked_positions_only_equals_every_position(tiny):
+    """--mlm-head-positions masked (the default: the head runs at each sequence's masked positions only) trains the
+    curve of Megatron's every-position head, on one device and on (2, 1, 2) with sequence parallelism."""
+    cfg = tiny.replace(**EXACT)
+    everywhere = direct_curve(cfg.replace(mlm_head_positions="all"), (1, 1, 1), steps=4)
+    np.testing.assert_allclose(direct_curve(cfg, (1, 1, 1), steps=4), everywhere, rtol=1e-5)
+    sp = direct_curve(cfg.replace(sequence_parallel=True, micro_batch_size=4), (2, 1, 2), steps=4)
+    np.testing.assert_allclose(sp, everywhere, rtol=1e-5)
+
+
+def test_no_sequence_masks_more_positions_than_the_head_runs_at(tiny):
+    """The masked-only head reads round-up(--mask-prob x S) positions a sequence: BERT's dataset never masks more,
+    whatever the sequence length, mask rate and short-sequence draws."""
+    for seq_length, mask_prob in [(32, 0.15), (45, 0.15), (64, 0.3), (33, 0.02)]:
+        cfg = tiny.replace(seq_length=seq_length, max_position_embeddings=64, mask_prob=mask_prob,
+                           short_seq_prob=0.5)
+        dataset = prepare(cfg.replace(run_dir="unused", train_iters=1)).dataset
+        masked = np.concatenate([dataset.batch("train", i, 64)["loss_mask"].sum(axis=1) for i in range(4)])
+        assert masked.max() <= cfg.mlm_positions, (seq_length, mask_prob, masked.max(), cfg.mlm_positions)
+        assert masked.max() >= int(mask_prob * (seq_length - 3))  # nearly tight: [CLS] A [SEP] B [SEP] is full
+
+
 # ---- bad input: one line naming the fix, exit code 2, nothing touched ----
 
 def main(argv):

@@ -228,3 +228,16 @@ def test_checkpoint_flags_out_of_range_or_in_conflict_are_refused(argv, message)
     with pytest.raises(ValueError) as e:
         parse_config(argv).validate(8)
     assert str(e.value).startswith(message)
+
+
+def test_bert_flops_count_the_mlm_head_where_it_runs():
+    """BERT's masked-LM head (dense D -> D and the tied logits) counts at every position with --mlm-head-positions all
+    and at round-up(--mask-prob x S) positions a sequence with masked (the default); a bad choice is one line."""
+    cfg = Config().replace(**load_preset("configs/bert_336m.toml"))
+    m, d, v = cfg.model, cfg.model.hidden_size, cfg.model.padded_vocab_size
+    assert cfg.mlm_positions == 77 and cfg.replace(mlm_head_positions="all").mlm_positions is None
+    every = m.flops_per_token()
+    assert every == 6 * m.num_params() + 12 * 24 * 1024 * 512
+    assert m.flops_per_token(77) == pytest.approx(every - 6 * d * (d + v) * (1 - 77 / 512), rel=1e-12)
+    with pytest.raises(ValueError, match="--mlm-head-positions must be masked or all, got 'some'"):
+        cfg.replace(mlm_head_positions="some").validate()

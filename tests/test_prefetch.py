@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from mtx.data.prefetch import prefetch
+from mtx.data.prefetch import BatchTimes, prefetch
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])
@@ -46,3 +46,20 @@ def test_closing_stops_the_worker():
     while any(t.name == "mtx-prefetch" for t in threading.enumerate()) and time.time() < deadline:
         time.sleep(0.05)
     assert not any(t.name == "mtx-prefetch" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_times_count_making_and_the_wait_for_a_batch_not_ready(depth):
+    """A batch that takes 50 ms to make, consumed at once: the making is counted, and the consumer waits for most of
+    it (with depth 0 all of it); consumed 100 ms apart with prefetching, the batches are ready and nothing waits."""
+    times = BatchTimes()
+    slow = lambda step: time.sleep(0.05) or step
+    assert list(prefetch(slow, range(4), depth=depth, times=times)) == [0, 1, 2, 3]
+    making, waiting = times.take()
+    assert making >= 0.2 and waiting >= (0.2 if depth == 0 else 0.1)
+    assert times.take() == (0.0, 0.0)
+    if depth:
+        for _ in prefetch(slow, range(4), depth=depth, times=times):
+            time.sleep(0.1)
+        making, waiting = times.take()
+        assert making >= 0.2 and waiting < 0.08  # only the first batch is waited for

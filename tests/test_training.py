@@ -125,8 +125,9 @@ def test_metrics_and_config_are_written(tmp_path):
     train_records = [x for x in records if "loss" in x]
     assert [x["step"] for x in train_records] == [3, 6]
     for key in ("step", "loss", "lr", "grad_norm", "loss_scale", "step_time_s", "tokens_per_s", "tflops_per_device",
-                "mfu"):
+                "mfu", "batch_make_s", "batch_wait_s"):
         assert key in train_records[-1]
+    assert 0 < train_records[-1]["batch_make_s"] and 0 <= train_records[-1]["batch_wait_s"]
     assert train_records[-1]["mfu"] is None  # CPU: no known peak
     assert train_records[-1]["tokens_per_s"] > 0
     assert [x["step"] for x in records if "val_loss" in x] == [3, 6]

@@ -10,19 +10,56 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 _DONE = object()
 
 
-def prefetch(make: Callable[[int], object], steps: range, depth: int = 2) -> Iterator[object]:
-    """Yields make(step) for each step, computed on a worker thread up to `depth` steps ahead.
+class BatchTimes:
+    """Seconds spent on the batches handed out since the last `take`: making them (`make`: building, reading and
+    placing a batch, or waiting for a worker process's; counted when the batch is handed out, wherever it was made),
+    and waiting for them (the training loop, when the next batch was not ready: the time data cost the step).
+    Megatron's timers call the second "batch-generator"."""
+
+    def __init__(self):
+        self.lock, self.making, self.waiting = threading.Lock(), 0.0, 0.0
+
+    def add(self, making: float = 0.0, waiting: float = 0.0) -> None:
+        with self.lock:
+            self.making += making
+            self.waiting += waiting
+
+    def take(self) -> tuple[float, float]:
+        """(making, waiting) since the last take; both restart from zero."""
+        with self.lock:
+            taken, self.making, self.waiting = (self.making, self.waiting), 0.0, 0.0
+        return taken
+
+
+def _timed(make: Callable[[int], object]) -> Callable[[int], tuple[object, float]]:
+    def timed_make(step):
+        start = time.perf_counter()
+        item = make(step)
+        return item, time.perf_counter() - start
+    return timed_make
+
+
+def prefetch(make: Callable[[int], object], steps: range, depth: int = 2,
+             times: BatchTimes | None = None) -> Iterator[object]:
+    """Yields make(step) for each step, computed on a worker thread up to `depth` steps ahead; `times` (if given)
+    adds up the time spent making batches and the time the consumer waited for one.
 
     An exception in `make` is raised here, at the step it belongs to. Stopping early (break, an error in the loop,
     closing the generator) stops the worker: closing returns once it has finished the batch it was making.
     """
+    times = times or BatchTimes()
+    make = _timed(make)
     if depth < 1:
-        yield from (make(step) for step in steps)
+        for step in steps:
+            item, making = make(step)
+            times.add(making, waiting=making)  # made on the loop's own time: all of it waited for
+            yield item
         return
     ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -50,9 +87,16 @@ def prefetch(make: Callable[[int], object], steps: range, depth: int = 2) -> Ite
     worker = threading.Thread(target=work, name="mtx-prefetch", daemon=True)
     worker.start()
     try:
-        while (item := ready.get()) is not _DONE:
+        while True:
+            start = time.perf_counter()
+            item = ready.get()
+            times.add(waiting=time.perf_counter() - start)
+            if item is _DONE:
+                break
             if isinstance(item, BaseException):
                 raise item
+            item, making = item
+            times.add(making=making)
             yield item
     finally:
         stop.set()

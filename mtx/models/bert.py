@@ -115,14 +115,17 @@ class BERT(nnx.Module):
         """Final hidden states -> (B, 2) sentence-order logits from the [CLS] position, float32."""
         return self.sop_head(jnp.tanh(self.pooler(h_BSD[:, 0]))).astype(jnp.float32)
 
-    def head_losses(self, x_BSD, labels_BS, is_random_B):
+    def head_losses(self, x_BSD, labels_BS, is_random_B, positions_BK=None):
         """Output of the layer stack -> per-token MLM loss (B, S) and per-sequence SOP loss (B,), float32.
 
         labels_BS: original ids at masked positions (anything elsewhere: the caller's loss mask drops it).
         is_random_B: 1 where segments A and B were swapped. Without the binary head the SOP loss is zeros.
+        positions_BK: the MLM head runs only at these positions of each sequence (labels_BS is then (B, K), the
+        labels there, and so is the MLM loss); None: at every position.
         """
         h_BSD = self.final_hidden(x_BSD)
-        mlm_BS = vocab_parallel_cross_entropy(self.lm_logits(h_BSD), jnp.maximum(labels_BS, 0),
+        h_lm = h_BSD if positions_BK is None else jnp.take_along_axis(h_BSD, positions_BK[:, :, None], axis=1)
+        mlm_BS = vocab_parallel_cross_entropy(self.lm_logits(h_lm), jnp.maximum(labels_BS, 0),
                                               vocab_size=self.vocab_size)
         if self.pooler is None:
             return mlm_BS, jnp.zeros(mlm_BS.shape[:1], jnp.float32)
