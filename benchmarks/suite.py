@@ -82,6 +82,8 @@ ROWS = {
         mtx("355M, 1 GPU", 1, "gpt2_355m", 1, 1, 1, 16, 16),
         torch_row("355M, PyTorch", 16, layers=24, hidden=1024, heads=16, model="gpt2_355m"),
         mtx("BERT 336M, 1 GPU", 1, "bert_336m", 1, 1, 1, 16, 16),  # synthetic batches with BERT's masking statistics
+        mtx("BERT 336M, 1 GPU, no recomputation", 1, "bert_336m", 1, 1, 1, 16, 16, "--recompute-granularity", "none"),
+        mtx("355M, 1 GPU, no recomputation", 1, "gpt2_355m", 1, 1, 1, 16, 16, "--recompute-granularity", "none"),
         mtx("1B Llama, 1 GPU", 1, "llama_1b", 1, 1, 1, LLAMA_MB, LLAMA_MB, "--seq-length", str(LLAMA_SEQ),
             "--recompute-granularity", "none"),  # the preset's (with FAST's matmuls: 0.996x torch.compile)
         torch_llama_row("1B Llama, PyTorch"),
