@@ -140,7 +140,9 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
         source = workers or dataset
         batch_times = BatchTimes()
-        batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size)),
+        rows = model.host_rows(t.global_batch_size)  # each process builds only the rows its devices hold
+        batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size, rows.slice),
+                                                        rows),
                            range(start, t.train_iters), depth=cfg.data.prefetch_depth, times=batch_times)
         profiler = _Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
         with _StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped

@@ -16,6 +16,7 @@ parameter is part of the layer stack exactly when its declared spec has the "pip
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,18 +130,29 @@ class ShardedModel:
 
         return map_specs(slots, params, self.param_specs, self.master_specs)
 
-    def put_batch(self, batch_np):
-        """A host batch (an array or a dict of arrays, leading axis G) -> global arrays split over "data" (the same
-        global batch on every mesh).
+    def host_rows(self, batch_size: int) -> HostRows:
+        """The rows of a global batch of `batch_size` that this process's devices hold (all of them with one
+        process): what a process needs to build (`dataset.batch(..., rows=...)`) and pass to `put_batch`."""
+        if jax.process_count() == 1:
+            return HostRows(0, batch_size, batch_size)
+        return rows_held(self.batch_sharding, batch_size, lambda d: d.process_index == jax.process_index())
 
-        With several processes each one passes the same global batch and places only the rows its own devices hold.
+    def put_batch(self, batch_np, rows: HostRows | None = None):
+        """A host batch (an array or a dict of arrays, leading axis G) -> global arrays split over "data" (the same
+        global batch on every mesh). rows: the batch holds only these rows of the global batch (`host_rows`), as
+        each process of a multi-process run builds only its own; None: the whole global batch.
+
+        With several processes each one places only the rows its own devices hold.
         The objective checks the batch on the host first (`check_batch`: BERT's masked positions).
         """
         self.objective.check_batch(batch_np)
-        if jax.process_count() == 1:
+        if jax.process_count() == 1 and (rows is None or rows.whole):
             return jax.tree.map(lambda a: jax.device_put(a, self.batch_sharding), batch_np)
-        return jax.tree.map(lambda a: jax.make_array_from_callback(a.shape, self.batch_sharding, lambda i: a[i]),
-                            batch_np)
+        def place(a):
+            held = rows or HostRows(0, len(a), len(a))
+            return jax.make_array_from_callback((held.total, *a.shape[1:]), self.batch_sharding,
+                                                lambda index: held.block(a, index))
+        return jax.tree.map(place, batch_np)
 
     # ---- inside shard_map ----
     def local_final_hidden(self, params, tokens_BS):
@@ -167,3 +179,36 @@ class ShardedModel:
         """The loss of one batch (GPT: mean next-token loss; BERT: MLM + SOP), no dropout, no gradient."""
         return jax.shard_map(self._local_eval_loss, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)),
                              out_specs=P())(self.forward_params(params), batch)
+
+
+class HostRows(NamedTuple):
+    """Rows [start, stop) of a global batch of `total` rows."""
+
+    start: int
+    stop: int
+    total: int
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.start, self.stop)
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.total
+
+    def block(self, rows_np, index: tuple[slice, ...]):
+        """The global batch's block `index` (slices, as `jax.make_array_from_callback` asks) out of `rows_np`, which
+        holds these rows of it."""
+        first = index[0]
+        stop = self.total if first.stop is None else first.stop
+        return rows_np[(slice((first.start or 0) - self.start, stop - self.start), *index[1:])]
+
+
+def rows_held(sharding, batch_size: int, mine) -> HostRows:
+    """The smallest run of rows of a (batch_size, ...) array under `sharding` that covers every block held by the
+    devices for which mine(device) is true (a process's devices: one run when the "data" ranks of a process are
+    neighbours, as the meshes of mtx.parallel.mesh place them)."""
+    blocks = [index[0] for device, index in sharding.devices_indices_map((batch_size,)).items() if mine(device)]
+    start = min(block.start or 0 for block in blocks)
+    stop = max(batch_size if block.stop is None else block.stop for block in blocks)
+    return HostRows(start, stop, batch_size)

@@ -214,6 +214,18 @@ def test_batch_does_not_depend_on_how_it_is_cut():
     np.testing.assert_array_equal(whole, ones)
 
 
+def test_rows_of_a_batch_are_those_rows_of_the_whole_batch():
+    """dataset.batch(..., rows=) (what one process of a multi-process run builds) is that part of the whole batch,
+    for plain windows (across an epoch boundary) and Megatron's document fields."""
+    ds = _arange_dataset(seq_length=16)
+    np.testing.assert_array_equal(ds.batch("train", 70, 9, slice(3, 7)), ds.batch("train", 70, 9)[3:7])
+    docs = build_dataset(Config().replace(seq_length=16, eod_mask_loss=True, reset_position_ids=True))
+    part, whole = docs.batch("train", 5, 8, slice(4, 8)), docs.batch("train", 5, 8)
+    assert part.keys() == whole.keys()
+    for key in whole:
+        np.testing.assert_array_equal(part[key], whole[key][4:8], err_msg=key)
+
+
 def test_each_epoch_covers_every_sample_once():
     ds, S = _arange_dataset(seq_length=16), 16
     n, B = ds.num_samples("train"), 7  # 592 samples; 7 does not divide it, so batches straddle epochs

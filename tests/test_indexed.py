@@ -209,6 +209,7 @@ def test_blend_hits_the_weights_and_is_deterministic(two_prefixes):
     assert abs(from_a.mean() - 0.7) < 0.01
     np.testing.assert_array_equal(rows[:300], np.concatenate([_blend(a, b).batch("train", k, 100) for k in range(3)]))
     assert not np.array_equal(rows[:100], _blend(a, b, seed=2).batch("train", 0, 100))
+    np.testing.assert_array_equal(ds.batch("train", 4, 100, slice(50, 100)), rows[450:500])  # one process's rows
     valid = ds.batch("valid", 0, 50)
     assert abs((valid.max(axis=1) < 100).mean() - 0.7) <= 0.02
     unweighted = build_dataset(Config().replace(data_path=(a, b), seq_length=16, split="969,30,1"))

@@ -232,3 +232,22 @@ def test_metrics_hold_each_step_once_after_a_resume(tmp_path):
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in records if r["step"] > 4 and "loss" in r] == [resumed.losses[5], resumed.losses[6]]
+
+
+def test_a_process_builds_and_places_only_the_rows_its_devices_hold():
+    """With the data ranks of a (2, 1, 4) mesh split over two hosts (devices 0-3, 4-7) each host holds one half of
+    the batch, and the blocks its devices ask for are found in that half alone; one process holds every row."""
+    from mtx.sharded_model import HostRows, rows_held
+    from mtx.step import TrainStep
+
+    model = TrainStep.build(Config().replace(**load_preset("configs/tiny.toml"), data_parallel_size=2,
+                                             tensor_model_parallel_size=4), make_mesh(2, 1, 4)).model
+    halves = [rows_held(model.batch_sharding, 16, lambda d, host=host: d.id // 4 == host) for host in (0, 1)]
+    assert halves == [HostRows(0, 8, 16), HostRows(8, 16, 16)]
+    assert model.host_rows(16) == HostRows(0, 16, 16)
+    batch = np.arange(16 * 5).reshape(16, 5)
+    second = halves[1]
+    for index in [(slice(8, 16), slice(None)), (slice(12, None), slice(1, 3)), (slice(8, 12),)]:
+        np.testing.assert_array_equal(second.block(batch[second.slice], index), batch[index])
+    placed = model.put_batch(batch.astype(np.int32), HostRows(0, 16, 16))
+    np.testing.assert_array_equal(np.asarray(placed), batch)

@@ -1,6 +1,7 @@
 """--num-workers: batches built by worker processes are the batches this process builds, for GPT and BERT, and a
 run with workers trains on the same batches (the same losses) as one without."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -35,6 +36,9 @@ def test_workers_make_the_batches_this_process_makes(model, bert_toy):
         for index in (0, 1, 2, 7, 3):  # in order, then a jump ahead and one back (batches sent ahead are dropped)
             assert_same(workers.batch("train", index, 4), dataset.batch("train", index, 4))
         assert_same(workers.batch("valid", 0, 2), dataset.batch("valid", 0, 2))
+        assert_same(workers.batch("train", 3, 4, slice(2, 4)), dataset.batch("train", 3, 4, slice(2, 4)))
+        whole = dataset.batch("train", 3, 4)  # and a part is the part of the whole batch (BERT's and GPT's)
+        assert_same(dataset.batch("train", 3, 4, slice(2, 4)), jax.tree.map(lambda a: a[2:4], whole))
 
 
 def test_a_run_with_workers_trains_on_the_same_batches(tmp_path, monkeypatch):
@@ -43,9 +47,9 @@ def test_a_run_with_workers_trains_on_the_same_batches(tmp_path, monkeypatch):
     asked = []
 
     class Counted(BatchWorkers):  # the run's batches come from the workers
-        def batch(self, split, index, batch_size):
+        def batch(self, split, index, batch_size, rows=slice(None)):
             asked.append(index)
-            return super().batch(split, index, batch_size)
+            return super().batch(split, index, batch_size, rows)
 
     monkeypatch.setattr(mtx.run, "BatchWorkers", Counted)
     cfg = GPT.replace(train_iters=3, hidden_dropout=0.0, attention_dropout=0.0)

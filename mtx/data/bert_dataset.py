@@ -111,11 +111,12 @@ class BertDataset:
         return self._maps[split]
 
     # ---- batches ----
-    def batch(self, split: str, index: int, batch_size: int) -> dict[str, np.ndarray]:
-        """Samples index*batch_size ... (index+1)*batch_size - 1 of the split's endless sequence, stacked."""
+    def batch(self, split: str, index: int, batch_size: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """Samples index*batch_size ... (index+1)*batch_size - 1 of the split's endless sequence, stacked; rows: only
+        those rows of the batch (a process builds the rows its devices hold: a sample is Python work)."""
         if index < 0 or batch_size < 1:
             raise ValueError(f"batch index must be >= 0 and batch size >= 1, got {index} and {batch_size}.")
-        samples = [self.sample(split, index * batch_size + i) for i in range(batch_size)]
+        samples = [self.sample(split, index * batch_size + i) for i in range(batch_size)[rows]]
         return {key: np.stack([s[key] for s in samples]) for key in samples[0]}
 
     def sample(self, split: str, position: int) -> dict[str, np.ndarray]:

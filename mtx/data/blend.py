@@ -81,13 +81,14 @@ class BlendedDataset:
     def num_tokens(self, split: str) -> int:
         return sum(ds.num_tokens(split) for ds in self.datasets)
 
-    def batch(self, split: str, index: int, batch_size: int) -> np.ndarray:
-        """(batch_size, seq_length + 1) int32: positions index*batch_size ... of the split's blended sequence."""
+    def batch(self, split: str, index: int, batch_size: int, rows: slice = slice(None)) -> np.ndarray:
+        """(batch_size, seq_length + 1) int32: positions index*batch_size ... of the split's blended sequence; rows:
+        only those rows of the batch."""
         if index < 0 or batch_size < 1:
             raise ValueError(f"batch index must be >= 0 and batch size >= 1, got {index} and {batch_size}.")
-        which, within = self.locate(split, index * batch_size + np.arange(batch_size, dtype=np.int64))
+        which, within = self.locate(split, index * batch_size + np.arange(batch_size, dtype=np.int64)[rows])
         members = self._members[split]
-        out = np.empty((batch_size, self.seq_length + 1), np.int32)
+        out = np.empty((len(which), self.seq_length + 1), np.int32)
         for j, i in enumerate(members):
             rows = which == j
             if rows.any():

@@ -102,11 +102,12 @@ class GPTDataset:
     def num_tokens(self, split: str) -> int:
         return len(self._part(split))
 
-    def batch(self, split: str, index: int, batch_size: int) -> np.ndarray:
-        """(batch_size, seq_length + 1) int32: samples index*batch_size ... (index+1)*batch_size - 1 of the split."""
+    def batch(self, split: str, index: int, batch_size: int, rows: slice = slice(None)) -> np.ndarray:
+        """(batch_size, seq_length + 1) int32: samples index*batch_size ... (index+1)*batch_size - 1 of the split;
+        rows: only those rows of the batch (a process builds the rows its devices hold)."""
         if index < 0 or batch_size < 1:
             raise ValueError(f"batch index must be >= 0 and batch size >= 1, got {index} and {batch_size}.")
-        return self.samples(split, index * batch_size + np.arange(batch_size, dtype=np.int64))
+        return self.samples(split, index * batch_size + np.arange(batch_size, dtype=np.int64)[rows])
 
     def samples(self, split: str, position: np.ndarray) -> np.ndarray:
         """(len(position), seq_length + 1) int32: the samples at these places of the split's infinite sequence."""

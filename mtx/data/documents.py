@@ -50,8 +50,9 @@ class DocumentBatches:
         self.dataset = dataset
         self.flags = {name: getattr(data_cfg, name) for name in FIELDS}
 
-    def batch(self, split: str, index: int, batch_size: int) -> dict[str, np.ndarray]:
-        return document_fields(self.dataset.batch(split, index, batch_size), self.dataset.tokenizer.eod, **self.flags)
+    def batch(self, split: str, index: int, batch_size: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        return document_fields(self.dataset.batch(split, index, batch_size, rows), self.dataset.tokenizer.eod,
+                               **self.flags)
 
     def __getattr__(self, name):  # only for names this class lacks
         if name == "dataset":

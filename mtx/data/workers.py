@@ -28,12 +28,12 @@ def _ready():
     return _dataset.num_samples("train")
 
 
-def _batch(split: str, index: int, batch_size: int):
-    return _dataset.batch(split, index, batch_size)
+def _batch(split: str, index: int, batch_size: int, rows: slice):
+    return _dataset.batch(split, index, batch_size, rows)
 
 
 class BatchWorkers:
-    """`batch(split, index, batch_size)` of the dataset `cfg` builds, the same arrays, made by `workers` processes:
+    """`batch(split, index, batch_size, rows)` of the dataset `cfg` builds, the same arrays, made by `workers` processes:
     asking for batch k sends batches k .. k + W - 1 to the workers (those not sent yet), so consecutive requests
     find their batch made or in the making. Close it (or use it as a context manager) to stop the workers."""
 
@@ -45,14 +45,15 @@ class BatchWorkers:
         for _ in range(workers):  # spawns them now: each builds its dataset while the caller goes on
             self._pool.submit(_ready)
 
-    def batch(self, split: str, index: int, batch_size: int):
+    def batch(self, split: str, index: int, batch_size: int, rows: slice = slice(None)):
         for key in [key for key in self._jobs if key[0] == split and not index <= key[1] < index + self.workers]:
             self._jobs.pop(key).cancel()  # a jump: batches sent ahead that will not be asked for
+        part = (rows.start, rows.stop, rows.step)  # (a slice is no dict key before Python 3.12)
         try:
             for k in range(index, index + self.workers):
-                if (split, k, batch_size) not in self._jobs:
-                    self._jobs[split, k, batch_size] = self._pool.submit(_batch, split, k, batch_size)
-            return self._jobs.pop((split, index, batch_size)).result()
+                if (split, k, batch_size, part) not in self._jobs:
+                    self._jobs[split, k, batch_size, part] = self._pool.submit(_batch, split, k, batch_size, rows)
+            return self._jobs.pop((split, index, batch_size, part)).result()
         except concurrent.futures.process.BrokenProcessPool:
             raise RuntimeError("a batch worker process stopped (killed, out of memory, or its dataset build failed: "
                                "its traceback is above); rerun with --num-workers 0 to build batches in this "
