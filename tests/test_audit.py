@@ -15,6 +15,8 @@ import pytest
 
 from mtx import audit
 
+from helpers import LLAMA_BLOCKS
+
 KINDS = audit.KINDS
 B, S, D, N = 2, 16, 64, 8  # local micro batch, sequence, hidden, heads: small enough to compile in a second
 
@@ -180,10 +182,6 @@ def test_sequence_parallel_layer_gathers_and_scatters_instead_of_all_reducing(tp
     assert r["by_axis"] == {"forward": sp, "backward": sp}, r["ops"]
     assert r["elements"]["forward"] == {"all-gather model": 2 * b * S * D, "reduce-scatter model": 2 * b * S * D // tp}
     assert r["elements"]["backward"] == r["elements"]["forward"]
-
-
-LLAMA_BLOCKS = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
-                    untie_embeddings_and_output_weights=True, disable_bias_linear=True)
 
 
 @pytest.mark.parametrize("tp,groups,sp", [(2, 2, False), (4, 2, False), (4, 4, True), (8, 2, True)])

@@ -17,6 +17,8 @@ from mtx.parallel.ops import gather_from_model_parallel
 from mtx.sharded_model import ShardedModel
 from mtx.state import init_state
 
+from helpers import LLAMA_BLOCKS
+
 VOCAB, S = 257, 32
 TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(vocab_size=VOCAB, hidden_dropout=0.0,
                                                                     attention_dropout=0.0)
@@ -24,8 +26,7 @@ TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(vocab_size=V
 
 # Llama's blocks: 8 query heads of 8 dims and G key/value groups (split over TP when TP divides G, else replicated:
 # tests/test_llama.py).
-LLAMA = dict(position_embedding_type="rope", rotary_percent=0.5, normalization="RMSNorm", swiglu=True,
-             group_query_attention=True, untie_embeddings_and_output_weights=True, disable_bias_linear=True)
+LLAMA = dict(LLAMA_BLOCKS, rotary_percent=0.5)
 
 
 @functools.cache

@@ -16,38 +16,13 @@ from mtx.models.rotary import apply_rotary
 from mtx.parallel.mesh import make_mesh
 from mtx.run import train
 from mtx.sharded_model import ShardedModel
-from mtx.state import state_shardings
-from mtx.step import TrainStep
+
+from helpers import LLAMA_BLOCKS, loss_and_grads
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"), hidden_dropout=0.0, attention_dropout=0.0)
 # Every block on: 8 heads of 8 dims, 2 key/value groups (split over TP 2, replicated over TP 4 and 8), rope on 3 / 4
 # of each head, SwiGLU of width 128 (Megatron's 8 / 3 rule at D = 64).
-LLAMA = dict(position_embedding_type="rope", rotary_base=500000.0, rotary_percent=0.75, normalization="RMSNorm",
-             norm_epsilon=1e-6, swiglu=True, group_query_attention=True, num_query_groups=2,
-             untie_embeddings_and_output_weights=True, disable_bias_linear=True)
-
-
-def loss_and_grads(cfg, dp, pp, tp, params=None, **flags):
-    """Loss and every gradient on the mesh, and the initial parameters (on the host). Given `params` (one device's,
-    from an earlier call) of the same shapes, they are placed on the mesh in place of its own initialization: the
-    initial state does not depend on the mesh (tests/test_training.py), and building it costs as much as a compile."""
-    cfg = cfg.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
-                      **flags).validate(8)
-    train_step = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
-    if params is None or not same_shapes(params, train_step.abstract_state().params):
-        params = jax.device_get(train_step.init_state().params)
-    shardings = state_shardings(train_step.model)
-    placed, step = jax.device_put(params, shardings.params), jax.device_put(np.int32(0), shardings.step)
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.training.global_batch_size,
-                                                                         cfg.model.seq_length + 1))
-    loss, grads = jax.jit(train_step.loss_and_grads)(placed, train_step.model.put_batch(tokens), step)
-    return float(loss), {jax.tree_util.keystr(p): np.asarray(g)
-                         for p, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads))}, params
-
-
-def same_shapes(a, b):
-    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-    return jax.tree.structure(a) == jax.tree.structure(b) and shapes(a) == shapes(b)
+LLAMA = dict(LLAMA_BLOCKS, rotary_base=500000.0, rotary_percent=0.75, norm_epsilon=1e-6, num_query_groups=2)
 
 
 @pytest.mark.parametrize("groups,meshes", [
@@ -62,10 +37,10 @@ def test_loss_and_every_gradient_are_the_same_on_every_mesh(groups, meshes):
     settings (fused attention, XLA's here; matmul recomputation; unrolled layers): loss and every gradient equal one
     device's."""
     cfg = TINY.replace(**{**LLAMA, "num_query_groups": groups}, global_batch_size=16, micro_batch_size=8)
-    ref_loss, ref, params = loss_and_grads(cfg, 1, 1, 1)
+    ref_loss, ref = loss_and_grads(cfg, 1, 1, 1)
     assert "['output_layer']['embedding']" in ref and "['position_embeddings']" not in ref
     for dp, pp, tp, flags in meshes:
-        loss, grads, _ = loss_and_grads(cfg, dp, pp, tp, params, **flags)
+        loss, grads = loss_and_grads(cfg, dp, pp, tp, **flags)
         assert loss == pytest.approx(ref_loss, rel=1e-6), (dp, pp, tp, flags)
         assert grads.keys() == ref.keys()
         for name, g in grads.items():

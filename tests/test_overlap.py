@@ -1,15 +1,14 @@
 """--overlap-grad-reduce and --overlap-param-gather: the layer stack's data-parallel reductions (and the distributed
 optimizer's gathers) move into each layer's backward (forward), with the same gradients, losses and checkpoints."""
 
-import jax
 import numpy as np
 import pytest
 
 from mtx.audit import audit_config, audit_data_parallel
 from mtx.config import Config, load_preset
-from mtx.parallel import make_mesh
 from mtx.run import train
-from mtx.step import TrainStep
+
+from helpers import loss_and_grads
 
 # Tiny GPT, 3 layers, dropout on, clipping that binds; 2 microbatches a data rank at DP 4.
 BASE = Config().replace(**load_preset("configs/tiny.toml")).replace(
@@ -24,15 +23,6 @@ def cfg_for(mesh, **flags):
     return BASE.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, **flags)
 
 
-def loss_and_grads(mesh, **flags):
-    cfg = cfg_for(mesh, **flags).validate(8)
-    step = TrainStep.build(cfg, make_mesh(*mesh))
-    state = step.init_state()
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (16, cfg.model.seq_length + 1), np.int32)
-    loss, grads = jax.jit(step.loss_and_grads)(state.params, step.model.put_batch(tokens), state.step)
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
-
-
 @pytest.mark.parametrize("mesh, flags", [
     ((4, 1, 2), REPLICATED), ((4, 1, 2), SCATTERED), ((4, 1, 2), GATHERED),
     ((8, 1, 1), dict(GATHERED, scan_layers=False, micro_batch_size=1)),  # unrolled layers, accumulation over 2
@@ -43,11 +33,11 @@ def loss_and_grads(mesh, **flags):
 def test_gradients_equal_the_reduction_after_the_backward(mesh, flags):
     """Every gradient as one device computes it (the replicated optimizer on a data-only mesh, same blocks)."""
     blocks = {k: v for k, v in flags.items() if k in ("group_query_attention", "num_query_groups")}
-    loss, grads = loss_and_grads(mesh, **flags)
-    ref_loss, ref_grads = loss_and_grads((8, 1, 1), **blocks)
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
-    top = max(np.abs(g).max() for g in ref_grads)
-    for got, want in zip(grads, ref_grads):
+    loss, grads = loss_and_grads(BASE, *mesh, **flags)
+    ref_loss, ref_grads = loss_and_grads(BASE, 8, 1, 1, **blocks)
+    assert loss == pytest.approx(ref_loss, rel=1e-6) and grads.keys() == ref_grads.keys()
+    top = max(np.abs(g).max() for g in ref_grads.values())
+    for got, want in zip(grads.values(), ref_grads.values()):
         # Each gradient at its own scale, except the keys' bias: its gradient is 0 in exact arithmetic (softmax
         # ignores a constant added to every key), so what is computed is rounding noise, at the scale of the others.
         scale = max(np.abs(want).max(), 1e-4 * top)

@@ -10,8 +10,9 @@ from mtx.config import Config, load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.layout import parse_layout, stage_layer_counts
 from mtx.run import train
-from mtx.state import state_shardings
 from mtx.step import TrainStep
+
+from helpers import loss_and_grads
 
 # The tiny preset deepened to 8 layers, exact (fp32, no dropout).
 DEEP = Config().replace(**load_preset("configs/tiny.toml")).replace(num_layers=8, hidden_dropout=0.0,
@@ -47,35 +48,14 @@ def test_pipelined_losses_match_on_every_mesh_and_layout(tmp_path, shared_initia
     assert curves[0][-1] < curves[0][0]
 
 
-def grads_on(mesh, layout, tokens, params=None):
-    """Loss and every gradient on the mesh, and the initial parameters (on the host). Given `params` (one device's,
-    from an earlier call) of the same shapes, they are placed on the mesh in place of its own initialization: the
-    initial state does not depend on the mesh (tests/test_training.py), and building it costs as much as a compile."""
-    cfg = cfg_for(mesh, layout, vocab_size=257).validate(8)
-    dp, pp, tp = mesh
-    train_step = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
-    if params is None or not same_shapes(params, train_step.abstract_state().params):
-        params = jax.device_get(train_step.init_state().params)
-    shardings = state_shardings(train_step.model)
-    placed, step = jax.device_put(params, shardings.params), jax.device_put(np.int32(0), shardings.step)
-    loss, grads = jax.jit(train_step.loss_and_grads)(placed, train_step.model.put_batch(tokens), step)
-    return float(loss), {jax.tree_util.keystr(p): np.asarray(g)
-                         for p, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads))}, params
-
-
-def same_shapes(a, b):
-    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-    return jax.tree.structure(a) == jax.tree.structure(b) and shapes(a) == shapes(b)
-
-
 def test_gradients_of_every_parameter_match_the_unpipelined_run():
-    tokens = np.random.default_rng(0).integers(0, 257, (16, 33)).astype(np.int32)
-    ref_loss, ref, params = grads_on((1, 1, 1), {}, tokens)
+    cfg = DEEP.replace(vocab_size=257)
+    ref_loss, ref = loss_and_grads(cfg, 1, 1, 1)
     for mesh, layout in [((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "scan_layers": False}),
                          ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "pipeline_schedule": "gpipe"}),
                          ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}), ((1, 8, 1), {}),
                          ((1, 2, 2), {"num_layers_per_virtual_pipeline_stage": 2, "recompute_granularity": "matmuls"})]:
-        loss, grads, _ = grads_on(mesh, layout, tokens, params)
+        loss, grads = loss_and_grads(cfg, *mesh, **layout)
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         assert grads.keys() == ref.keys()
         for name, g in grads.items():

@@ -9,26 +9,17 @@ from flax import nnx
 from mtx.config import Config, load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.sharded_model import ShardedModel
-from mtx.step import TrainStep
+
+from helpers import loss_and_grads
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"))
-
-
-def loss_and_grads(cfg, dp, pp, tp):
-    train_step = TrainStep.build(cfg, make_mesh(dp, pp, tp, devices=jax.devices()[: dp * pp * tp]))
-    state = train_step.init_state()
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.training.global_batch_size,
-                                                                         cfg.model.seq_length + 1))
-    loss, grads = jax.jit(train_step.loss_and_grads)(state.params, train_step.model.put_batch(tokens), state.step)
-    return float(loss), {k: np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(grads)}
 
 
 def assert_same(got, want):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     assert got[1].keys() == want[1].keys()
     for path in want[1]:
-        np.testing.assert_allclose(got[1][path], want[1][path], rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(got[1][path], want[1][path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 def test_sequence_parallel_is_the_same_math():
