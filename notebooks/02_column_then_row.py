@@ -142,7 +142,7 @@ def close(a, b, what):
 
 # %%
 graphdef, mlp_params = init_sharded(lambda: ParallelMLP(m, dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
-mlp_specs = partition_specs(mlp_params)
+mlp_specs = partition_specs(mlp_params, TP)
 W = jax.tree.map(np.asarray, nnx.to_pure_dict(mlp_params))  # the global weights, for the references
 print("declared layouts:", nnx.to_pure_dict(mlp_specs))
 
@@ -233,8 +233,9 @@ def attention_reference(a, x):
     return ctx @ a["proj"]["kernel"] + a["proj"]["bias"]
 
 
-attn, y_attn, grads_attn, dx_attn = compile_and_run(lambda p, x: nnx.merge(agraph, p)(x), partition_specs(attn_params),
-                                                    attn_params, x, dy)
+attn_specs = partition_specs(attn_params, TP)
+attn, y_attn, grads_attn, dx_attn = compile_and_run(lambda p, x: nnx.merge(agraph, p)(x), attn_specs, attn_params, x,
+                                                    dy)
 grads_attn = nnx.to_pure_dict(grads_attn)
 close(y_attn, np.asarray(attention_reference(A, x_BSD)), "attention output")
 ga_ref, gx_ref = jax.grad(lambda a, x: jnp.sum(attention_reference(a, x) * dy_BSD), argnums=(0, 1))(A, x_BSD)

@@ -97,7 +97,7 @@ def abstract_params(cfg):
 def params_per_device(abstract, pp, tp):
     sizes = {"data": 1, "pipeline": pp, "model": tp}
     total = 0
-    for x, spec in zip(jax.tree.leaves(abstract), jax.tree.leaves(partition_specs(abstract),
+    for x, spec in zip(jax.tree.leaves(abstract), jax.tree.leaves(partition_specs(abstract, tp),
                                                                     is_leaf=lambda s: isinstance(s, P))):
         shard = [n // sizes[a] if a and n % sizes[a] == 0 else n for n, a in zip(x.shape, spec)]
         total += int(np.prod(shard))
@@ -105,10 +105,10 @@ def params_per_device(abstract, pp, tp):
 
 
 def replicated_params(abstract):
-    """Parameters every model and pipeline rank holds whole (LayerNorms, row-parallel biases, positions)."""
-    return sum(x.size for x, spec in zip(jax.tree.leaves(abstract),
-                                         jax.tree.leaves(partition_specs(abstract), is_leaf=lambda s: isinstance(s, P)))
-               if "model" not in spec)
+    """Parameters every model and pipeline rank holds whole (LayerNorms, row-parallel biases, positions), as
+    declared (GPT's blocks: the same on every tensor-parallel size)."""
+    specs = jax.tree.leaves(partition_specs(abstract, 1), is_leaf=lambda s: isinstance(s, P))
+    return sum(x.size for x, spec in zip(jax.tree.leaves(abstract), specs) if "model" not in spec)
 
 
 # %% [markdown]

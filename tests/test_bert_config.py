@@ -50,7 +50,7 @@ def test_parameter_shapes_and_layouts_match_the_golden_snapshot():
     """Every BERT parameter's global shape and declared PartitionSpec; MTX_UPDATE_GOLDEN=1 accepts a change."""
     _, abstract = split_abstract(build_model(Config().replace(**load_preset("configs/bert_tiny.toml"),
                                                               vocab_size=30522)))
-    specs = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(partition_specs(abstract))))
+    specs = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(partition_specs(abstract, 1))))
     current = "\n".join(f"{jax.tree_util.keystr(path)} {tuple(x.shape)} {specs[path]}"
                         for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(abstract))) + "\n"
     if os.environ.get("MTX_UPDATE_GOLDEN"):

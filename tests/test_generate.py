@@ -216,7 +216,7 @@ def test_a_layer_decodes_like_its_forward_in_either_layernorm_placement(post_lay
     cfg = TINY.model
     layer = TransformerLayer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), post_layernorm=post_layernorm)
     graphdef, params = nnx.split(layer)
-    specs = partition_specs(params)
+    specs = partition_specs(params, 2)
     mesh = make_mesh(1, 1, 2, devices=jax.devices()[:2])
     params = jax.device_put(params, named_shardings(params, mesh))
     x_BSD = jax.device_put(jax.random.normal(jax.random.key(1), (2, 8, cfg.hidden_size)),

@@ -19,7 +19,7 @@ GOLDEN = Path(__file__).parent / "golden" / "gpt_tiny_params.txt"
 
 def snapshot() -> str:
     _, abstract = split_abstract(build_model(Config().replace(**load_preset("configs/tiny.toml"))))
-    specs = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(partition_specs(abstract))))
+    specs = dict(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(partition_specs(abstract, 1))))
     rows = [f"{jax.tree_util.keystr(path)} {tuple(x.shape)} {specs[path]}"
             for path, x in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(abstract))]
     return "\n".join(rows) + "\n"

@@ -38,7 +38,7 @@ def mesh_of(dp, tp):
 def run_sharded(make, mesh, x, x_spec, out_spec, call=lambda m, x: m(x)):
     """(y, dL/dparams, dL/dx) of the layer on `mesh`, with L = sum(y * r) for a fixed r; all global arrays."""
     graphdef, params = init_sharded(make, mesh)
-    specs = partition_specs(params)
+    specs = partition_specs(params, mesh.shape["model"])
     fn = jax.shard_map(lambda p, x: call(nnx.merge(graphdef, p), x), mesh=mesh, in_specs=(specs, x_spec),
                        out_specs=out_spec)
     x = jax.device_put(x, NamedSharding(mesh, x_spec))
@@ -204,7 +204,7 @@ def test_padding_mask_hides_padded_keys():
     graphdef, params = init_sharded(make, mesh)
     mask = jnp.ones((B, S), jnp.int32).at[:, S // 2:].set(0)
     fn = jax.jit(jax.shard_map(lambda p, x, m: nnx.merge(graphdef, p)(x, mask_BS=m), mesh=mesh,
-                               in_specs=(partition_specs(params), P(), P()), out_specs=P()))
+                               in_specs=(partition_specs(params, 2), P(), P()), out_specs=P()))
     x = jnp.asarray(x_BSD())
     x2 = x.at[:, S // 2:].set(123.0)  # change only padded positions
     y1, y2 = np.asarray(fn(params, x, mask)), np.asarray(fn(params, x2, mask))

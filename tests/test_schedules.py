@@ -88,7 +88,7 @@ def test_audit_counts_two_shifts_a_tick():
         # Interleaved: device s holds chunks s and s + 2 of 4 layers stored [0 1 | 2 3], so each device receives one
         # layer from the other (every stacked parameter), and sends its gradient back.
         exchange = report["layer_exchange"]
-        specs = partition_specs(split_abstract(build_model(cfg))[1])
+        specs = partition_specs(split_abstract(build_model(cfg))[1], cfg.parallel.tensor_model_parallel_size)
         stacked = [spec for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)) if is_stacked(spec)]
         assert exchange["collective-permute pipeline"] == (2 * len(stacked) if v == 2 else 0)
         assert report["schedule"]["ideal_bubble"] == pytest.approx(1 / (4 * v + 1))

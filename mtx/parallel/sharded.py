@@ -17,9 +17,10 @@ def split_abstract(make: Callable[[], nnx.Module]):
     return nnx.split(nnx.eval_shape(make))
 
 
-def partition_specs(state, model_size: int = 1):
+def partition_specs(state, model_size: int):
     """The PartitionSpec of every parameter, as declared where the parameter was created (a tree like `state`), on
-    a mesh of `model_size` model ranks: groups that this size does not divide are replicated (`replicated_groups`)."""
+    a mesh of `model_size` model ranks: groups that this size does not divide are replicated (`replicated_groups`;
+    1: every spec as declared)."""
     return map_specs(lambda spec, replicated: P(*(None if replicated and a == MODEL else a for a in spec)),
                      nnx.get_partition_spec(state), replicated_groups(state, model_size))
 
