@@ -31,7 +31,7 @@ def bert_padding(batch: int, seq: int, heads: int, head_dim: int) -> dict:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, dy = (jax.random.normal(key, (batch, seq, heads, head_dim)) for key in keys)
     real = np.random.default_rng(0).integers(1, seq + 1, size=batch)
-    real[:3] = seq, 1, seq - 1  # a full row, a row of one token, one padding position
+    real[:3] = (seq, 1, seq - 1)[:batch]  # a full row, a row of one token, one padding position
     mask_BS = jnp.asarray(np.arange(seq)[None, :] < real[:, None], jnp.int32)
     real_BS = np.asarray(mask_BS, bool)
 

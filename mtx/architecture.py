@@ -23,7 +23,7 @@ ADDED_FIELDS = frozenset({"position_embedding_type", "rotary_base", "rotary_perc
                           "norm_epsilon", "swiglu", "group_query_attention", "num_query_groups",
                           "untie_embeddings_and_output_weights", "disable_bias_linear", "use_rope_scaling",
                           "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                          "rope_scaling_original_max_position_embeddings", "mlm_head_positions"})
+                          "rope_scaling_original_max_position_embeddings"})
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,6 @@ class ModelConfig:
     layernorm_placement: str = _f("pre", "pre: x + f(LN(x)) and a final LN (paper); post: LN(x + f(x)) (original BERT)")
     num_tokentypes: int = _f(2, "BERT's token-type (segment A/B) embeddings; 0: none; GPT has none")
     bert_binary_head: bool = _f(True, "BERT's sentence-order-prediction head on [CLS]")
-    mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "
-                                           "runs: masked (only the positions the loss reads, at most round-up("
-                                           "--mask-prob x S) a sequence) | all (every position, as Megatron)")
     position_embedding_type: str = _f("learned_absolute", "learned_absolute (a learned table added to the "
                                                           "embeddings, GPT-2) | rope (rotary, applied to q and k)")
     rotary_base: float = _f(10000.0, "rope: base of the rotary frequencies (Llama 3: 500000)")

@@ -92,6 +92,9 @@ class TrainingConfig:
     recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective")
     scan_layers: bool = _f(True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it")
     use_flash_attn: bool = _f(False, "fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere")
+    mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "
+                                           "runs: masked (only the positions the loss reads, at most round-up("
+                                           "--mask-prob x S) a sequence) | all (every position, as Megatron)")
     log_interval: int = _f(10, "steps between metrics lines")
     eval_interval: int = _f(100, "steps between validation runs; 0 disables")
     eval_iters: int = _f(10, "validation batches per evaluation")
@@ -247,7 +250,7 @@ class Config:
         """BERT with --mlm-head-positions masked: the masked-LM head's positions per sequence, round-up(--mask-prob x
         S), the most BERT's dataset masks in one sequence (mtx/data/bert_dataset.py); None: every position."""
         m = self.model
-        if not (m.is_bert and m.mlm_head_positions == "masked"):
+        if not (m.is_bert and self.training.mlm_head_positions == "masked"):
             return None
         return max(1, math.ceil(self.data.mask_prob * m.seq_length))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     if coordinator_address != "auto" and (num_processes is None or process_id is None):
         raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
                          "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
-    with _service_in_child_process():
+    with _service_in_child_process(linger=heartbeat_timeout + 10):
         if coordinator_address == "auto":
             jax.distributed.initialize(**timeouts)
         else:
@@ -65,20 +66,23 @@ def _runtime_library():
 
 
 @contextlib.contextmanager
-def _service_in_child_process():
+def _service_in_child_process(linger: int):
     """While jax.distributed.initialize runs, process 0's coordination service starts as a `ServiceProcess` instead of
-    inside this process (with mutual TLS or JAX's recoverability mode: inside, as JAX does)."""
+    inside this process, serving `linger` seconds after process 0 is gone. Called in any other way than jax 0.11's
+    (bind address, process count, heartbeat and shutdown timeouts; mutual TLS and recoverability off), the service
+    is JAX's own, inside this process."""
     library = _runtime_library()
     if library is None:
         yield
         return
     in_process = library.get_distributed_runtime_service
+    timeouts = {"heartbeat_timeout", "shutdown_timeout"}
 
-    def start(bind_address, num_processes, *, heartbeat_timeout, shutdown_timeout, recoverable=False, **tls):
-        if recoverable or any(tls.values()):  # JAX passes its mTLS settings, None/False when off
-            return in_process(bind_address, num_processes, heartbeat_timeout=heartbeat_timeout,
-                              shutdown_timeout=shutdown_timeout, recoverable=recoverable, **tls)
-        return ServiceProcess(bind_address, num_processes, heartbeat_timeout, shutdown_timeout)
+    def start(*args, **kwargs):
+        others = [value for key, value in kwargs.items() if key not in timeouts]  # JAX's mTLS, recoverability
+        if len(args) != 2 or not timeouts <= kwargs.keys() or any(others):
+            return in_process(*args, **kwargs)
+        return ServiceProcess(*args, kwargs["heartbeat_timeout"], kwargs["shutdown_timeout"], linger)
 
     library.get_distributed_runtime_service = start
     try:
@@ -95,25 +99,29 @@ class ServiceProcess:
     C++ at once, before the peer watch could say anything. In its own process it outlives process 0: the others
     see process 0 fall silent like any other peer and stop in one line. The child ignores SIGINT and SIGTERM (the
     run's processes stop on them, and need the service while they save), is told to shut down by a normal
-    `jax.distributed.shutdown`, and otherwise (process 0 killed) keeps serving for the heartbeat timeout, the
-    survivors' time to stop, then exits.
+    `jax.distributed.shutdown`, and otherwise (process 0 killed, or stopped by its peer watch) keeps serving for
+    `linger` seconds (the peer timeout plus 10 s: the others' time to notice and stop), then exits and frees the
+    coordinator's port.
     """
 
-    def __init__(self, bind_address: str, num_processes: int, heartbeat_timeout: int, shutdown_timeout: int):
+    def __init__(self, bind_address: str, num_processes: int, heartbeat_timeout: int, shutdown_timeout: int,
+                 linger: int):
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                           env.get("PYTHONPATH")]))
-        args = [bind_address, str(num_processes), str(heartbeat_timeout), str(shutdown_timeout)]
+        args = [bind_address, str(num_processes), str(heartbeat_timeout), str(shutdown_timeout), str(linger)]
         self.process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from mtx.distributed import serve; serve(sys.argv[1:])", *args],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             start_new_session=True)
-        said = self.process.stdout.readline().strip()
+        started = select.select([self.process.stdout], [], [], 120)[0]  # a Python start and a bind: seconds
+        said = self.process.stdout.readline().strip() if started else "no answer in 120 s"
         self.process.stdout.close()
         if said != "serving":
             self.process.kill()
-            raise RuntimeError(f"JAX's coordination service did not start on {bind_address} "
-                               f"({said or 'it exited'}); is the port of --coordinator-address free?")
+            raise ValueError(f"JAX's coordination service did not start on {bind_address} ({said or 'it exited'}); "
+                             "is the port of --coordinator-address free? (a run's service frees it "
+                             "--distributed-timeout + 10 s after the run stops)")
 
     def shutdown(self):
         with contextlib.suppress(OSError):
@@ -127,11 +135,11 @@ class ServiceProcess:
 
 def serve(argv: list[str]) -> None:
     """The child of `ServiceProcess`: starts the service, says "serving", and waits for process 0's order to shut
-    down; if process 0 is gone instead (its end of the pipe closes without the order), it serves the others for the
-    heartbeat timeout first."""
+    down; if process 0 is gone instead (its end of the pipe closes without the order), it serves the others for
+    `linger` seconds first."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    bind_address, num_processes, heartbeat_timeout, shutdown_timeout = argv[0], *map(int, argv[1:])
+    bind_address, num_processes, heartbeat_timeout, shutdown_timeout, linger = argv[0], *map(int, argv[1:])
     try:
         service = _runtime_library().get_distributed_runtime_service(
             bind_address, num_processes, heartbeat_timeout=heartbeat_timeout, shutdown_timeout=shutdown_timeout)
@@ -140,7 +148,7 @@ def serve(argv: list[str]) -> None:
         return
     print("serving", flush=True)
     if sys.stdin.readline().strip() != "shutdown":
-        time.sleep(heartbeat_timeout)
+        time.sleep(linger)
     service.shutdown()
 
 
@@ -182,11 +190,11 @@ class PeerWatch:
     """Ends this process with one line (exit status 1) when another process of the run stops answering.
 
     A thread beats a counter into the coordination service's key-value store every `timeout` / 5 seconds and reads
-    every peer's: a peer whose counter has not moved for `timeout` seconds, or a store that no longer answers (process
-    0, which hosts it, is gone), ends the process with `os._exit` (a normal exit would wait at JAX's shutdown barrier
-    for the process that is gone). A process that finishes (`finish`) says so first, so the others do not mistake
-    its silence; one that fails stops beating without saying so, and the others stop too, process 0 included (the
-    service runs in a process of its own, `ServiceProcess`).
+    every peer's: a peer whose counter has not moved for `timeout` seconds, or a store that no longer answers (the
+    service process of process 0 that hosts it is gone), ends the process with `os._exit` (a normal exit would wait
+    at JAX's shutdown barrier for the process that is gone). A process that finishes (`finish`) says so first, so
+    the others do not mistake its silence; one that fails stops beating without saying so, and the others stop too,
+    process 0 included (the service runs in a process of its own, `ServiceProcess`).
     """
 
     def __init__(self, timeout: float):
@@ -207,7 +215,7 @@ class PeerWatch:
                 beat += 1
                 self.store.key_value_set(f"mtx/peers/beat/{self.me}", str(beat), allow_overwrite=True)
                 said = dict(self.store.key_value_dir_get("mtx/peers/"))
-            except Exception as e:  # the store is gone (its host, process 0's child, was killed)
+            except Exception as e:  # the store is gone (process 0's child that hosts it was killed)
                 if not self.stopped.is_set():
                     self._end(f"the run's coordination service stopped answering ({type(e).__name__})")
                 return

@@ -205,8 +205,8 @@ def _check_model_type(cfg) -> None:
     _check(m.model_type in ("gpt", "bert"), f"--model-type must be gpt or bert, got {m.model_type!r}.")
     _check(m.layernorm_placement in ("pre", "post"),
            f"--layernorm-placement must be pre or post, got {m.layernorm_placement!r}.")
-    _check(m.mlm_head_positions in ("masked", "all"),
-           f"--mlm-head-positions must be masked or all, got {m.mlm_head_positions!r}.")
+    _check(cfg.training.mlm_head_positions in ("masked", "all"),
+           f"--mlm-head-positions must be masked or all, got {cfg.training.mlm_head_positions!r}.")
     if not m.is_bert:
         _check(m.layernorm_placement == "pre",
                "--layernorm-placement post is only implemented for --model-type bert; drop it for GPT.")

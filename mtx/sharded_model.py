@@ -150,6 +150,8 @@ class ShardedModel:
             return jax.tree.map(lambda a: jax.device_put(a, self.batch_sharding), batch_np)
         def place(a):
             held = rows or HostRows(0, len(a), len(a))
+            if len(a) != held.stop - held.start:
+                raise ValueError(f"a batch part of {len(a)} rows for rows {held.start}..{held.stop} of {held.total}")
             return jax.make_array_from_callback((held.total, *a.shape[1:]), self.batch_sharding,
                                                 lambda index: held.block(a, index))
         return jax.tree.map(place, batch_np)
@@ -209,6 +211,8 @@ def rows_held(sharding, batch_size: int, mine) -> HostRows:
     devices for which mine(device) is true (a process's devices: one run when the "data" ranks of a process are
     neighbours, as the meshes of mtx.parallel.mesh place them)."""
     blocks = [index[0] for device, index in sharding.devices_indices_map((batch_size,)).items() if mine(device)]
+    if not blocks:
+        raise ValueError("this process holds none of the mesh's devices; every process must own part of the mesh.")
     start = min(block.start or 0 for block in blocks)
     stop = max(batch_size if block.stop is None else block.stop for block in blocks)
     return HostRows(start, stop, batch_size)

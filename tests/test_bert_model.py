@@ -168,6 +168,7 @@ def test_a_batch_masking_more_than_the_head_reads_is_refused_on_the_host():
     the loss: put_batch refuses it in one line naming the fix; --mlm-head-positions all takes it."""
     batch = make_batch()
     batch["loss_mask"][3] = batch["padding_mask"][3]  # every real token masked
-    with pytest.raises(ValueError, match=r"masks \d+ positions of one sequence, more than the 5 .* --mlm-head-positions all"):
+    refusal = r"masks \d+ positions of one sequence, more than the 5 .* --mlm-head-positions all"
+    with pytest.raises(ValueError, match=refusal):
         train_step_on((1, 1, 1)).model.put_batch(batch)
     train_step_on((1, 1, 1), mlm_head_positions="all").model.put_batch(batch)

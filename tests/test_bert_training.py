@@ -59,7 +59,8 @@ _INITIAL = {}
 
 def test_pre_layernorm_loss_is_the_same_on_every_mesh_and_resumes(tiny, tmp_path):
     """fp32, no dropout: 10 steps agree on five meshes. The (2, 2, 2) run is a full `train` that also evaluates
-    (validation MLM + SOP loss) and saves at step 5; resuming that checkpoint on (4, 1, 2) continues the curve."""
+    (validation MLM + SOP loss) and saves at step 5; resuming that checkpoint on (4, 1, 2) continues the curve (with
+    Megatron's every-position MLM head: where the head runs is the step's choice, not the checkpoint's)."""
     cfg = tiny.replace(split="90,10,0", **EXACT)
     curves = {mesh: direct_curve(cfg, mesh) for mesh in [(1, 1, 1), (2, 1, 4), (1, 2, 2)]}
     curves["(2, 1, 4), sequence parallel"] = direct_curve(cfg.replace(sequence_parallel=True, micro_batch_size=4),
@@ -67,7 +68,8 @@ def test_pre_layernorm_loss_is_the_same_on_every_mesh_and_resumes(tiny, tmp_path
     full = run(cfg, (2, 2, 2), tmp_path, "full", save=str(tmp_path / "ckpt"), save_interval=5, eval_interval=5,
                eval_iters=1, generate_tokens=20)
     curves[(2, 2, 2)] = curve(full, range(1, 11))
-    resumed = run(cfg, (4, 1, 2), tmp_path, "resumed", load=str(tmp_path / "ckpt"), ckpt_step=5)
+    resumed = run(cfg, (4, 1, 2), tmp_path, "resumed", load=str(tmp_path / "ckpt"), ckpt_step=5,
+                  mlm_head_positions="all")
     assert min(resumed.losses) == 6
     curves[(4, 1, 2)] = np.concatenate([curves[(2, 2, 2)][:5], curve(resumed, range(6, 11))])
     reference = curves[(1, 1, 1)]

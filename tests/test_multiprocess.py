@@ -136,20 +136,27 @@ def test_one_process_checkpoint_resumes_on_two_with_pipeline_and_a_dead_peer_sto
     _await_steps(procs, run / "metrics.jsonl", 3)
     _close(_losses(run), _losses(reference), [11, 12], "2 processes, mesh (2, 2, 2), resumed from 1 process")
     procs[1].kill()  # a host dies mid-run
+    error = _survivor_says(procs[0], dead=1)
+    assert f"resume with --load {run} once every host is back" in error
+
+
+def _survivor_says(survivor, dead: int) -> str:
+    """The one line a process says when process `dead` of its run has died, checked: it stops within 60 s with
+    status 1 and exactly one error line (the peer watch noticed the silence, --distributed-timeout 5, or a collective
+    with the dead process failed first), not JAX's abort from C++."""
     t0 = time.monotonic()
     try:
-        out, _ = procs[0].communicate(timeout=60)
+        out, _ = survivor.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        procs[0].kill()
-        pytest.fail("process 0 kept running 60 s after its peer died")
-    # One line and exit status 1, not JAX's abort: the peer watch notices the silence (--distributed-timeout 5), or a
-    # collective with the dead peer fails first and train.py says so.
-    assert procs[0].returncode == 1, out[-3000:]
+        survivor.kill()
+        pytest.fail(f"a process kept running 60 s after process {dead} died")
+    assert survivor.returncode == 1, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    said = ("process 1 of this run has not answered for 5 s", "another process of this run stopped answering")
+    said = (f"process {dead} of this run has not answered for 5 s", "another process of this run stopped answering")
     assert len(errors) == 1 and any(m in errors[0] for m in said), out[-3000:]
-    assert f"resume with --load {run} once every host is back" in errors[0]
-    print(f"process 0 exited {procs[0].returncode} {time.monotonic() - t0:.1f} s after its peer died:\n{out[-1500:]}")
+    assert "Check failed" not in out and "terminate called" not in out, out[-3000:]
+    print(f"{time.monotonic() - t0:.1f} s after process {dead} died: {errors[0]}")
+    return errors[0]
 
 
 def test_when_process_0_dies_the_others_stop_in_one_line_and_its_service_process_ends(tmp_path):
@@ -158,26 +165,24 @@ def test_when_process_0_dies_the_others_stop_in_one_line_and_its_service_process
     run = tmp_path / "run"
     procs = _launch(["--train-iters", "200", "--save", str(run), "--save-interval", "1000",
                      "--tensor-model-parallel-size", "4"])
-    _await_steps(procs, run / "metrics.jsonl", 2)
-    service = _children(procs[0].pid)
-    assert len(service) == 1, "process 0 runs its coordination service in one child process"
-    procs[0].kill()
+    service = []
     try:
-        out, _ = procs[1].communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        procs[1].kill()
-        pytest.fail("process 1 kept running 60 s after process 0 died")
-    assert procs[1].returncode == 1, out[-3000:]
-    errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    said = ("process 0 of this run has not answered for 5 s", "another process of this run stopped answering")
-    assert len(errors) == 1 and any(m in errors[0] for m in said), out[-3000:]
-    assert "Check failed" not in out and "terminate called" not in out, out[-3000:]
-    print(f"process 1 after process 0 died: {errors[0]}")
-    procs[0].communicate()
-    deadline = time.monotonic() + 60  # it serves for JAX's heartbeat timeout (2 x 5 + 10 s), then exits
-    while _alive(service[0]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _alive(service[0]), "the coordination service process outlived the run"
+        _await_steps(procs, run / "metrics.jsonl", 2)
+        service = _children(procs[0].pid)
+        assert len(service) == 1, "process 0 runs its coordination service in one child process"
+        procs[0].kill()
+        assert f"resume with --load {run} once every host is back" in _survivor_says(procs[1], dead=0)
+        procs[0].communicate()
+        deadline = time.monotonic() + 60  # it serves for --distributed-timeout + 10 s (15 s), then exits
+        while _alive(service[0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(service[0]), "the coordination service process outlived the run"
+    finally:  # nothing left running if an assertion failed
+        for p in procs:
+            p.kill()
+        for pid in service:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:
@@ -221,3 +226,32 @@ def test_tensor_parallelism_must_stay_inside_a_process():
     check_tensor_parallel_fits(2, 4, 2)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 8 does not fit the 4 devices of one process"):
         check_tensor_parallel_fits(8, 4, 2)
+
+
+def test_the_service_process_refuses_a_taken_port_and_jaxs_other_calls_stay_in_process(monkeypatch):
+    """A coordinator port already in use is one line naming the flag; a call of the service factory in a form mtx
+    does not know (mutual TLS on, other arguments) goes to JAX's own in-process service unchanged."""
+    from mtx import distributed
+
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match=r"did not start on \[::\]:\d+ .*is the port of --coordinator-address"):
+            distributed.ServiceProcess(f"[::]:{taken.getsockname()[1]}", 2, 20, 10, 5)
+
+    calls = []
+
+    class Library:
+        def get_distributed_runtime_service(self, *args, **kwargs):
+            calls.append((args, kwargs))
+            return "in-process"
+
+    library = Library()
+    monkeypatch.setattr(distributed, "_runtime_library", lambda: library)
+    with distributed._service_in_child_process(linger=15):
+        start = library.get_distributed_runtime_service
+        tls = dict(heartbeat_timeout=20, shutdown_timeout=10, recoverable=False, mtls_cert_file="cert.pem")
+        assert start("[::]:1", 2, **tls) == "in-process"
+        assert start("[::]:1", 2, 20, 10) == "in-process"  # positional timeouts: a form mtx does not know
+    assert calls == [(("[::]:1", 2), tls), (("[::]:1", 2, 20, 10), {})]
+    assert library.get_distributed_runtime_service.__name__ == "get_distributed_runtime_service"  # restored

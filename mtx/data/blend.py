@@ -90,9 +90,9 @@ class BlendedDataset:
         members = self._members[split]
         out = np.empty((len(which), self.seq_length + 1), np.int32)
         for j, i in enumerate(members):
-            rows = which == j
-            if rows.any():
-                out[rows] = self.datasets[i].samples(split, within[rows])
+            served = which == j
+            if served.any():
+                out[served] = self.datasets[i].samples(split, within[served])
         return out
 
     def locate(self, split: str, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -33,9 +33,9 @@ def _batch(split: str, index: int, batch_size: int, rows: slice):
 
 
 class BatchWorkers:
-    """`batch(split, index, batch_size, rows)` of the dataset `cfg` builds, the same arrays, made by `workers` processes:
-    asking for batch k sends batches k .. k + W - 1 to the workers (those not sent yet), so consecutive requests
-    find their batch made or in the making. Close it (or use it as a context manager) to stop the workers."""
+    """`batch(split, index, batch_size, rows)` of the dataset `cfg` builds, the same arrays, made by `workers`
+    processes: asking for batch k sends batches k .. k + W - 1 to the workers (those not sent yet), so consecutive
+    requests find their batch made or in the making. Close it (or use it as a context manager) to stop the workers."""
 
     def __init__(self, cfg, workers: int):
         self.workers = workers
