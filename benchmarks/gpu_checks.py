@@ -17,13 +17,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtx.models.transformer import attention_core, fused_attention
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
 
 
 def bert_padding(batch: int, seq: int, heads: int, head_dim: int) -> dict:
