@@ -133,8 +133,6 @@ class ShardedModel:
     def host_rows(self, batch_size: int) -> HostRows:
         """The rows of a global batch of `batch_size` that this process's devices hold (all of them with one
         process): what a process needs to build (`dataset.batch(..., rows=...)`) and pass to `put_batch`."""
-        if jax.process_count() == 1:
-            return HostRows(0, batch_size, batch_size)
         return rows_held(self.batch_sharding, batch_size, lambda d: d.process_index == jax.process_index())
 
     def put_batch(self, batch_np, rows: HostRows | None = None):
