@@ -46,7 +46,10 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         jax.block_until_ready(metrics)
 
     metrics = None
-    times, summary = time_steps(run_step, steps=steps, warmup=warmup, profile=profile)
+    start = time.perf_counter()
+    run_step()  # the first step: compilation and one step
+    first_step_s = time.perf_counter() - start
+    times, summary = time_steps(run_step, steps=steps, warmup=max(warmup - 1, 0), profile=profile)
     step_s = statistics.median(times)
     tokens_per_s = t.global_batch_size * m.seq_length / step_s
     flops = tokens_per_s * m.flops_per_token(cfg.mlm_positions) / mesh.size
@@ -57,7 +60,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         "hidden": m.hidden_size, "heads": m.num_attention_heads, "seq": m.seq_length,
         "params": m.num_params(), "micro_batch": t.micro_batch_size, "global_batch": t.global_batch_size,
         "microbatches": model.num_microbatches, "dtype": t.compute_dtype,
-        "recompute": t.recompute_granularity, "step_s": step_s, "step_s_min": min(times),
+        "recompute": t.recompute_granularity, "first_step_s": first_step_s, "step_s": step_s, "step_s_min": min(times),
         "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
         "peak_mem_gib": max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) / 2**30,
         "loss": float(metrics["loss"]), "profile": summary,

@@ -10,6 +10,11 @@ attention by more than `--slack`. It prints one JSON line per check.
 Checks:
   bert_padding  BERT's padding mask as each row's count of real keys (`fused_attention`, bidirectional) against the
                 explicit (S, S) mask: outputs at real and padding queries, and the q, k, v gradients.
+  flash_dropout mtx's flash-attention kernel with dropout 0.1 (causal, and BERT's padding) against XLA's attention
+                in fp32 with the same masks: outputs and the q, k, v gradients.
+  flash_training  a small GPT trained 30 steps in bf16 with hidden and attention dropout 0.1, through the kernel
+                (--use-flash-attn) and through XLA's attention: the two loss curves (the same masks) must agree to
+                `--loss-tol`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+from mtx.kernels import flash_attention as flash  # noqa: E402
 from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
+from mtx.parallel.random import attention_dropout_hashes  # noqa: E402
 
 
 def bert_padding(batch: int, seq: int, heads: int, head_dim: int) -> dict:
@@ -61,6 +68,61 @@ def bert_padding(batch: int, seq: int, heads: int, head_dim: int) -> dict:
             "cudnn_calls": hlo.count('custom_call_target="__cudnn$fmha')}
 
 
+def flash_dropout(batch: int, seq: int, heads: int, head_dim: int, causal: bool, rate: float = 0.1) -> dict:
+    """Errors of the kernel in bf16 and of XLA's attention in bf16 against XLA's in fp32, all with the same masks."""
+    keys = jax.random.split(jax.random.key(1), 5)
+    q, k, v, dy = (jax.random.normal(key, (batch, seq, heads, head_dim)) for key in keys[:4])
+    hashes = attention_dropout_hashes(jax.random.split(keys[4], batch * heads).reshape(batch, heads), seq)
+    real = np.random.default_rng(1).integers(1, seq + 1, size=batch)
+    mask_BS = None if causal else jnp.asarray(np.arange(seq)[None, :] < real[:, None], jnp.int32)
+    read_BS = np.ones((batch, seq), bool) if causal else np.asarray(mask_BS, bool)
+
+    def kernel(q, k, v):
+        valid = None if mask_BS is None else mask_BS > 0
+        return flash.flash_attention(q, k, v, causal=causal, key_valid_BS=valid, dropout_rate=rate, hashes=hashes)
+
+    def xla(q, k, v):
+        return attention_core(q, k, v, mask_BS=mask_BS, causal=causal, dropout_rate=rate, hashes=hashes)
+
+    def run(attend, dtype):
+        def loss(q, k, v):
+            out = attend(q.astype(dtype), k.astype(dtype), v.astype(dtype)).astype(jnp.float32)
+            return jnp.sum(out * dy * read_BS[:, :, None, None]), out
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+        return np.asarray(out), [np.asarray(g) for g in grads]
+
+    ref_out, ref_grads = run(xla, jnp.float32)
+
+    def errors(out, grads):
+        return {"out": float(np.abs(out - ref_out)[read_BS].max()),
+                **{f"grad_{n}": float(np.abs(g - r).max() / np.abs(r).max())
+                   for n, g, r in zip("qkv", grads, ref_grads)}}
+
+    return {"fused": errors(*run(kernel, jnp.bfloat16)), "xla_bf16": errors(*run(xla, jnp.bfloat16)),
+            "causal": causal}
+
+
+def flash_training(steps: int = 30) -> dict:
+    """Loss curves of a small GPT with dropout 0.1, through the kernel and through XLA's attention."""
+    import tempfile
+
+    from mtx.config import Config, load_preset
+    from mtx.run import train
+
+    cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+        num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, max_position_embeddings=256,
+        micro_batch_size=8, global_batch_size=8, data_parallel_size=1, tensor_model_parallel_size=1,
+        train_iters=steps, bf16=True, hidden_dropout=0.1, attention_dropout=0.1, log_interval=steps, lr=3e-4)
+    curves = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fused in (True, False):
+            run = train(cfg.replace(run_dir=f"{tmp}/{fused}", use_flash_attn=fused), progress=False)
+            curves["kernel" if fused else "xla"] = [run.losses[s] for s in range(1, steps + 1)]
+    diff = max(abs(a - b) for a, b in zip(curves["kernel"], curves["xla"]))
+    return {"max_loss_difference": diff, "first": curves["xla"][0], "last": curves["xla"][-1],
+            "kernel_last": curves["kernel"][-1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -69,17 +131,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--slack", type=float, default=2.0,
                         help="fail when a fused error exceeds slack x XLA bf16's (plus 1e-3)")
+    parser.add_argument("--loss-tol", type=float, default=0.05,
+                        help="flash_training: largest loss difference allowed between the two bf16 curves")
     a = parser.parse_args(argv)
-    result = {"check": "bert_padding", "backend": jax.default_backend(),
-              **bert_padding(a.batch, a.seq, a.heads, a.head_dim)}
-    worst = {key: (value, a.slack * result["xla_bf16"][key] + 1e-3) for key, value in result["fused"].items()}
-    failed = sorted(key for key, (value, bound) in worst.items() if not value <= bound)
     gpu = jax.default_backend() == "gpu"
-    if gpu and result["cudnn_calls"] == 0:
-        failed.append("no cuDNN attention in the compiled program")
-    result["failed"] = failed
-    print(json.dumps(result))
-    return 1 if failed else 0
+    shape = (a.batch, a.seq, a.heads, a.head_dim)
+    results = [{"check": "bert_padding", **bert_padding(*shape)}]
+    if gpu or flash.INTERPRET:
+        results += [{"check": "flash_dropout", **flash_dropout(*shape, causal=causal)} for causal in (True, False)]
+    if gpu:
+        results.append({"check": "flash_training", **flash_training()})
+    status = 0
+    for result in results:
+        result["backend"] = jax.default_backend()
+        failed = []
+        if "fused" in result:
+            bounds = {key: a.slack * result["xla_bf16"][key] + 1e-3 for key in result["fused"]}
+            failed = sorted(key for key, value in result["fused"].items() if not value <= bounds[key])
+        if result["check"] == "bert_padding" and gpu and result["cudnn_calls"] == 0:
+            failed.append("no cuDNN attention in the compiled program")
+        if result["check"] == "flash_training" and not result["max_loss_difference"] <= a.loss_tol:
+            failed.append(f"loss curves differ by {result['max_loss_difference']:.4f}")
+        result["failed"] = failed
+        status |= bool(failed)
+        print(json.dumps(result), flush=True)
+    return status
 
 
 if __name__ == "__main__":

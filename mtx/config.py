@@ -91,7 +91,8 @@ class TrainingConfig:
         None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)")
     recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective")
     scan_layers: bool = _f(True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it")
-    use_flash_attn: bool = _f(False, "fused attention: cuDNN flash attention on GPU (bf16/fp16), XLA's elsewhere")
+    use_flash_attn: bool = _f(False, "fused attention on GPU (bf16/fp16): cuDNN's flash attention, or with attention "
+                                     "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere")
     mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "
                                            "runs: masked (only the positions the loss reads, at most round-up("
                                            "--mask-prob x S) a sequence) | all (every position, as Megatron)")

@@ -136,8 +136,6 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
            f"--recompute-granularity must be none, full, selective or matmuls, got {t.recompute_granularity!r}.")
     _check(o.lr_decay_style in ("constant", "linear", "cosine"),
            f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
-    _check(not (t.use_flash_attn and m.attention_dropout > 0),
-           "--use-flash-attn has no attention dropout; pass --attention-dropout 0 with it (hidden dropout is fine).")
     _check_model_type(cfg)
     _check_architecture(cfg)
     _check_checkpointing(t)

@@ -276,3 +276,21 @@ def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, 
     monkeypatch.setattr(gpu_checks, "fused_attention", unmasked)
     assert gpu_checks.main(shape) == 1
     assert "out_real" in json.loads(capsys.readouterr().out.splitlines()[-1])["failed"]
+
+
+def test_gpu_checks_of_the_flash_kernel_pass_it_interpreted_and_catch_wrong_masks(monkeypatch, capsys):
+    """The kernel checks of benchmarks/gpu_checks.py, the kernel interpreted on the host: they pass it, and fail a
+    kernel that draws other dropout masks than XLA's attention."""
+    from benchmarks import gpu_checks
+    from mtx.kernels import flash_attention as flash
+    monkeypatch.setattr(flash, "INTERPRET", True)
+    shape = ["--batch", "2", "--seq", "64", "--heads", "2", "--head-dim", "16"]
+    assert gpu_checks.main(shape) == 0
+    checks = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [c["check"] for c in checks] == ["bert_padding", "flash_dropout", "flash_dropout"]
+    real = flash.flash_attention
+    other_masks = lambda *a, hashes, **kw: real(*a, hashes=(hashes[0] + 1, hashes[1]), **kw)
+    monkeypatch.setattr(flash, "flash_attention", other_masks)
+    assert gpu_checks.main(shape) == 1
+    failed = [json.loads(line)["failed"] for line in capsys.readouterr().out.splitlines()]
+    assert failed[0] == [] and "out" in failed[1] and "out" in failed[2]

@@ -41,7 +41,6 @@ def test_padded_vocab_is_multiple_of_128_per_shard(vocab, padded):
     (dict(bf16=True, fp16=True), "--fp16 and --bf16"),
     (dict(recompute_granularity="some"), "--recompute-granularity"),
     (dict(seq_length=256, max_position_embeddings=128), "--max-position-embeddings"),
-    (dict(use_flash_attn=True, attention_dropout=0.1), "--use-flash-attn"),
 ])
 def test_bad_combinations_fail_with_the_flag_named(flags, needle):
     with pytest.raises(ValueError, match=needle):

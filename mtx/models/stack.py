@@ -43,13 +43,13 @@ class RealLayers(NamedTuple):
     choices: tuple[int, ...]
 
 
-_SAVED_PRIMITIVES = ("dot_product_attention_fwd", "psum", "all_gather", "reduce_scatter", "ppermute")
+_SAVED_PRIMITIVES = ("dot_product_attention_fwd", "pallas_call", "psum", "all_gather", "reduce_scatter", "ppermute")
 
 
 def save_matmul_outputs(prim, *args, **params) -> bool:
-    """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls, of cuDNN's fused
-    attention (its output and softmax statistics, which its backward needs) and of the `g` all-reduces; recompute the
-    element-wise rest (LayerNorm, GeLU, bias adds, residual adds, dropout).
+    """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls, of fused attention
+    (cuDNN's or mtx's kernel: output and softmax statistics, which its backward needs) and of the `g` all-reduces;
+    recompute the element-wise rest (LayerNorm, GeLU, bias adds, residual adds, dropout).
 
     The element-wise ops are cheap to recompute (memory-bound, fused into their neighbours), while each saved
     activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an

@@ -33,18 +33,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
+from mtx.kernels import flash_attention as flash_kernel
 from mtx.models.rotary import apply_rotary
 from mtx.parallel.layers import ColumnParallelLinear, RowParallelLinear, normalization
 from mtx.parallel.ops import model_rank, model_size, sequence_parallel_rows
-from mtx.parallel.random import dropout, fold, model_parallel_keys
+from mtx.parallel.random import attention_dropout_hashes, attention_keep, dropout, fold, model_parallel_keys
 
 
-def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, keys_B=None, causal=True):
+def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, hashes=None, causal=True):
     """Causal (or, with causal=False, bidirectional) softmax(Q K^T / sqrt(H)) V over this rank's heads; scores and
     softmax in float32.
 
-    mask_BS: see `segment_mask`. Attention dropout acts on this rank's own heads, so each head draws from its own
-    (model-parallel) key.
+    mask_BS: see `segment_mask`. Attention dropout acts on this rank's own heads: `hashes` are the (rows, cols) of
+    `dropout_hashes`, drawn from each head's own (model-parallel) key; None is no dropout.
     """
     s, h = q_BSNH.shape[1], q_BSNH.shape[-1]
     scores_BNQK = jnp.einsum("bqnh,bknh->bnqk", q_BSNH, k_BSNH, preferred_element_type=jnp.float32)
@@ -56,9 +57,17 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ke
     if allowed is not None:
         scores_BNQK = jnp.where(allowed, scores_BNQK, jnp.finfo(jnp.float32).min)
     probs_BNQK = jax.nn.softmax(scores_BNQK, axis=-1)
-    if keys_B is not None:
-        probs_BNQK = dropout(probs_BNQK, dropout_rate, model_parallel_keys(keys_B, probs_BNQK.shape[1]))
+    if hashes is not None and dropout_rate > 0.0:
+        rows_BNQ, cols_BNK = hashes
+        keep_BNQK = attention_keep(rows_BNQ[..., :, None], cols_BNK[..., None, :], dropout_rate)
+        probs_BNQK = jnp.where(keep_BNQK, probs_BNQK / (1.0 - dropout_rate), 0.0)
     return jnp.einsum("bnqk,bknh->bqnh", probs_BNQK.astype(v_BSNH.dtype), v_BSNH)
+
+
+def dropout_hashes(keys_B, heads: int, length: int):
+    """The attention-dropout hashes ((B, n_local, S) rows and cols) of this rank's heads, from the sequences'
+    keys folded with each head's global index: the same masks for a head whichever rank computes it."""
+    return attention_dropout_hashes(model_parallel_keys(keys_B, heads), length)
 
 
 def segment_mask(mask_BS):
@@ -220,12 +229,18 @@ class ParallelSelfAttention(nnx.Module):
     def _attend(self, q, k, v, mask_BS, keys_B):
         """(B, S, n_local, H) q, k, v -> (B, S, n_local * H) context of this rank's heads."""
         b, s = q.shape[:2]
-        if self.flash and (keys_B is None or self.dropout_rate == 0.0):
+        rate = self.dropout_rate if keys_B is not None else 0.0
+        hashes = dropout_hashes(keys_B, q.shape[2], s) if rate > 0.0 else None
+        if self.flash and rate == 0.0:
             return fused_attention(q, k, v, mask_BS=mask_BS, causal=self.causal).reshape(b, s, -1)
-        core = functools.partial(attention_core, dropout_rate=self.dropout_rate, causal=self.causal)
+        if self.flash and flash_kernel.usable(q, k, mask_BS, self.causal):  # dropout inside the kernel
+            valid_BS = None if mask_BS is None else mask_BS > 0
+            return flash_kernel.flash_attention(q, k, v, causal=self.causal, key_valid_BS=valid_BS, dropout_rate=rate,
+                                                hashes=hashes).reshape(b, s, -1)
+        core = functools.partial(attention_core, dropout_rate=rate, causal=self.causal)
         if self.selective_recompute:  # keep only the projections' activations; recompute the S x S part
             core = jax.checkpoint(core)
-        return core(q, k, v, mask_BS=mask_BS, keys_B=keys_B).reshape(b, s, -1)
+        return core(q, k, v, mask_BS=mask_BS, hashes=hashes).reshape(b, s, -1)
 
     def decode(self, x_BTD, cache: KVCache, start_B, *, write=None):
         """Inference with a KV cache: (B, T, D) new tokens at positions start_B + t -> ((B, T, D), updated cache).

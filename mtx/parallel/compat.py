@@ -21,6 +21,16 @@ def varying_axes(x) -> set[str]:
     return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
 
 
+def shape_varying_like(shape, dtype, *arrays) -> jax.ShapeDtypeStruct:
+    """The output type of a kernel (pallas_call) computed from `arrays`: (shape, dtype), varying over every mesh axis
+    any of them varies over (shard_map with check_vma needs it spelled out; outside shard_map it is empty). jax 0.11
+    names it `manual_axis_type`, other versions `vma`."""
+    axes = frozenset().union(*(varying_axes(a) for a in arrays if a is not None))
+    if hasattr(jax.sharding, "ManualAxisType"):
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
+    return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
+
+
 def all_gather_invariant(x, axis_name: str, axis: int):
     """Concatenates the ranks' slices of `x` along `axis`, typed invariant over `axis_name` (its transpose is a local
     slice). Versions whose all_gather has no `to=` get the same values from a psum of zero-padded slices (twice the

@@ -11,21 +11,31 @@ global index. Ranks holding different heads therefore draw different masks, repl
 are the same on every mesh: dropout does not break mesh invariance, and a run resumes on any mesh exactly. With
 sequence parallelism the residual stream is not replicated but split by rows: each rank holds whole sequences and
 draws their masks from the same per-sequence keys, so nothing changes.
+
+Masks come from a counter-based hash, not from the key's random stream: a key gives four words; `position_hashes`
+hashes the row and the column indices of the masked slice under two of them each, and element (r, c) is kept when
+the hash of rows[r] + cols[c] clears the rate (`attention_keep`). So a GPU kernel can draw attention dropout element
+by element without storing the (S, S) mask (mtx/kernels/flash_attention.py), XLA's attention draws the same masks,
+and hidden dropout is integer arithmetic fused into its multiply.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtx.parallel.ops import model_rank
 
 
 def fold(keys, data):
-    """fold_in(key, data) for each key of an array of keys (data a scalar, or an array of the keys' shape)."""
-    return jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(data, keys.shape).astype(jnp.uint32))
+    """Keys folded with uint32 data (a scalar, or an array that broadcasts against the keys): a new key for each,
+    by hashing the key's words with the data (`_hash_words`; no threefry program, which each fold_in would add)."""
+    words = jax.random.key_data(keys)
+    data = jnp.broadcast_to(jnp.asarray(data, jnp.uint32), keys.shape)
+    return jax.random.wrap_key_data(_hash_words(words, data, words.shape[-1]), impl=jax.random.key_impl(keys))
 
 
 def sample_keys(key, first: int | jax.Array, count: int):
@@ -36,19 +46,67 @@ def sample_keys(key, first: int | jax.Array, count: int):
 def model_parallel_keys(keys_B, n_local: int):
     """(B,) sequence keys -> (B, n_local) keys of this rank's heads, folded with each head's global index."""
     heads = model_rank() * n_local + jnp.arange(n_local, dtype=jnp.uint32)
-    return jax.vmap(lambda k: jax.vmap(lambda h: jax.random.fold_in(k, h))(heads))(keys_B)
+    return fold(jnp.broadcast_to(keys_B[:, None], (keys_B.shape[0], n_local)), heads[None, :])
 
 
 def dropout(x, rate: float, keys):
     """Inverted dropout; `keys` of shape x.shape[:k] each draw the mask of their slice. keys=None or rate=0 is the
-    identity."""
+    identity.
+
+    The mask is the counter-based hash of `attention_keep` (as attention dropout's), over each slice seen as a
+    matrix (all but its last dim, by its last dim): integer arithmetic that XLA fuses into the multiply, where
+    drawing the bits with the key's own generator (threefry) costs a large program per dropout and minutes of
+    compilation for a deep model."""
     if keys is None or rate == 0.0:
         return x
-    draw = functools.partial(_keep_mask, p=1.0 - rate, shape=x.shape[keys.ndim:])
-    for _ in range(keys.ndim):
-        draw = jax.vmap(draw)
-    return jnp.where(draw(keys), x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+    rest = x.shape[keys.ndim:]
+    rows, cols = position_hashes(keys, math.prod(rest[:-1]), rest[-1] if rest else 1)
+    keep = attention_keep(rows[..., :, None], cols[..., None, :], rate).reshape(x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
 
 
-def _keep_mask(key, *, p, shape):
-    return jax.random.bernoulli(key, p, shape)
+def _mix(x):
+    """MurmurHash3's 32-bit finalizer: a bijection of uint32 whose every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def position_hashes(keys, rows: int, cols: int):
+    """keys (any shape K) -> (rows, cols) hashes, K + (rows,) and K + (cols,) uint32: row and column indices hashed
+    under two words of each key each."""
+    words = _hash_words(jax.random.key_data(keys), jnp.zeros(keys.shape, jnp.uint32), 4)[..., None, :]
+    row, col = jnp.arange(rows, dtype=jnp.uint32), jnp.arange(cols, dtype=jnp.uint32)
+    return _mix(_mix(row ^ words[..., 0]) + words[..., 1]), _mix(_mix(col ^ words[..., 2]) + words[..., 3])
+
+
+def _hash_words(words, data, count: int):
+    """(K..., w) uint32 key words and (K...) uint32 data -> (K..., count) words, each chaining the data and a
+    word-specific constant through every key word."""
+    out = []
+    for i in range(count):
+        h = _mix(data ^ np.uint32((0x9E3779B9 * (i + 1)) % 2**32))
+        for j in range(words.shape[-1]):
+            h = _mix(h ^ words[..., j])
+        out.append(h)
+    return jnp.stack(out, axis=-1)
+
+
+def attention_dropout_hashes(keys_BN, length: int):
+    """(B, N) keys of (sequence, global head) -> (rows, cols), each (B, N, length) uint32: the query and the key
+    positions hashed under the head's key."""
+    return position_hashes(keys_BN, length, length)
+
+
+def attention_keep(rows, cols, rate: float):
+    """Which elements survive dropout at `rate`, for row and column hashes that broadcast against each other ((Q, 1)
+    and (1, K)): 24 bits of the pair's mix against the rate (keep probability 1 - rate to 2^-24). The pair's mix is
+    one multiply between two xor-shifts: the hashes are already mixed, the mix only has to make the sum's bits
+    depend on each other (this runs for every element, inside the attention kernel too)."""
+    x = rows + cols
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x2C1B3C6D)
+    x = x ^ (x >> 12)
+    return (x >> 8).astype(jnp.int32) >= int(round(rate * 2**24))

@@ -1,0 +1,1 @@
+"""Pallas kernels for what XLA's fusions leave on the table: flash attention with mesh-invariant dropout."""
