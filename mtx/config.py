@@ -91,6 +91,9 @@ class TrainingConfig:
         None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)")
     recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective")
     scan_layers: bool = _f(True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it")
+    compilation_cache_dir: str | None = _f(
+        "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "
+                            "instead of compiling (none turns it off; CPU runs compile quickly and leave it off)")
     use_flash_attn: bool = _f(False, "fused attention on GPU (bf16/fp16): cuDNN's flash attention, or with attention "
                                      "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere")
     mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "

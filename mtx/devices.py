@@ -4,7 +4,8 @@ XLA's CPU platform makes `--xla_force_host_platform_device_count=N` devices when
 device query or computation), not when jax is imported. Only the CPU platform reads the flag, so on a GPU host
 `jax.devices()` still lists the GPUs. This module imports nothing of JAX at import, so entry points call it first.
 And if the host has GPUs but JAX runs on CPU (a jaxlib without CUDA: `pip install -e .` alone), `check_accelerator`
-says so loudly instead of letting a run train on simulated devices.
+says so loudly instead of letting a run train on simulated devices. `use_compilation_cache` points JAX's persistent
+compilation cache at a directory, so that the second start of a program skips XLA's compilation.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from pathlib import Path
 
 _FLAG = "xla_force_host_platform_device_count"
 
@@ -39,6 +41,28 @@ def simulate_cpu_devices(n: int = 8) -> bool:
                            "will not read the new XLA_FLAGS; call it before the first jax.devices() or computation.")
     os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
     return True
+
+
+def use_compilation_cache(path: str | None, *, use: bool = True) -> Path | None:
+    """Points JAX's persistent compilation cache at `path` (`~` expanded, created if missing) and returns it; None
+    leaves JAX's setting alone, and use=False only checks the path. Programs that took over a second to compile are
+    stored there (files JAX names by the program's hash) and a later process that compiles the same program on the
+    same devices loads them. Call it before the first compilation: JAX decides once per process whether the cache
+    is in use."""
+    if path is None:
+        return None
+    import jax
+
+    from mtx.files import check_writable
+
+    where = Path(path).expanduser().absolute()
+    check_writable(where, "--compilation-cache-dir")  # refuses a file, or a path through one
+    if not use:
+        return where
+    where.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(where))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return where
 
 
 def _backends_started() -> bool:

@@ -25,7 +25,7 @@ from mtx.config import Config
 from mtx.data import build_dataset
 from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
-from mtx.devices import check_accelerator
+from mtx.devices import check_accelerator, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable
 from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
@@ -83,6 +83,8 @@ def prepare(cfg: Config) -> Plan:
     for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         if path:
             check_writable(path, flag)
+    # Before the first compilation; on CPU (quick compiles, simulated devices) the path is only checked.
+    use_compilation_cache(t.compilation_cache_dir, use=jax.default_backend() != "cpu")
     if t.save and is_checkpoint_dir(t.save) and not (resuming and Path(t.load) == Path(t.save)):
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")

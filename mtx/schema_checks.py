@@ -189,9 +189,6 @@ def _check_megatron_flags(cfg) -> None:
     _check(not documents or not m.is_bert,
            f"--{documents[0].replace('_', '-') if documents else ''} acts on GPT's packed documents; BERT's samples "
            "are sentence pairs: drop it for --model-type bert.")
-    _check(not (d.reset_attention_mask and t.use_flash_attn),
-           "--reset-attention-mask needs a block-diagonal mask, which cuDNN flash attention (jax.nn."
-           "dot_product_attention, no segment ids) cannot take; drop --use-flash-attn or --reset-attention-mask.")
     hf = d.tokenizer_type == "HuggingFaceTokenizer"
     _check(hf == (d.tokenizer_model is not None),
            "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding tokenizer.json) go "

@@ -11,7 +11,7 @@ from mtx.cli import MEGATRON_UNIMPLEMENTED, build_parser, parse_config
 from mtx.config import Config, load_preset
 from mtx.data.documents import document_fields
 from mtx.evaluation import make_scorer
-from mtx.models.transformer import attention_core
+from mtx.models.transformer import attention_core, fused_attention
 from mtx.parallel.mesh import DATA, PIPELINE, make_mesh
 from mtx.run import train
 from mtx.sharded_model import ShardedModel
@@ -44,7 +44,6 @@ def test_sample_counts_and_warmup_fraction_become_steps():
     (dict(recompute_activations=True, recompute_granularity="full"), "alias of --recompute-granularity selective"),
     (dict(profile=True, profile_step_start=5, profile_step_end=5), "--profile-step-end 5 must be after"),
     (dict(distributed_timeout_minutes=0), "--distributed-timeout-minutes must be >= 1"),
-    (dict(reset_attention_mask=True, use_flash_attn=True, attention_dropout=0.0), "drop --use-flash-attn or"),
     (dict(eod_mask_loss=True, model_type="bert", vocab_file="v.txt"), "--eod-mask-loss acts on GPT's packed"),
     (dict(tokenizer_type="HuggingFaceTokenizer"), "--tokenizer-model DIR"),
     (dict(tokenizer_model="tok/"), "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model"),
@@ -113,6 +112,9 @@ def test_attention_does_not_cross_segments():
     # one segment: plain causal attention
     np.testing.assert_allclose(attention_core(q, k, v, mask_BS=jnp.ones((1, 6), jnp.int32)), attention_core(q, k, v),
                                rtol=1e-6)
+    # --use-flash-attn (on in the GPU presets) keeps the documents apart too: XLA's attention with the full mask
+    np.testing.assert_allclose(fused_attention(q, k, v, mask_BS=segments), out, rtol=1e-5, atol=1e-6)
+    Config().replace(reset_attention_mask=True, use_flash_attn=True).validate()
 
 
 def _hidden(model, params, batch):

@@ -1,0 +1,43 @@
+"""The persistent compilation cache (`--compilation-cache-dir`): a second process compiling the same program loads it
+from the directory, and a path it cannot use is refused in one line before any device work."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mtx.devices import use_compilation_cache
+
+PROGRAM = textwrap.dedent("""
+    import sys, time
+    import jax, jax.numpy as jnp
+    from mtx.devices import use_compilation_cache
+    use_compilation_cache(sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # store even this quick program
+    step = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
+    print(float(step(jnp.ones((32, 32)))))
+""")
+
+
+def test_a_second_process_loads_the_compiled_program(tmp_path):
+    cache = tmp_path / "xla"  # created by the first process
+    runs = [subprocess.run([sys.executable, "-c", PROGRAM, str(cache)], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert runs[0].stdout == runs[1].stdout
+    entries = sorted(p.name for p in cache.iterdir())
+    assert any(name.startswith("jit__lambda") for name in entries), entries
+    # nothing new after the second run: every program it compiled was in the cache
+    again = subprocess.run([sys.executable, "-c", PROGRAM, str(cache)], capture_output=True, text=True, check=True)
+    assert sorted(p.name for p in cache.iterdir()) == entries and again.stdout == runs[0].stdout
+
+
+def test_a_path_the_cache_cannot_use_is_refused(tmp_path):
+    (tmp_path / "file").write_text("a user's file")
+    for path in (tmp_path / "file", tmp_path / "file" / "xla"):
+        with pytest.raises(ValueError, match=r"^--compilation-cache-dir .*: .*file is a file, not a directory"):
+            use_compilation_cache(str(path), use=False)
+    assert (tmp_path / "file").read_text() == "a user's file"
+    assert use_compilation_cache(None) is None
+    assert use_compilation_cache(str(tmp_path / "new"), use=False) == tmp_path / "new"
+    assert not (tmp_path / "new").exists()  # only checked: nothing created on CPU
