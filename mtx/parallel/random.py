@@ -102,11 +102,12 @@ def attention_dropout_hashes(keys_BN, length: int):
 
 def attention_keep(rows, cols, rate: float):
     """Which elements survive dropout at `rate`, for row and column hashes that broadcast against each other ((Q, 1)
-    and (1, K)): 24 bits of the pair's mix against the rate (keep probability 1 - rate to 2^-24). The pair's mix is
-    one multiply between two xor-shifts: the hashes are already mixed, the mix only has to make the sum's bits
-    depend on each other (this runs for every element, inside the attention kernel too)."""
+    and (1, K)): the pair's mix against the rate as an unsigned 32-bit threshold (keep probability 1 - rate to
+    2^-32). The mix is an xor-shift then a multiply: the hashes are already mixed, so it only has to make the sum's
+    bits depend on each other nonlinearly, and the multiply carries every bit into the top ones that the threshold
+    reads (this runs for every element, inside the attention kernel too; tests/test_flash_attention.py checks rows,
+    neighbours and 2 x 2 squares drop as independent elements do)."""
     x = rows + cols
     x = x ^ (x >> 15)
     x = x * np.uint32(0x2C1B3C6D)
-    x = x ^ (x >> 12)
-    return (x >> 8).astype(jnp.int32) >= int(round(rate * 2**24))
+    return x >= np.uint32(min(round(rate * 2**32), 2**32 - 1))
