@@ -33,8 +33,9 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     from mtx.devices import use_compilation_cache
 
     p = cfg.parallel
-    cfg.validate(len(jax.devices()))
-    use_compilation_cache(cfg.training.compilation_cache_dir, use=jax.default_backend() != "cpu")  # as train.py  # vocab_size as configured (GPT-2's 50,257 by default): tokens are synthetic
+    cfg.validate(len(jax.devices()))  # vocab_size as configured (GPT-2's 50,257 by default): tokens are synthetic
+    if jax.default_backend() != "cpu":  # as train.py
+        use_compilation_cache(cfg.training.compilation_cache_dir)
     mesh = make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
     model = ShardedModel(cfg, mesh)
     train_step = TrainStep(model)

@@ -93,7 +93,7 @@ class TrainingConfig:
     scan_layers: bool = _f(True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it")
     compilation_cache_dir: str | None = _f(
         "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "
-                            "instead of compiling (none turns it off; CPU runs compile quickly and leave it off)")
+                            "instead of compiling (none turns it off; CPU runs compile quickly and ignore it)")
     use_flash_attn: bool = _f(False, "fused attention on GPU (bf16/fp16): cuDNN's flash attention, or with attention "
                                      "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere")
     mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "
@@ -159,7 +159,7 @@ class DataConfig:
                                     "first token); the mean is over the other tokens")
     reset_position_ids: bool = _f(False, "GPT: positions restart at 0 after each end-of-document token")
     reset_attention_mask: bool = _f(False, "GPT: no attention across end-of-document tokens (each packed document "
-                                           "sees only itself; not with --use-flash-attn)")
+                                           "sees only itself; attention then runs unfused, even with --use-flash-attn)")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,

@@ -43,12 +43,12 @@ def simulate_cpu_devices(n: int = 8) -> bool:
     return True
 
 
-def use_compilation_cache(path: str | None, *, use: bool = True) -> Path | None:
+def use_compilation_cache(path: str | None) -> Path | None:
     """Points JAX's persistent compilation cache at `path` (`~` expanded, created if missing) and returns it; None
-    leaves JAX's setting alone, and use=False only checks the path. Programs that took over a second to compile are
-    stored there (files JAX names by the program's hash) and a later process that compiles the same program on the
-    same devices loads them. Call it before the first compilation: JAX decides once per process whether the cache
-    is in use."""
+    leaves JAX's setting alone; a path it cannot use is refused in one line. Programs that took over a second to
+    compile are stored there (files JAX names by the program's hash) and a later process that compiles the same
+    program on the same devices loads them. Call it before the first compilation: JAX decides once per process
+    whether the cache is in use."""
     if path is None:
         return None
     import jax
@@ -56,9 +56,7 @@ def use_compilation_cache(path: str | None, *, use: bool = True) -> Path | None:
     from mtx.files import check_writable
 
     where = Path(path).expanduser().absolute()
-    check_writable(where, "--compilation-cache-dir")  # refuses a file, or a path through one
-    if not use:
-        return where
+    check_writable(where, "--compilation-cache-dir")  # refuses a file, a path through one, or no write permission
     where.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(where))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -83,8 +83,8 @@ def prepare(cfg: Config) -> Plan:
     for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         if path:
             check_writable(path, flag)
-    # Before the first compilation; on CPU (quick compiles, simulated devices) the path is only checked.
-    use_compilation_cache(t.compilation_cache_dir, use=jax.default_backend() != "cpu")
+    if jax.default_backend() != "cpu":  # before the first compilation; CPU runs compile quickly and leave it off
+        use_compilation_cache(t.compilation_cache_dir)
     if t.save and is_checkpoint_dir(t.save) and not (resuming and Path(t.load) == Path(t.save)):
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")

@@ -65,7 +65,8 @@ def test_dropout_masks_keep_the_rate_and_differ_by_head_and_position():
 def test_kernel_is_used_only_where_it_runs():
     q = jnp.zeros((2, 64, 2, 32), jnp.bfloat16)
     assert not flash.usable(q, q, None, causal=True)  # the host: XLA's attention, with the same masks
-    assert flash.supported(jnp.zeros((2, 32, 2, 32)), jnp.zeros((2, 32, 2, 32)))  # tiles of 32
+    assert flash.supported(jnp.zeros((2, 32, 2, 8)), jnp.zeros((2, 32, 2, 8)))  # tiles of 32; heads padded to 16
+    assert not flash.supported(jnp.zeros((2, 8, 2, 32)), jnp.zeros((2, 8, 2, 32)))  # tiles under 16
     assert not flash.supported(jnp.zeros((2, 48, 2, 32)), jnp.zeros((2, 48, 2, 32)))  # 48: no power-of-2 tile
     assert not flash.supported(jnp.zeros((2, 96, 2, 32)), jnp.zeros((2, 96, 2, 32)))  # 64 does not divide 96
 
@@ -82,3 +83,23 @@ def test_fused_attention_with_dropout_trains_like_xla_attention_on_every_mesh(tm
     for run in runs[1:]:
         np.testing.assert_allclose([run.losses[s] for s in range(1, 4)], [runs[0].losses[s] for s in range(1, 4)],
                                    rtol=1e-5)
+
+
+@pytest.mark.parametrize("dp,pp,tp,sp", [(2, 1, 4, False), (1, 2, 2, True)])
+def test_the_kernel_is_typed_for_the_sharded_step_on_every_axis(monkeypatch, dp, pp, tp, sp):
+    """The training step through the kernel traces on meshes with data, pipeline and model axes (and sequence
+    parallelism): the kernel's outputs and gradients carry the varying axes that shard_map checks. A trace, not a
+    run: jax's interpreter cannot lower the kernel inside shard_map (above)."""
+    from mtx.parallel import make_mesh
+    from mtx.sharded_model import ShardedModel
+    from mtx.step import TrainStep
+
+    monkeypatch.setattr(flash, "INTERPRET", True)
+    cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+        hidden_dropout=0.1, attention_dropout=0.1, use_flash_attn=True, data_parallel_size=dp,
+        pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp, sequence_parallel=sp).validate(8)
+    model = ShardedModel(cfg, make_mesh(dp, pp, tp))
+    step = TrainStep(model)
+    tokens = model.put_batch(np.zeros((cfg.training.global_batch_size, cfg.model.seq_length + 1), np.int32))
+    program = str(step._step.trace(step.abstract_state(), tokens).jaxpr)
+    assert "mtx_flash_forward" in program and "mtx_flash_backward" in program

@@ -208,10 +208,9 @@ def test_run_directories_that_are_not_mtx_runs_or_cannot_be_written_are_refused(
                                ("--run-dir", user, "holds files mtx did not write"),
                                ("--save", tmp_path / "file", "is a file, not a directory"),
                                ("--save", tmp_path / "file" / "sub", "is a file, not a directory"),
-                               ("--tensorboard-dir", tmp_path / "file" / "tb", "is a file, not a directory"),
-                               ("--compilation-cache-dir", tmp_path / "file", "is a file, not a directory")]:
+                               ("--tensorboard-dir", tmp_path / "file" / "tb", "is a file, not a directory")]:
         argv = ["--config", "configs/tiny.toml", "--train-iters", "1", flag, str(path)]
-        if flag in ("--tensorboard-dir", "--compilation-cache-dir"):
+        if flag == "--tensorboard-dir":
             argv += ["--run-dir", str(tmp_path / "fresh")]
         assert main(argv) == 2, (flag, path)
         err = capsys.readouterr().err.strip()

@@ -63,12 +63,13 @@ def usable(q_BSNH, k_BSNH, mask_BS, causal: bool) -> bool:
 
 def supported(q_BSNH, k_BSNH, blocks: Blocks = Blocks()) -> bool:
     """Whether the kernel takes these shapes: self-attention (as many keys as queries, one key/value head per query
-    head), a sequence the blocks divide and a head dim up to 256."""
+    head), a sequence the blocks divide in tiles of at least 16 (the matrix units' smallest) and a head dim up to
+    256 (padded inside to a power of 2, at least 16)."""
     s, h = q_BSNH.shape[1], q_BSNH.shape[3]
     sizes = (blocks.q, blocks.k, blocks.big, blocks.small)
     tiles = [min(b, s) for b in sizes]  # Triton's tiles are powers of 2
     return (q_BSNH.shape == k_BSNH.shape and h <= 256 and blocks.big % blocks.small == 0
-            and all(t & (t - 1) == 0 and s % t == 0 for t in tiles))
+            and all(t >= 16 and t & (t - 1) == 0 and s % t == 0 for t in tiles))
 
 
 def flash_attention(q_BSNH, k_BSNH, v_BSNH, *, causal: bool = True, key_valid_BS=None, dropout_rate: float = 0.0,
@@ -122,7 +123,7 @@ def _specs(s: int, hp: int, block: int, valid, rows, cols):
 def _forward(q, k, v, valid, rows, cols, static):
     causal, rate, blocks, interpret = static
     b, s, n, h = q.shape
-    hp = pl.next_power_of_2(h)
+    hp = _padded(h)
     tile, whole, extra = _specs(s, hp, blocks.q, valid, rows, cols)
     kernel = functools.partial(_forward_kernel, scale=1.0 / math.sqrt(h), causal=causal, rate=rate,
                                block_k=blocks.k, head_dim=h)
@@ -135,6 +136,11 @@ def _forward(q, k, v, valid, rows, cols, static):
         compiler_params=plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
         interpret=interpret, name="mtx_flash_forward",
     )(*inputs)
+
+
+def _padded(h: int) -> int:
+    """A tile's head dim: h rounded up to a power of 2, at least 16 (the matrix units' smallest)."""
+    return max(pl.next_power_of_2(h), 16)
 
 
 def _head_dims(hp: int, head_dim: int):
@@ -202,7 +208,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, valid_ref, rows_ref, cols_ref, o_ref, l
 def _backward(q, k, v, valid, rows, cols, d_out, lse, delta, static):
     causal, rate, blocks, interpret = static
     b, s, n, h = q.shape
-    hp = pl.next_power_of_2(h)
+    hp = _padded(h)
     tile, whole, extra = _specs(s, hp, blocks.big, valid, rows, cols)
     per_row = pl.BlockSpec((None, None, s), lambda i, b, n: (b, n, 0))
     kernel = functools.partial(_backward_kernel, scale=1.0 / math.sqrt(h), causal=causal, rate=rate,

@@ -193,7 +193,7 @@ class ParallelSelfAttention(nnx.Module):
                        if cfg.rope else None)
         self.dropout_rate = cfg.attention_dropout
         self.selective_recompute = selective_recompute
-        self.flash = flash  # fused attention (--use-flash-attn); never with attention dropout (Config.validate)
+        self.flash = flash  # fused attention (--use-flash-attn): cuDNN, or mtx's kernel with attention dropout
         self.causal = causal  # False: every token attends to every (unpadded) token, as in BERT
 
     def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
