@@ -54,9 +54,8 @@ def dropout(x, rate: float, keys):
     identity.
 
     The mask is the counter-based hash of `attention_keep` (as attention dropout's), over each slice seen as a
-    matrix (all but its last dim, by its last dim): integer arithmetic that XLA fuses into the multiply, where
-    drawing the bits with the key's own generator (threefry) costs a large program per dropout and minutes of
-    compilation for a deep model."""
+    matrix (all but its last dim, by its last dim): a few integer operations an element, which XLA fuses into the
+    multiply."""
     if keys is None or rate == 0.0:
         return x
     rest = x.shape[keys.ndim:]
