@@ -84,8 +84,8 @@ def flash_attention(q_BSNH, k_BSNH, v_BSNH, *, causal: bool = True, key_valid_BS
     b, s = q_BSNH.shape[:2]
     valid = None if key_valid_BS is None else key_valid_BS.astype(jnp.int32)
     rows, cols = hashes if dropout_rate > 0.0 else (None, None)
-    sized = Blocks(**{f.name: (min(getattr(blocks, f.name), s) if f.name in ("q", "k", "big", "small")
-                               else getattr(blocks, f.name)) for f in dataclasses.fields(Blocks)})
+    sized = dataclasses.replace(blocks, q=min(blocks.q, s), k=min(blocks.k, s), big=min(blocks.big, s),
+                                small=min(blocks.small, s))
     static = (causal, float(dropout_rate), sized, interpret or INTERPRET)
     return _attention(q_BSNH, k_BSNH, v_BSNH, valid, rows, cols, static)
 
