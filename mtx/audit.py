@@ -229,7 +229,8 @@ def audit_data_parallel(cfg: Config) -> dict:
     (parameters replicated over "data"), or with the distributed optimizer a reduce-scatter of the gradients and an
     all-gather of the parameters (each once per step and parameter; the layer stack is one parameter per weight).
     With --overlap-grad-reduce (and --overlap-param-gather) the layer stack's move into the scanned layer's forward
-    and backward bodies, run once a layer: `in_layer_loop` counts those (static counts, once per body)."""
+    and backward bodies, run once a layer: `in_layer_loop` counts those (static counts, once per body); with gradient
+    accumulation too, `in_loop_branches` counts those in the last microbatch's branch of the accumulation loop."""
     from mtx.step import TrainStep
 
     mesh = _mesh(cfg, pipeline=True)
@@ -241,8 +242,9 @@ def audit_data_parallel(cfg: Config) -> dict:
     hlo = []
     report = _audit(mesh, forward, train_step.loss_and_grads, (state.params, tokens, state.step), hlo=hlo)
     ops = [op for phase in ("forward", "backward") for op in report["ops"][phase] if op["axes"] == DATA]
-    report["in_layer_loop"] = dict(Counter(kind for kind, axes, _ in loop_collectives(hlo[1], dict(mesh.shape))
-                                           if axes == DATA))
+    for key, branches in (("in_layer_loop", False), ("in_loop_branches", True)):
+        report[key] = dict(Counter(kind for kind, axes, _ in loop_collectives(hlo[1], dict(mesh.shape),
+                                                                              branches=branches) if axes == DATA))
     report["data"] = {kind: {"ops": sum(op["kind"] == kind for op in ops),
                              "elements": sum(op["elements"] for op in ops if op["kind"] == kind)}
                       for kind in KINDS if any(op["kind"] == kind for op in ops)} | {

@@ -129,20 +129,23 @@ class TrainStep:
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
         else:  # gradient accumulation: one microbatch's activations alive at a time
-            def micro_grads(batch_B, keys_B):
+            def micro_grads(p, merge, inputs):
+                batch_B, keys_B = inputs
                 loss_fn = lambda p: micro_loss(model.objective, merge(p), batch_B, counts, keys_B=keys_B) * scale
-                return jax.value_and_grad(loss_fn)(params)
+                return jax.value_and_grad(loss_fn)(p)
 
+            inputs_M = (batch_M, keys_MB)
             if m == 1:  # no accumulator: zeroing and adding it are two more passes over every gradient
-                loss, grads = micro_grads(jax.tree.map(lambda a: a[0], batch_M),
-                                          None if keys_MB is None else keys_MB[0])
-            else:
+                loss, grads = micro_grads(params, merge, jax.tree.map(lambda a: a[0], inputs_M))
+            elif not cfg.parallel.overlap_grad_reduce:
                 def micro(carry, inputs):
-                    return jax.tree.map(jnp.add, carry, micro_grads(*inputs)), None
+                    return jax.tree.map(jnp.add, carry, micro_grads(params, merge, inputs)), None
 
                 zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
                          jax.tree.map(jnp.zeros_like, params))
-                (loss, grads), _ = jax.lax.scan(micro, zeros, (batch_M, keys_MB))
+                (loss, grads), _ = jax.lax.scan(micro, zeros, inputs_M)
+            else:
+                loss, grads = self._accumulate_then_reduce(params, gathered, kinds, inputs_M, micro_grads)
         grads, = to_stored(grads)
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
         # holds (embeddings, final LN) also sum their per-stage parts over "pipeline", and with sequence parallelism
@@ -163,20 +166,68 @@ class TrainStep:
                                                              param_gather=p.overlap_param_gather) or "after",
                          model.param_specs, model.master_specs)
 
-    def _merge_with(self, kinds, gathered, master_specs):
-        """`model.merge`, with the layer stack's overlapped reductions when there are any."""
+    def _accumulate_then_reduce(self, params, gathered, kinds, inputs_M, micro_grads):
+        """Gradient accumulation under --overlap-grad-reduce: only the last microbatch's backward reduces (as
+        Megatron-LM's buckets do), each layer's gradient summed with what the earlier microbatches accumulated for it
+        (`LayerReduction.pending`) just before that layer's reduction; the earlier ones accumulate the local gradients
+        of the whole parameters. One scan, the last microbatch a branch of a `cond`, so that both kinds of microbatch
+        share one set of activation buffers (XLA gives a loop body and the code after it separate ones)."""
+        model = self.model
+        m = model.num_microbatches
+        gathered = self._whole(gathered, kinds)
+        whole = model.local_slots(gathered)
+        after = lambda kind: kind == "after"
+        placeholder = jnp.zeros((), jnp.float32)
+
+        def accumulate(acc, reduced, inputs):
+            loss, grads = micro_grads(whole, model.merge, inputs)
+            return loss, jax.tree.map(jnp.add, acc, grads), reduced
+
+        def reduce_last(acc, reduced, inputs):
+            merge = self._merge_with(kinds, gathered, model.master_specs, pending=acc["layers"])
+            loss, grads = micro_grads(params, merge, inputs)
+            acc = jax.tree.map(lambda a, g, kind: a + g if after(kind) else a, acc, grads, kinds)
+            return loss, acc, jax.tree.map(lambda g, kind: placeholder if after(kind) else g, grads, kinds)
+
+        def micro(carry, inputs):
+            loss, acc, reduced = carry
+            i, inputs = inputs
+            step_loss, acc, reduced = jax.lax.cond(i == m - 1, reduce_last, accumulate, acc, reduced, inputs)
+            return (loss + step_loss, acc, reduced), None
+
+        zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
+                 jax.tree.map(jnp.zeros_like, whole),
+                 jax.tree.map(lambda p, kind: placeholder if after(kind) else jnp.zeros_like(p), params, kinds))
+        (loss, acc, reduced), _ = jax.lax.scan(micro, zeros, (jnp.arange(m), inputs_M))
+        return loss, jax.tree.map(lambda a, r, kind: a if after(kind) else r, acc, reduced, kinds)
+
+    def _whole(self, gathered, kinds):
+        """The whole parameters (each leaf of `gathered`, the parameters gathered before the forward, with those that
+        --overlap-param-gather gathers inside the layers gathered too), varying over "data": what the microbatches
+        before the last differentiate under --overlap-grad-reduce (their gradients stay local)."""
+        model = self.model
+        return map_specs(lambda p, spec, master, kind: vary(self._gather_master(p, spec, master) if kind == "gather"
+                                                            else p, (DATA,)),
+                         gathered, model.param_specs, model.master_specs, kinds)
+
+    def _merge_with(self, kinds, gathered, master_specs, pending=None):
+        """`model.merge`, with the layer stack's overlapped reductions when there are any; with `pending` (the layer
+        stack's gradients accumulated over the earlier microbatches) each layer reduces its sum with them, the
+        parameters all gathered before the forward (`gathered`: whole)."""
         model = self.model
         if not self.cfg.parallel.overlap_grad_reduce:
             return model.merge
         compute = DTYPES[self.cfg.training.compute_dtype]
+        if pending is not None:
+            kinds = jax.tree.map(lambda kind: "reduce_scatter" if kind == "gather" else kind, kinds)
 
-        def reduction(kind, spec, master, whole):
+        def reduction(kind, spec, master, whole, acc):
             dim = data_dim(master)
             return LayerReduction(kind, None if dim is None else dim - 1, self._wire_dtype(whole, spec, compute),
-                                  whole if kind == "reduce_scatter" else None)
+                                  whole if kind == "reduce_scatter" else None, None if pending is None else acc)
 
         plan = map_specs(reduction, kinds["layers"], model.param_specs["layers"], master_specs["layers"],
-                         gathered["layers"])
+                         gathered["layers"], kinds["layers"] if pending is None else pending)
         hook = layer_hook(jax.tree.leaves(plan, is_leaf=lambda x: isinstance(x, LayerReduction)))
 
         def merge(params):

@@ -81,6 +81,30 @@ def test_audit_shows_the_reductions_in_the_layer_loop(flags, in_loop):
     assert not flags or sum(loop.values()) == (12 + 10 * ("all-gather" in in_loop))
 
 
+@pytest.mark.parametrize("flags", [REPLICATED, GATHERED])
+def test_with_accumulation_only_the_last_microbatch_reduces(flags):
+    """Three microbatches a data rank, 2 layers unrolled: the layers' reductions over "data" sit in the last
+    microbatch's branch of the accumulation loop, once per layer parameter (the earlier microbatches only
+    accumulate), and the step moves what it moves with one microbatch; with --overlap-param-gather the parameters
+    are then gathered once before the forward (one all-gather a stacked parameter, not one a layer)."""
+    def audit(m):
+        cfg = audit_config(hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                           tensor_model_parallel_size=2, data_parallel_size=2, num_layers=2, vocab_size=256,
+                           num_devices=4, num_microbatches=m, **flags)
+        return audit_data_parallel(cfg.replace(scan_layers=False))
+
+    one, three = audit(1), audit(3)
+    assert three["in_layer_loop"] == {}  # nothing in the loop body itself: the earlier microbatches do not reduce
+    # 2 layers x the layer's 12 parameters (with the distributed optimizer 10 reduce-scattered, 2 all-reduced)
+    scattered = "use_distributed_optimizer" in flags
+    assert three["in_loop_branches"] == ({"reduce-scatter": 20, "all-reduce": 4} if scattered else {"all-reduce": 24})
+    reductions = ("all-reduce", "reduce-scatter")
+    assert {k: v for k, v in three["data"].items() if k in reductions} == {
+        k: v for k, v in one["data"].items() if k in reductions}
+    if "overlap_param_gather" in flags:  # per layer with one microbatch, up front with three
+        assert three["data"]["all-gather"]["ops"] == one["data"]["all-gather"]["ops"] - 10
+
+
 @pytest.mark.parametrize("flags, fix", [
     (dict(overlap_param_gather=True), "--use-distributed-optimizer and --overlap-grad-reduce"),
     (dict(use_distributed_optimizer=True, overlap_param_gather=True), "--overlap-grad-reduce"),

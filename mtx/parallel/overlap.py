@@ -17,10 +17,12 @@ backward reduces layer l while it computes layer l - 1, and XLA's asynchronous c
   compute dtype, like the up-front gather), so the gather of layer l + 1 overlaps layer l; the transpose is the same
   reduce-scatter (in fp32, as every gradient reduction: `gather_shard`, the up-front gather too).
 
-Every microbatch reduces its own gradients this way (the accumulator then holds reduced gradients, sharded with the
-distributed optimizer: ZeRO-2's accumulation), so with gradient accumulation the step moves M times the bytes of
-one reduction, each behind that microbatch's backward; one microbatch per step (the usual data-parallel setting)
-moves exactly what the step without the flags moves. Parameters outside the stack (embeddings, final LayerNorm)
+With gradient accumulation (M microbatches a data rank) only the last microbatch's backward reduces, as in
+Megatron-LM (its buckets are reduced in the last microbatch's backward): the first M - 1 accumulate their local
+gradients of the whole parameters (the distributed optimizer's gathered once before the forward, so
+--overlap-param-gather gathers up front then), and the last adds the accumulated gradient of each layer to that
+layer's cotangent just before its reduction (`_plus_in_backward`). So the step moves the bytes of one reduction
+whatever M, the last of it behind the last backward. Parameters outside the stack (embeddings, final LayerNorm)
 and the sums over "model" (sequence parallelism's replicated LayerNorms, replicated key/value groups) are reduced
 after the backward as before. The pipelined schedules keep their one reduction after the last tick.
 """
@@ -76,6 +78,25 @@ def _gather_bwd(dim, wire, _, ct):
 gather_shard.defvjp(_gather_fwd, _gather_bwd)
 
 
+@jax.custom_vjp
+def _plus_in_backward(x, pending, i):
+    """`x` in the forward; in the backward its cotangent plus `pending[i]` (layer i's gradient accumulated over the
+    step's earlier microbatches), so that the reduction that transposes the layer's hook reduces the step's sum."""
+    return x
+
+
+def _plus_fwd(x, pending, i):
+    return x, (pending, i)
+
+
+def _plus_bwd(residuals, ct):
+    pending, i = residuals
+    return ct + pending[i], None, None
+
+
+_plus_in_backward.defvjp(_plus_fwd, _plus_bwd)
+
+
 class LayerReduction(NamedTuple):
     """How one stacked parameter is reduced inside the backward, layer by layer (see the module docstring)."""
 
@@ -83,14 +104,17 @@ class LayerReduction(NamedTuple):
     dim: int | None = None  # the dimension of one layer's parameter that "data" splits (distributed optimizer)
     wire: jnp.dtype | None = None  # "gather": the dtype it sends
     gathered: jax.Array | None = None  # "reduce_scatter": the whole stack, gathered before the forward
+    pending: jax.Array | None = None  # the stack's gradient accumulated over the step's earlier microbatches
 
     def __call__(self, w, i):
         """One layer's parameter `w` (layer index `i`) -> what the layer computes with."""
         if self.kind == "all_reduce":
-            return vary(w, (DATA,))
-        if self.kind == "reduce_scatter":
-            return _scattered_in_backward(w, self.dim, self.gathered[i])
-        return gather_shard(w, self.dim, self.wire)
+            w = vary(w, (DATA,))
+        elif self.kind == "reduce_scatter":
+            w = _scattered_in_backward(w, self.dim, self.gathered[i])
+        else:
+            w = gather_shard(w, self.dim, self.wire)
+        return w if self.pending is None else _plus_in_backward(w, self.pending, jnp.asarray(i))
 
 
 def reduction_kind(spec: P, master: P, *, distributed: bool, param_gather: bool) -> str | None:
