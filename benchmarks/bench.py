@@ -133,6 +133,7 @@ def run_cli(measure_fn, argv=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
     --json); a bad flag is one line on stderr and exit status 2."""
     from mtx.cli import parse_config
+    from mtx.files import check_writable
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--steps", type=int, default=10)
@@ -141,7 +142,17 @@ def run_cli(measure_fn, argv=None) -> int:
     ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them")
     own, rest = ap.parse_known_args(argv)
     try:
+        if own.steps < 1 or own.warmup < 0:
+            raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time at least 1 step after >= 0 warm-up "
+                             "steps.")
+        if own.json:
+            check_writable(own.json, "--json")
+        if own.profile:
+            check_writable(own.profile, "--profile")
         cfg = parse_config(rest)
+        import jax
+
+        cfg.validate(len(jax.devices()))  # the mesh against the devices there are, before any device work
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

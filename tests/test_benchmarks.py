@@ -266,6 +266,21 @@ def test_bench_bad_flag_is_one_line(capsys):
     assert err.count("\n") == 0 and "--hiden-size" in err and "--hidden-size" in err and not measured
 
 
+@pytest.mark.parametrize("argv, fix", [
+    (["--steps", "0"], "at least 1 step"),
+    (["--warmup", "-1"], "at least 1 step"),
+    (["--data-parallel-size", "16"], "lower the parallel sizes"),
+    (["--json", "/proc/version/out.jsonl"], "choose another path"),
+])
+def test_bench_bad_requests_are_one_line(capsys, argv, fix):
+    """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,
+    before anything is measured."""
+    measured = []
+    assert bench.run_cli(lambda cfg, **kw: measured.append(cfg), ["--config", "configs/tiny.toml", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and fix in err and not measured
+
+
 def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, capsys):
     """benchmarks/gpu_checks.py (run on GPUs against cuDNN) passes XLA's fallback here, and fails a fused path that
     ignores BERT's padding."""
