@@ -181,12 +181,12 @@ class TrainStep:
 
         def accumulate(acc, reduced, inputs):
             loss, grads = micro_grads(whole, model.merge, inputs)
-            return loss, jax.tree.map(jnp.add, acc, grads), reduced
+            return loss, jax.tree.map(jnp.add, acc, grads), jax.tree.map(jnp.zeros_like, reduced)
 
         def reduce_last(acc, reduced, inputs):
             merge = self._merge_with(kinds, gathered, model.master_specs, pending=acc["layers"])
             loss, grads = micro_grads(params, merge, inputs)
-            acc = jax.tree.map(lambda a, g, kind: a + g if after(kind) else a, acc, grads, kinds)
+            acc = jax.tree.map(lambda a, g, kind: a + g if after(kind) else jnp.zeros_like(a), acc, grads, kinds)
             return loss, acc, jax.tree.map(lambda g, kind: placeholder if after(kind) else g, grads, kinds)
 
         def micro(carry, inputs):
