@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -145,8 +146,11 @@ def run_cli(measure_fn, argv=None) -> int:
         if own.steps < 1 or own.warmup < 0:
             raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time at least 1 step after >= 0 warm-up "
                              "steps.")
-        if own.json:
-            check_writable(own.json, "--json")
+        if own.json:  # appended to: an existing file is fine
+            json_path = Path(own.json)
+            if json_path.is_dir() or (json_path.exists() and not os.access(json_path, os.W_OK)):
+                raise ValueError(f"--json {own.json} is a directory or not writable; pass a file to append to.")
+            check_writable(json_path.parent, "--json")
         if own.profile:
             check_writable(own.profile, "--profile")
         cfg = parse_config(rest)

@@ -271,6 +271,7 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--warmup", "-1"], "at least 1 step"),
     (["--data-parallel-size", "16"], "lower the parallel sizes"),
     (["--json", "/proc/version/out.jsonl"], "choose another path"),
+    (["--json", "/"], "pass a file to append to"),
 ])
 def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,
@@ -279,6 +280,16 @@ def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     assert bench.run_cli(lambda cfg, **kw: measured.append(cfg), ["--config", "configs/tiny.toml", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and fix in err and not measured
+
+
+def test_bench_appends_to_an_existing_json_file(tmp_path):
+    """--json appends: a file of earlier results is accepted (and kept), not refused."""
+    out = tmp_path / "results.jsonl"
+    out.write_text('{"earlier": 1}\n')
+    measured = []
+    assert bench.run_cli(lambda cfg, **kw: measured.append(cfg) or {"step_s": 1.0},
+                         ["--config", "configs/tiny.toml", "--json", str(out)]) == 0
+    assert len(measured) == 1 and out.read_text().splitlines() == ['{"earlier": 1}', '{"step_s": 1.0}']
 
 
 def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, capsys):
