@@ -176,8 +176,12 @@ class TrainStep:
         m = model.num_microbatches
         gathered = self._whole(gathered, kinds)
         whole = model.local_slots(gathered)
-        after = lambda kind: kind == "after"
         placeholder = jnp.zeros((), jnp.float32)
+        # Where each parameter's step gradient ends up: "after" (and the distributed optimizer's shards, written into
+        # the front of their own accumulator, which the last backward has read by then) in the accumulator;
+        # all-reduced ones, invariant over "data" where the accumulator varies, in a second one.
+        dims = map_specs(lambda spec, master: data_dim(master), model.param_specs, model.master_specs)
+        own = lambda kind: kind == "all_reduce"
 
         def accumulate(acc, reduced, inputs):
             loss, grads = micro_grads(whole, model.merge, inputs)
@@ -186,8 +190,16 @@ class TrainStep:
         def reduce_last(acc, reduced, inputs):
             merge = self._merge_with(kinds, gathered, model.master_specs, pending=acc["layers"])
             loss, grads = micro_grads(params, merge, inputs)
-            acc = jax.tree.map(lambda a, g, kind: a + g if after(kind) else jnp.zeros_like(a), acc, grads, kinds)
-            return loss, acc, jax.tree.map(lambda g, kind: placeholder if after(kind) else g, grads, kinds)
+
+            def place(a, g, kind, dim):
+                if kind == "after":
+                    return a + g
+                if own(kind):
+                    return jnp.zeros_like(a)
+                return jax.lax.dynamic_update_slice_in_dim(a, g, 0, dim)
+
+            acc = jax.tree.map(place, acc, grads, kinds, dims)
+            return loss, acc, jax.tree.map(lambda g, kind: g if own(kind) else placeholder, grads, kinds)
 
         def micro(carry, inputs):
             loss, acc, reduced = carry
@@ -197,9 +209,15 @@ class TrainStep:
 
         zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
                  jax.tree.map(jnp.zeros_like, whole),
-                 jax.tree.map(lambda p, kind: placeholder if after(kind) else jnp.zeros_like(p), params, kinds))
+                 jax.tree.map(lambda p, kind: jnp.zeros_like(p) if own(kind) else placeholder, params, kinds))
         (loss, acc, reduced), _ = jax.lax.scan(micro, zeros, (jnp.arange(m), inputs_M))
-        return loss, jax.tree.map(lambda a, r, kind: a if after(kind) else r, acc, reduced, kinds)
+
+        def result(a, r, p, kind, dim):
+            if kind == "after":
+                return a
+            return r if own(kind) else jax.lax.slice_in_dim(a, 0, p.shape[dim], axis=dim)
+
+        return loss, jax.tree.map(result, acc, reduced, params, kinds, dims)
 
     def _whole(self, gathered, kinds):
         """The whole parameters (each leaf of `gathered`, the parameters gathered before the forward, with those that
