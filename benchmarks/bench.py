@@ -130,9 +130,9 @@ def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None)
     return times, summary
 
 
-def run_cli(measure_fn, argv=None) -> int:
+def run_cli(measure_fn, argv=None, check=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
-    --json); a bad flag is one line on stderr and exit status 2."""
+    --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
     from mtx.cli import parse_config
     from mtx.files import check_writable
 
@@ -154,9 +154,8 @@ def run_cli(measure_fn, argv=None) -> int:
         if own.profile:
             check_writable(own.profile, "--profile")
         cfg = parse_config(rest)
-        import jax
-
-        cfg.validate(len(jax.devices()))  # the mesh against the devices there are, before any device work
+        if check is not None:
+            check(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -169,9 +168,16 @@ def run_cli(measure_fn, argv=None) -> int:
     return 0
 
 
+def check_mesh(cfg) -> None:
+    """The mesh against the devices there are (measure's own check), before any device work."""
+    import jax
+
+    cfg.validate(len(jax.devices()))
+
+
 def main(argv=None) -> int:
     simulate_cpu_devices()
-    return run_cli(measure, argv)
+    return run_cli(measure, argv, check=check_mesh)
 
 
 if __name__ == "__main__":

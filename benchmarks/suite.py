@@ -244,18 +244,20 @@ def plot(records, path) -> Path:
     grid = fig.add_gridspec(2, 2, height_ratios=[3, 1 + 0.22 * len(ok)])
     most = max(r["gpus"] for r, _ in ok)
     for col, (kind, title, ideal, ylabel) in enumerate((
-            ("weak", "weak scaling (model TFLOP/s per GPU / 1.2B on 1 GPU)", lambda g: 100.0, "efficiency (%)"),
-            ("strong", "strong scaling (same model and global batch)", lambda g: float(g), "speedup (x)"))):
+            ("weak", "weak scaling: TFLOP/s per GPU / 1.2B on 1 GPU", lambda g: 100.0, "efficiency (%)"),
+            ("strong", "tokens/s over 1 GPU (solid: same global batch)", lambda g: float(g), "speedup (x)"))):
         ax = fig.add_subplot(grid[0, col])
         ax.plot([1, most], [ideal(1), ideal(most)], ":", color="gray", label="ideal")
-        for r, found in ok:
-            if found and found[0] == kind:
+        for r, found in ok:  # the right panel also shows rows at another global batch ("tokens"), dashed
+            if found and (found[0] == kind or (kind, found[0]) == ("strong", "tokens")):
                 y = 100 * found[1] if kind == "weak" else found[1]
-                ax.plot([1, r["gpus"]], [ideal(1), y], "o-", label=f"{r['name']}: {y:.0f}%" if kind == "weak"
-                        else f"{r['name']}: {y:.2f}x")
-        ax.set(title=title, xlabel="GPUs", ylabel=ylabel, xticks=sorted({1, *(r["gpus"] for r, _ in ok)}))
+                label = (f"{r['name']}: {y:.0f}%" if kind == "weak" else f"{r['name']}: {y:.2f}x"
+                         + (" (global batch " + str(r["result"]["global_batch"]) + ")" if found[0] == "tokens" else ""))
+                ax.plot([1, r["gpus"]], [ideal(1), y], "o--" if found[0] == "tokens" else "o-", label=label)
+        ax.set(xlabel="GPUs", ylabel=ylabel, xticks=sorted({1, *(r["gpus"] for r, _ in ok)}))
+        ax.set_title(title, fontsize="medium")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="x-small")
+        ax.legend(fontsize="x-small", loc="lower left" if kind == "weak" else "upper left")
     ax = fig.add_subplot(grid[1, :])
     names = [f"{r['name']} ({r['gpus']} GPU{'s' if r['gpus'] > 1 else ''})" for r, _ in ok]
     mfu = [100 * (r["result"].get("mfu") or 0.0) for r, _ in ok]

@@ -277,7 +277,8 @@ def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,
     before anything is measured."""
     measured = []
-    assert bench.run_cli(lambda cfg, **kw: measured.append(cfg), ["--config", "configs/tiny.toml", *argv]) == 2
+    assert bench.run_cli(lambda cfg, **kw: measured.append(cfg), ["--config", "configs/tiny.toml", *argv],
+                         check=bench.check_mesh) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and fix in err and not measured
 
