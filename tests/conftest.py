@@ -6,6 +6,16 @@ from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for this test run (its xdist workers and the train.py processes tests start):
+# the many runs of the same tiny programs compile once. Tests of the cache itself set their own directory.
+# Made by the process that starts the run (xdist's workers inherit it) and removed when that process ends the run.
+OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    OWN_CACHE = tempfile.mkdtemp(prefix="mtx-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -15,6 +25,13 @@ from mtx.data.paths import shared_data_dir  # noqa: E402
 
 def pytest_configure(config):
     assert len(jax.devices()) >= 8, "tests need 8 simulated devices; XLA_FLAGS was set too late"
+
+
+def pytest_unconfigure(config):
+    if OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture
