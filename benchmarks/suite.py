@@ -251,9 +251,11 @@ def plot(records, path) -> Path:
         for r, found in ok:  # the right panel also shows rows at another global batch ("tokens"), dashed
             if found and (found[0] == kind or (kind, found[0]) == ("strong", "tokens")):
                 y = 100 * found[1] if kind == "weak" else found[1]
-                label = (f"{r['name']}: {y:.0f}%" if kind == "weak" else f"{r['name']}: {y:.2f}x"
-                         + (" (global batch " + str(r["result"]["global_batch"]) + ")" if found[0] == "tokens" else ""))
-                ax.plot([1, r["gpus"]], [ideal(1), y], "o--" if found[0] == "tokens" else "o-", label=label)
+                other_batch = found[0] == "tokens"
+                label = f"{r['name']}: " + (f"{y:.0f}%" if kind == "weak" else f"{y:.2f}x")
+                if other_batch:
+                    label += f" (global batch {r['result']['global_batch']})"
+                ax.plot([1, r["gpus"]], [ideal(1), y], "o--" if other_batch else "o-", label=label)
         ax.set(xlabel="GPUs", ylabel=ylabel, xticks=sorted({1, *(r["gpus"] for r, _ in ok)}))
         ax.set_title(title, fontsize="medium")
         ax.grid(alpha=0.3)

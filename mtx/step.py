@@ -171,7 +171,7 @@ class TrainStep:
         Megatron-LM's buckets do), each layer's gradient summed with what the earlier microbatches accumulated for it
         (`LayerReduction.pending`) just before that layer's reduction; the earlier ones accumulate the local gradients
         of the whole parameters. One scan, the last microbatch a branch of a `cond`, so that both kinds of microbatch
-        share one set of activation buffers (XLA gives a loop body and the code after it separate ones)."""
+        share one set of activation buffers (on the CPU, XLA gave a loop body and the code after it separate ones)."""
         model = self.model
         m = model.num_microbatches
         gathered = self._whole(gathered, kinds)

@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for this test run (its xdist workers and the train.py processes tests start):
 # the many runs of the same tiny programs compile once. Tests of the cache itself set their own directory.
 # Made by the process that starts the run (xdist's workers inherit it) and removed when that process ends the run.
+# An entry cut short by a process a test kills is read as a miss (JAX warns and compiles again).
 OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
