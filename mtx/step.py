@@ -65,6 +65,11 @@ def _reduce_rest(g, axes):
     return jax.lax.psum(g, rest) if rest else g
 
 
+def _accumulator(p):
+    """Zeros to accumulate the gradients of `p` over microbatches in: fp32 for the compute-dtype copies."""
+    return jnp.zeros_like(p, dtype=jnp.promote_types(p.dtype, jnp.float32))
+
+
 class TrainStep:
     """The compiled training step of one ShardedModel: `state, metrics = step(state, batch)` (the state is donated)."""
 
@@ -114,7 +119,10 @@ class TrainStep:
             p, spec, master), shards, model.param_specs, model.master_specs, kinds)
         params = map_specs(lambda p, spec, shard, kind: shard if kind in ("gather", "reduce_scatter") else p,
                            gathered, model.param_specs, shards, kinds)
-        params, to_stored = jax.vjp(model.local_slots, params)  # uneven or virtual stages: the layers' chunk slots
+        if model.pipeline is not None and model.pipeline.regathered:  # uneven or virtual stages: the chunk slots
+            params, to_stored = jax.vjp(model.local_slots, params)
+        else:
+            to_stored = lambda grads: (grads,)
         merge = self._merge_with(kinds, gathered, model.master_specs)
 
         if model.pipeline is not None and model.pipeline.kind != "gpipe":  # 1F1B: the backward written out
@@ -142,11 +150,12 @@ class TrainStep:
                     return jax.tree.map(jnp.add, carry, micro_grads(params, merge, inputs)), None
 
                 zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
-                         jax.tree.map(jnp.zeros_like, params))
+                         jax.tree.map(_accumulator, params))
                 (loss, grads), _ = jax.lax.scan(micro, zeros, inputs_M)
             else:
                 loss, grads = self._accumulate_then_reduce(params, gathered, kinds, inputs_M, micro_grads)
         grads, = to_stored(grads)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, shards)  # from the compute-dtype copies: fp32
         # The data-parallel gradient all-reduce, once per step after accumulation; parameters that every stage
         # holds (embeddings, final LN) also sum their per-stage parts over "pipeline", and with sequence parallelism
         # the layers' replicated LayerNorms and biases their per-rank (per-rows) parts over "model", as do
@@ -208,7 +217,7 @@ class TrainStep:
             return (loss + step_loss, acc, reduced), None
 
         zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
-                 jax.tree.map(jnp.zeros_like, whole),
+                 jax.tree.map(_accumulator, whole),
                  jax.tree.map(lambda p, kind: jnp.zeros_like(p) if own(kind) else placeholder, params, kinds))
         (loss, acc, reduced), _ = jax.lax.scan(micro, zeros, (jnp.arange(m), inputs_M))
 
@@ -264,12 +273,17 @@ class TrainStep:
     def _gather_master(self, p, spec, master):
         """Inside shard_map, the distributed optimizer's all-gather over "data" of one parameter's master shard (laid
         out by `master`, its spec in the training state; a parameter not split over "data" is returned as is).
-        Matrices go in the compute dtype, which is what the forward casts them to anyway (half the bytes in bf16),
-        and are cast back so that gradients accumulate in fp32 as without the flag."""
+        Matrices go in the compute dtype, which is what the forward casts them to anyway (half the bytes in bf16).
+        Without pipelining the layer stack's stay in it: the copy the step's microbatches share is then half the
+        size, and each microbatch's gradient of it is the same compute-dtype cotangent that the cast back would
+        have passed on, accumulated in fp32 (`_accumulator`). Other parameters (the embeddings, whose gradients
+        sum over positions) and the pipelined schedules' (whose accumulations sum in the parameters' dtype) are
+        cast back."""
         dim = data_dim(master)
         if dim is None:
             return p
-        return gather_shard(p, dim, self._wire_dtype(p, spec, DTYPES[self.cfg.training.compute_dtype]))
+        keep = self.model.pipeline is None and is_stacked(spec)
+        return gather_shard(p, dim, self._wire_dtype(p, spec, DTYPES[self.cfg.training.compute_dtype]), keep)
 
     # ---- jitted ----
     def loss_and_grads(self, params, batch, step, scale=1.0):

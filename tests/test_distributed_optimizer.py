@@ -13,6 +13,8 @@ from mtx.parallel import make_mesh
 from mtx.run import train
 from mtx.step import TrainStep
 
+from helpers import loss_and_grads
+
 # Tiny GPT, 4 layers, dropout on, clipping that binds (gradient norms ~1-3 here), 2 microbatches a data rank at DP 8.
 BASE = Config().replace(**load_preset("configs/tiny.toml")).replace(
     num_layers=4, hidden_dropout=0.1, attention_dropout=0.1, clip_grad=0.5, micro_batch_size=1, global_batch_size=16)
@@ -80,6 +82,39 @@ def test_argument_memory_falls_as_twelve_bytes_over_dp(dp):
     assert split > 0.99 * (split + whole)  # all but a few vectors split
     assert replicated == pytest.approx(12 * (split + whole), rel=0.1)
     assert distributed == pytest.approx(12 * (split / dp + whole), rel=0.1)
+
+
+@pytest.mark.parametrize("flags", [{}, dict(overlap_grad_reduce=True, overlap_param_gather=True)])
+def test_bf16_gradients_equal_the_replicated_optimizer(flags):
+    """In bf16 the layer stack is gathered into, and differentiated in, the compute dtype; its gradients, accumulated
+    in fp32 over 2 microbatches, are those of the replicated optimizer's fp32 copy."""
+    base = BASE.replace(bf16=True, hidden_dropout=0.0, attention_dropout=0.0, micro_batch_size=2)
+    loss, grads = loss_and_grads(base, 4, 1, 2)
+    got_loss, got = loss_and_grads(base, 4, 1, 2, use_distributed_optimizer=True, **flags)
+    assert got_loss == pytest.approx(loss, rel=1e-6) and got.keys() == grads.keys()
+    for name, want in grads.items():
+        assert got[name].dtype == np.float32
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=name)
+
+
+def _compiled_bytes(**flags):
+    cfg = cfg_for((2, 1, 1), hidden_size=128, vocab_size=512, bf16=True, global_batch_size=8, **flags).validate(8)
+    step = TrainStep.build(cfg, make_mesh(2, 1, 1, devices=jax.devices()[:2]))
+    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    memory = jax.jit(step._train_step, donate_argnums=0).lower(step.abstract_state(), tokens).compile()
+    memory = memory.memory_analysis()
+    return memory.argument_size_in_bytes + memory.temp_size_in_bytes, jax.tree.leaves(step.abstract_state().params)
+
+
+@pytest.mark.parametrize("flags", [{}, dict(overlap_grad_reduce=True, overlap_param_gather=True)])
+def test_with_accumulation_the_step_saves_what_the_shards_predict(flags):
+    """bf16, DP 2, 4 microbatches a rank: the compiled step (state and temporaries) needs at least 0.7 x 6 bytes a
+    parameter less than with the replicated optimizer (half of the fp32 weights and of both moments). Gathered back
+    into fp32, the layer stack's copy that the microbatches share took back 4 of those 6 bytes."""
+    replicated, params = _compiled_bytes()
+    distributed, _ = _compiled_bytes(use_distributed_optimizer=True, **flags)
+    n = sum(p.size for p in params)
+    assert replicated - distributed >= 0.7 * 6 * n, (replicated - distributed) / n
 
 
 def test_checkpoints_move_between_data_parallel_sizes_and_optimizers(tmp_path):

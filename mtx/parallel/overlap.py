@@ -59,20 +59,23 @@ def _scattered_bwd(dim, _, ct):
 _scattered_in_backward.defvjp(_scattered_fwd, _scattered_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_shard(shard, dim, wire):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_shard(shard, dim, wire, keep_wire=False):
     """`shard` all-gathered over "data" along `dim`, sent in dtype `wire` (the compute dtype for matrices: the forward
-    casts them to it anyway) and cast back; in the backward the gradient reduce-scattered in its own dtype (fp32).
-    The distributed optimizer's one gather, before the forward (mtx/step.py) or inside each layer (here)."""
-    return jax.lax.all_gather(shard.astype(wire), DATA, axis=dim, tiled=True).astype(shard.dtype)
+    casts them to it anyway) and cast back, or with `keep_wire` kept in it (the copy that the step's microbatches
+    share: half the bytes in bf16); in the backward the gradient reduce-scattered in fp32 or wider, as every gradient
+    reduction. The distributed optimizer's one gather, before the forward (mtx/step.py) or inside each layer (here)."""
+    whole = jax.lax.all_gather(shard.astype(wire), DATA, axis=dim, tiled=True)
+    return whole if keep_wire else whole.astype(shard.dtype)
 
 
-def _gather_fwd(shard, dim, wire):
-    return gather_shard(shard, dim, wire), None
+def _gather_fwd(shard, dim, wire, keep_wire):
+    return gather_shard(shard, dim, wire, keep_wire), None
 
 
-def _gather_bwd(dim, wire, _, ct):
-    return (jax.lax.psum_scatter(ct, DATA, scatter_dimension=dim, tiled=True),)
+def _gather_bwd(dim, wire, keep_wire, _, ct):
+    return (jax.lax.psum_scatter(ct.astype(jnp.promote_types(ct.dtype, jnp.float32)), DATA, scatter_dimension=dim,
+                                 tiled=True),)
 
 
 gather_shard.defvjp(_gather_fwd, _gather_bwd)
@@ -103,7 +106,9 @@ class LayerReduction(NamedTuple):
     kind: str  # "all_reduce" | "reduce_scatter" | "gather"
     dim: int | None = None  # the dimension of one layer's parameter that "data" splits (distributed optimizer)
     wire: jnp.dtype | None = None  # "gather": the dtype it sends
-    gathered: jax.Array | None = None  # "reduce_scatter": the whole stack, gathered before the forward
+    gathered: jax.Array | None = None  # "reduce_scatter": the whole stack, gathered before the forward (maybe in the
+    # compute dtype: each layer's slice is cast back to the shard's dtype, so the gradient reaches the reduction and
+    # `pending` in it)
     pending: jax.Array | None = None  # the stack's gradient accumulated over the step's earlier microbatches
 
     def __call__(self, w, i):
@@ -111,7 +116,7 @@ class LayerReduction(NamedTuple):
         if self.kind == "all_reduce":
             w = vary(w, (DATA,))
         elif self.kind == "reduce_scatter":
-            w = _scattered_in_backward(w, self.dim, self.gathered[i])
+            w = _scattered_in_backward(w, self.dim, self.gathered[i].astype(w.dtype))
         else:
             w = gather_shard(w, self.dim, self.wire)
         return w if self.pending is None else _plus_in_backward(w, self.pending, jnp.asarray(i))
