@@ -10,11 +10,21 @@ are per step (the trace's total divided by --steps). "busy" is the union of kern
 busy / step time shows how much of a step the device is idle (host overhead, waiting on transfers); "collective
 exposed" is the time a collective runs with no other kernel beside it (communication the step waits for). With several
 GPUs in the trace one is counted (--device, default the first).
+
+    python benchmarks/profile_summary.py TRACE_DIR --ticks [--devices 0 1]
+
+A pipelined step is a loop of ticks, each ending in its shifts (collective-permutes) to the neighbouring stages.
+--ticks cuts each device's timeline at its shifts and lines the devices' ticks up: per tick, each device's compute
+(kernels other than collectives), its other collectives (the head's sums) and the wall time of its shift, which is
+the transfer plus the wait for the slower device. "skew" sums, over ticks, how much longer the busiest device
+computed than each of the others: the time a lockstep loses to unequal ticks.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import functools
 import gzip
 import json
 import re
@@ -44,11 +54,16 @@ def find_trace(trace_dir: str | Path) -> Path:
     return found[-1]
 
 
+@functools.lru_cache(maxsize=1)
+def _load(trace_path: Path) -> list[dict]:
+    data = json.load(gzip.open(trace_path))
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
 def device_events(trace_path: Path, device_index: int = 0) -> list[dict]:
     """Complete ('X') events on device `device_index`'s processes (GPU or TPU); on CPU, the XLA thunk threads stand
     in."""
-    data = json.load(gzip.open(trace_path))
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    events = _load(trace_path)
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
     first = {pid for pid in device if re.search(rf"/device:(GPU|TPU):{device_index}\b", names[pid])}
@@ -88,6 +103,71 @@ def summarize(trace_dir: str | Path, *, steps: int = 1, top: int = 25, device: i
     }
 
 
+SHIFT = re.compile(r"permute|sendrecv", re.I)
+
+
+def _is_shift(e) -> bool:
+    return bool(SHIFT.search(e["name"]) or SHIFT.search(str((e.get("args") or {}).get("hlo_op", ""))))
+
+
+def ticks(trace_dir: str | Path, device: int = 0) -> list[dict]:
+    """One device's timeline cut at its shifts -> its ticks, each {start, compute_us, collective_us, shift_us}: the
+    union of its non-collective kernels and of its other collectives since the previous shift, and the wall time of
+    the shift that ends it (shift kernels with no other kernel starting between them are one shift)."""
+    events = sorted(device_events(find_trace(trace_dir), device), key=lambda e: e["ts"])
+    shifts, open_ = [], None
+    for e in events:
+        if _is_shift(e):
+            if open_ is None:
+                open_ = [e["ts"], e["ts"] + e["dur"]]
+                shifts.append(open_)
+            open_[1] = max(open_[1], e["ts"] + e["dur"])
+        elif open_ is not None and e["ts"] >= open_[1]:
+            open_ = None
+    starts = [s for s, _ in shifts]
+    windows = [[] for _ in shifts]
+    for e in events:  # each other kernel belongs to the tick of the next shift (those after the last: none)
+        k = bisect.bisect_left(starts, e["ts"])
+        if not _is_shift(e) and k < len(shifts):
+            windows[k].append(e)
+    span = lambda es: _union_us([(e["ts"], e["ts"] + e["dur"]) for e in es])
+    return [{"start": s, "compute_us": span([e for e in w if kernel_class(e["name"]) != "collective"]),
+             "collective_us": span([e for e in w if kernel_class(e["name"]) == "collective"]), "shift_us": t - s}
+            for (s, t), w in zip(shifts, windows)]
+
+
+def tick_summary(trace_dir: str | Path, devices=(0, 1), *, steps: int = 1, top: int = 10) -> dict:
+    """The devices' ticks lined up (the k-th shift of each): per device its compute, other collectives and shift wall
+    time per step, and its skew (over ticks, the busiest device's compute less its own: its wait for unequal ticks);
+    the `top` ticks with the largest spread of compute."""
+    per = {d: ticks(trace_dir, d) for d in devices}
+    n = min(len(t) for t in per.values())
+    busiest = [max(per[d][k]["compute_us"] for d in devices) for k in range(n)]
+    spread = [busiest[k] - min(per[d][k]["compute_us"] for d in devices) for k in range(n)]
+    ms = lambda us: us / 1000 / steps
+    return {
+        "ticks": {d: len(t) for d, t in per.items()}, "lined_up": n,
+        "per_device_ms": {d: {"compute": ms(sum(x["compute_us"] for x in t[:n])),
+                              "collective": ms(sum(x["collective_us"] for x in t[:n])),
+                              "shift": ms(sum(x["shift_us"] for x in t[:n])),
+                              "skew": ms(sum(busiest[k] - t[k]["compute_us"] for k in range(n)))}
+                          for d, t in per.items()},
+        "widest": [{"tick": k, "compute_ms": [per[d][k]["compute_us"] / 1000 for d in devices],
+                    "shift_ms": [per[d][k]["shift_us"] / 1000 for d in devices]}
+                   for k in sorted(range(n), key=lambda k: -spread[k])[:top]],
+    }
+
+
+def format_ticks(s: dict) -> str:
+    lines = [f"ticks per device {s['ticks']}, {s['lined_up']} lined up; per step (ms):"]
+    lines += [f"  device {d}: compute {v['compute']:.1f}  other collectives {v['collective']:.1f}  shifts "
+              f"{v['shift']:.1f}  skew {v['skew']:.1f}" for d, v in s["per_device_ms"].items()]
+    lines.append("ticks with the widest spread of compute (ms, per device):")
+    lines += [f"  tick {w['tick']:4d}: compute " + " / ".join(f"{c:.2f}" for c in w["compute_ms"])
+              + "   shift " + " / ".join(f"{c:.2f}" for c in w["shift_ms"]) for w in s["widest"]]
+    return "\n".join(lines)
+
+
 def capture(run_step, trace_dir: str | Path, *, steps: int = 2, top: int = 40) -> dict:
     """Profiles `steps` calls of run_step() (each must block until its step is done) and summarizes them."""
     import jax
@@ -117,7 +197,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (times are divided by it)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", type=int, default=0, help="which device of the trace (e.g. a later pipeline stage)")
+    ap.add_argument("--ticks", action="store_true", help="a pipelined step's ticks, lined up over --devices")
+    ap.add_argument("--devices", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args(argv)
+    if args.ticks:
+        print(format_ticks(tick_summary(args.trace_dir, args.devices, steps=args.steps, top=args.top)))
+        return 0
     print(format_summary(summarize(args.trace_dir, steps=args.steps, top=args.top, device=args.device)))
     return 0
 

@@ -144,6 +144,25 @@ def test_profile_summary_classes_and_busy_time(tmp_path):
         profile_summary.summarize(tmp_path / "empty")
 
 
+def test_profile_ticks_line_up_the_devices_shifts(tmp_path):
+    x = lambda name, ts, dur, pid, tid=1: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+    shift = "ncclDevKernel_SendRecv"
+    # Device 0 computes 100 then 300 us a tick, device 1 200 then 100: each shift lasts until the slower is done.
+    _write_trace(tmp_path / "t", [
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        x("gemm", 0, 100, 1), x(shift, 100, 100, 1, tid=2), x(shift, 200, 10, 1, tid=2),  # one shift, two kernels
+        x("fusion", 210, 300, 1), x("ncclDevKernel_AllReduce", 510, 20, 1, tid=2), x(shift, 530, 50, 1, tid=2),
+        x("gemm", 0, 200, 3), x(shift, 200, 10, 3, tid=2),
+        x("fusion", 210, 100, 3), x(shift, 310, 270, 3, tid=2), x("gemm", 580, 50, 3),  # after the last shift
+    ])
+    s = profile_summary.tick_summary(tmp_path / "t", (0, 1))
+    assert s["ticks"] == {0: 2, 1: 2} and s["lined_up"] == 2
+    assert s["per_device_ms"][0] == pytest.approx({"compute": 0.4, "collective": 0.02, "shift": 0.16, "skew": 0.1})
+    assert s["per_device_ms"][1] == pytest.approx({"compute": 0.3, "collective": 0.0, "shift": 0.28, "skew": 0.2})
+    assert [w["tick"] for w in s["widest"]] == [1, 0] and s["widest"][0]["compute_ms"] == pytest.approx([0.3, 0.1])
+    assert "skew 0.2" in profile_summary.format_ticks(s)
+
+
 def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
     from benchmarks import suite
 
