@@ -14,10 +14,11 @@ GPUs in the trace one is counted (--device, default the first).
     python benchmarks/profile_summary.py TRACE_DIR --ticks [--devices 0 1]
 
 A pipelined step is a loop of ticks, each ending in its shifts (collective-permutes) to the neighbouring stages.
---ticks cuts each device's timeline at its shifts and lines the devices' ticks up: per tick, each device's compute
-(kernels other than collectives), its other collectives (the head's sums) and the wall time of its shift, which is
-the transfer plus the wait for the slower device. "skew" sums, over ticks, how much longer the busiest device
-computed than each of the others: the time a lockstep loses to unequal ticks.
+--ticks cuts each device's timeline at its shifts and lines the devices' pieces up ("ticks" below; where XLA issues
+a tick's two shifts apart, e.g. 1F1B's activations right after the forward slot, a tick is two of them): per piece,
+each device's compute (kernels other than collectives), its other collectives (the head's sums) and the wall time
+of its shift, which is the transfer plus the wait for the slower device. "skew" sums, over pieces, how much longer
+the busiest device computed than each of the others: the time a lockstep loses to unequal work between shifts.
 """
 
 from __future__ import annotations

@@ -100,10 +100,10 @@ def test_bf16_gradients_equal_the_replicated_optimizer(flags):
 def _compiled_bytes(**flags):
     cfg = cfg_for((2, 1, 1), hidden_size=128, vocab_size=512, bf16=True, global_batch_size=8, **flags).validate(8)
     step = TrainStep.build(cfg, make_mesh(2, 1, 1, devices=jax.devices()[:2]))
+    state = step.abstract_state()
     tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
-    memory = jax.jit(step._train_step, donate_argnums=0).lower(step.abstract_state(), tokens).compile()
-    memory = memory.memory_analysis()
-    return memory.argument_size_in_bytes + memory.temp_size_in_bytes, jax.tree.leaves(step.abstract_state().params)
+    memory = jax.jit(step._train_step, donate_argnums=0).lower(state, tokens).compile().memory_analysis()
+    return memory.argument_size_in_bytes + memory.temp_size_in_bytes, jax.tree.leaves(state.params)
 
 
 @pytest.mark.parametrize("flags", [{}, dict(overlap_grad_reduce=True, overlap_param_gather=True)])
