@@ -120,7 +120,10 @@ class TrainStep:
         params = map_specs(lambda p, spec, shard, kind: shard if kind in ("gather", "reduce_scatter") else p,
                            gathered, model.param_specs, shards, kinds)
         if model.pipeline is not None and model.pipeline.regathered:  # uneven or virtual stages: the chunk slots
-            params, to_stored = jax.vjp(model.local_slots, params)
+            # The slots' (fp32) gradients pull back through the same exchange traced on fp32 zeros: the slots may be
+            # compute-dtype copies (`_gather_master`), their gradients are accumulated in fp32.
+            _, to_stored = jax.vjp(model.local_slots, jax.tree.map(_accumulator, params))
+            params = model.local_slots(params)
         else:
             to_stored = lambda grads: (grads,)
         merge = self._merge_with(kinds, gathered, model.master_specs)
@@ -274,15 +277,16 @@ class TrainStep:
         """Inside shard_map, the distributed optimizer's all-gather over "data" of one parameter's master shard (laid
         out by `master`, its spec in the training state; a parameter not split over "data" is returned as is).
         Matrices go in the compute dtype, which is what the forward casts them to anyway (half the bytes in bf16).
-        Without pipelining the layer stack's stay in it: the copy the step's microbatches share is then half the
-        size, and each microbatch's gradient of it is the same compute-dtype cotangent that the cast back would
-        have passed on, accumulated in fp32 (`_accumulator`). Other parameters (the embeddings, whose gradients
-        sum over positions) and the pipelined schedules' (whose accumulations sum in the parameters' dtype) are
-        cast back."""
+        The layer stack's stay in it: the copy the step's microbatches share is then half the size, and each
+        microbatch's gradient of it is the same compute-dtype cotangent that the cast back would have passed on,
+        accumulated in fp32 (`_accumulator`; 1F1B's in mtx/parallel/one_f_one_b.py). Other parameters (the
+        embeddings, whose gradients sum over positions) and GPipe's (autodiff through its ticks sums each
+        parameter's gradient in the parameter's dtype) are cast back."""
         dim = data_dim(master)
         if dim is None:
             return p
-        keep = self.model.pipeline is None and is_stacked(spec)
+        pipeline = self.model.pipeline
+        keep = is_stacked(spec) and (pipeline is None or pipeline.kind != "gpipe")
         return gather_shard(p, dim, self._wire_dtype(p, spec, DTYPES[self.cfg.training.compute_dtype]), keep)
 
     # ---- jitted ----

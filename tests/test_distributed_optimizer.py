@@ -84,37 +84,56 @@ def test_argument_memory_falls_as_twelve_bytes_over_dp(dp):
     assert distributed == pytest.approx(12 * (split / dp + whole), rel=0.1)
 
 
-@pytest.mark.parametrize("flags", [{}, dict(overlap_grad_reduce=True, overlap_param_gather=True)])
-def test_bf16_gradients_equal_the_replicated_optimizer(flags):
-    """In bf16 the layer stack is gathered into, and differentiated in, the compute dtype; its gradients, accumulated
-    in fp32 over 2 microbatches, are those of the replicated optimizer's fp32 copy."""
-    base = BASE.replace(bf16=True, hidden_dropout=0.0, attention_dropout=0.0, micro_batch_size=2)
-    loss, grads = loss_and_grads(base, 4, 1, 2)
-    got_loss, got = loss_and_grads(base, 4, 1, 2, use_distributed_optimizer=True, **flags)
+OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+
+
+@pytest.mark.parametrize("mesh, layout, overlap", [
+    ((4, 1, 2), {}, {}), ((4, 1, 2), {}, OVERLAP),
+    ((2, 2, 2), {}, {}), ((2, 2, 2), dict(virtual_pipeline_model_parallel_size=2), {}),  # 1F1B; interleaved
+])
+def test_bf16_gradients_equal_the_replicated_optimizer(mesh, layout, overlap):
+    """In bf16 the layer stack is gathered into, and differentiated in, the compute dtype (and with interleaving
+    moved into its chunk slots so); its gradients, accumulated in fp32 over the microbatches (2 a data rank), are
+    those of the replicated optimizer's fp32 copy."""
+    base = BASE.replace(bf16=True, hidden_dropout=0.0, attention_dropout=0.0, micro_batch_size=2,
+                        global_batch_size=4 * mesh[0])
+    loss, grads = loss_and_grads(base, *mesh, **layout)
+    got_loss, got = loss_and_grads(base, *mesh, use_distributed_optimizer=True, **layout, **overlap)
     assert got_loss == pytest.approx(loss, rel=1e-6) and got.keys() == grads.keys()
     for name, want in grads.items():
         assert got[name].dtype == np.float32
         np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=name)
 
 
-def _compiled_bytes(**flags):
-    cfg = cfg_for((2, 1, 1), hidden_size=128, vocab_size=512, bf16=True, global_batch_size=8, **flags).validate(8)
-    step = TrainStep.build(cfg, make_mesh(2, 1, 1, devices=jax.devices()[:2]))
+def _compiled_bytes(mesh, **flags):
+    """bf16, 4 (8 with PP 2) microbatches a data rank -> (the compiled step's argument + temporary bytes per device,
+    the parameters a device holds: the layer stack's 1 / PP share and the rest)."""
+    cfg = cfg_for(mesh, hidden_size=128, vocab_size=512, bf16=True, global_batch_size=8 * mesh[1], **flags)
+    cfg = cfg.validate(8)
+    step = TrainStep.build(cfg, make_mesh(*mesh, devices=jax.devices()[:mesh[0] * mesh[1] * mesh[2]]))
     state = step.abstract_state()
-    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    tokens = jax.ShapeDtypeStruct((cfg.training.global_batch_size, cfg.model.seq_length + 1), np.int32,
+                                  sharding=step.model.batch_sharding)
     memory = jax.jit(step._train_step, donate_argnums=0).lower(state, tokens).compile().memory_analysis()
-    return memory.argument_size_in_bytes + memory.temp_size_in_bytes, jax.tree.leaves(state.params)
+    params = nnx.to_pure_dict(state.params)
+    stack = sum(p.size for p in jax.tree.leaves(params["layers"]))
+    held = sum(p.size for p in jax.tree.leaves(params)) - stack + stack // mesh[1]
+    return memory.argument_size_in_bytes + memory.temp_size_in_bytes, held
 
 
-@pytest.mark.parametrize("flags", [{}, dict(overlap_grad_reduce=True, overlap_param_gather=True)])
-def test_with_accumulation_the_step_saves_what_the_shards_predict(flags):
-    """bf16, DP 2, 4 microbatches a rank: the compiled step (state and temporaries) needs at least 0.7 x 6 bytes a
-    parameter less than with the replicated optimizer (half of the fp32 weights and of both moments). Gathered back
-    into fp32, the layer stack's copy that the microbatches share took back 4 of those 6 bytes."""
-    replicated, params = _compiled_bytes()
-    distributed, _ = _compiled_bytes(use_distributed_optimizer=True, **flags)
-    n = sum(p.size for p in params)
-    assert replicated - distributed >= 0.7 * 6 * n, (replicated - distributed) / n
+@pytest.mark.parametrize("mesh, flags", [
+    ((2, 1, 1), {}), ((2, 1, 1), OVERLAP),
+    ((2, 2, 1), {}), ((2, 2, 1), dict(virtual_pipeline_model_parallel_size=2)),  # 1F1B; interleaved
+])
+def test_with_accumulation_the_step_saves_what_the_shards_predict(mesh, flags):
+    """bf16 at DP 2: the compiled step (state and temporaries) needs at least 0.7 x 6 bytes less per parameter a
+    device holds than with the replicated optimizer (half of the fp32 weights and of both moments). Gathered back
+    into fp32, the layer stack's copy that the microbatches share took back 4 of those 6 bytes (without pipelining
+    and with 1F1B; with interleaving 2.6)."""
+    layout = {k: v for k, v in flags.items() if k not in OVERLAP}
+    replicated, held = _compiled_bytes(mesh, **layout)
+    distributed, _ = _compiled_bytes(mesh, use_distributed_optimizer=True, **flags)
+    assert replicated - distributed >= 0.7 * 6 * held, (replicated - distributed) / held
 
 
 def test_checkpoints_move_between_data_parallel_sizes_and_optimizers(tmp_path):

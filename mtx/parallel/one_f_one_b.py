@@ -174,7 +174,8 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
                                             f_chunk0)[0])
     forward_slot(zeros_BSD, f_mb0, f_chunk0)  # records the residuals' shapes and types
     ring = tuple((zeros_BSD, *residuals.zeros()) for _ in range(k_slots))
-    grads = jax.tree.map(jnp.zeros_like, params)
+    # Accumulated in fp32 at least: the distributed optimizer's layer stack comes in the compute dtype (mtx/step.py).
+    grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.promote_types(p.dtype, jnp.float32)), params)
     (_, grads, loss), _ = lockstep(tick, (zeros_BSD, zeros_BSD), (ring, grads, _typed(jnp.zeros((), jnp.float32))),
                                    schedule.ticks, (NEXT, PREVIOUS))
     return loss, grads
