@@ -25,7 +25,7 @@ from mtx.objectives import micro_loss
 from mtx.optim import learning_rate_schedule
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.one_f_one_b import one_f_one_b
-from mtx.parallel.overlap import LayerReduction, gather_shard, layer_hook, reduction_kind
+from mtx.parallel.overlap import LayerReduction, accumulator, gather_shard, layer_hook, reduction_kind
 from mtx.parallel.pipeline import pipelined_loss
 from mtx.parallel.random import sample_keys
 from mtx.parallel.ops import vary
@@ -63,11 +63,6 @@ def _reduce_rest(g, axes):
     """One parameter's gradient summed over `axes` but "data" (reduced already)."""
     rest = tuple(axis for axis in axes if axis != DATA)
     return jax.lax.psum(g, rest) if rest else g
-
-
-def _accumulator(p):
-    """Zeros to accumulate the gradients of `p` over microbatches in: fp32 for the compute-dtype copies."""
-    return jnp.zeros_like(p, dtype=jnp.promote_types(p.dtype, jnp.float32))
 
 
 class TrainStep:
@@ -120,9 +115,9 @@ class TrainStep:
         params = map_specs(lambda p, spec, shard, kind: shard if kind in ("gather", "reduce_scatter") else p,
                            gathered, model.param_specs, shards, kinds)
         if model.pipeline is not None and model.pipeline.regathered:  # uneven or virtual stages: the chunk slots
-            # The slots' (fp32) gradients pull back through the same exchange traced on fp32 zeros: the slots may be
-            # compute-dtype copies (`_gather_master`), their gradients are accumulated in fp32.
-            _, to_stored = jax.vjp(model.local_slots, jax.tree.map(_accumulator, params))
+            # The exchange is linear: the slots' gradients (fp32, accumulated so; the slots themselves may be the
+            # compute-dtype copies of `_gather_master`) go back through its transpose, taken at fp32.
+            to_stored = jax.linear_transpose(model.local_slots, jax.tree.map(accumulator, params))
             params = model.local_slots(params)
         else:
             to_stored = lambda grads: (grads,)
@@ -153,7 +148,7 @@ class TrainStep:
                     return jax.tree.map(jnp.add, carry, micro_grads(params, merge, inputs)), None
 
                 zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
-                         jax.tree.map(_accumulator, params))
+                         jax.tree.map(accumulator, params))
                 (loss, grads), _ = jax.lax.scan(micro, zeros, inputs_M)
             else:
                 loss, grads = self._accumulate_then_reduce(params, gathered, kinds, inputs_M, micro_grads)
@@ -220,7 +215,7 @@ class TrainStep:
             return (loss + step_loss, acc, reduced), None
 
         zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying"),
-                 jax.tree.map(_accumulator, whole),
+                 jax.tree.map(accumulator, whole),
                  jax.tree.map(lambda p, kind: jnp.zeros_like(p) if own(kind) else placeholder, params, kinds))
         (loss, acc, reduced), _ = jax.lax.scan(micro, zeros, (jnp.arange(m), inputs_M))
 
@@ -279,7 +274,7 @@ class TrainStep:
         Matrices go in the compute dtype, which is what the forward casts them to anyway (half the bytes in bf16).
         The layer stack's stay in it: the copy the step's microbatches share is then half the size, and each
         microbatch's gradient of it is the same compute-dtype cotangent that the cast back would have passed on,
-        accumulated in fp32 (`_accumulator`; 1F1B's in mtx/parallel/one_f_one_b.py). Other parameters (the
+        accumulated in fp32 (`accumulator`, mtx/parallel/overlap.py). Other parameters (the
         embeddings, whose gradients sum over positions) and GPipe's (autodiff through its ticks sums each
         parameter's gradient in the parameter's dtype) are cast back."""
         dim = data_dim(master)

@@ -50,6 +50,7 @@ from flax import nnx
 from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.compat import varying_axes
 from mtx.parallel.ops import vary
+from mtx.parallel.overlap import accumulator
 from mtx.parallel.pipeline import NEXT, PREVIOUS, Schedule, last_stage_to_all, lockstep
 
 
@@ -174,8 +175,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
                                             f_chunk0)[0])
     forward_slot(zeros_BSD, f_mb0, f_chunk0)  # records the residuals' shapes and types
     ring = tuple((zeros_BSD, *residuals.zeros()) for _ in range(k_slots))
-    # Accumulated in fp32 at least: the distributed optimizer's layer stack comes in the compute dtype (mtx/step.py).
-    grads = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.promote_types(p.dtype, jnp.float32)), params)
+    grads = jax.tree.map(accumulator, params)  # fp32: the distributed optimizer's stack comes in the compute dtype
     (_, grads, loss), _ = lockstep(tick, (zeros_BSD, zeros_BSD), (ring, grads, _typed(jnp.zeros((), jnp.float32))),
                                    schedule.ticks, (NEXT, PREVIOUS))
     return loss, grads

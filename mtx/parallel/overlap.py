@@ -59,6 +59,12 @@ def _scattered_bwd(dim, _, ct):
 _scattered_in_backward.defvjp(_scattered_fwd, _scattered_bwd)
 
 
+def accumulator(p):
+    """Zeros to accumulate the gradients of `p` in over microbatches: fp32 at least, so that the distributed
+    optimizer's compute-dtype copies of the layer stack (`gather_shard(..., keep_wire=True)`) sum in fp32."""
+    return jnp.zeros_like(p, dtype=jnp.promote_types(p.dtype, jnp.float32))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def gather_shard(shard, dim, wire, keep_wire=False):
     """`shard` all-gathered over "data" along `dim`, sent in dtype `wire` (the compute dtype for matrices: the forward
