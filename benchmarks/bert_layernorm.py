@@ -12,6 +12,11 @@ vocabulary a toy model stays at the unigram loss in that time and the placement 
   python benchmarks/bert_layernorm.py                      # the documented result (docs/bert.md), CPU
   python benchmarks/bert_layernorm.py --num-layers 4 --train-iters 20 --out runs/ln_smoke
   # -> OUT/bert_layernorm.json, OUT/bert_layernorm.png
+
+At full size the runs are train.py runs on GPUs (docs/bert.md has the commands); --from-runs plots their run
+directories (config.json + metrics.jsonl), one panel per model and schedule, pre- against post-LN:
+
+  python benchmarks/bert_layernorm.py --from-runs runs/fig7/* --out docs   # -> OUT/bert_layernorm_gpu.json, .png
 """
 
 from __future__ import annotations
@@ -172,6 +177,96 @@ def summary(curves: dict[str, list[float]], window: int = 20) -> dict[str, dict[
     return out
 
 
+def read_run(run_dir: str | Path) -> dict:
+    """A train.py run directory -> its model, placement and schedule, the logged training losses (each the mean over
+    its log interval) and the validation losses."""
+    from mtx.config import Config
+
+    run_dir = Path(run_dir)
+    cfg = Config.from_dict(json.loads((run_dir / "config.json").read_text()))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_records = [r for r in records if "loss" in r]
+    m, o, t = cfg.model, cfg.optimizer, cfg.training
+    return {"run": run_dir.name, "cfg": cfg, "placement": m.layernorm_placement, "params": m.num_params(),
+            "shape": f"{m.num_layers} x {m.hidden_size}", "warmup": o.lr_warmup_iters, "iters": t.train_iters,
+            "lr": o.lr, "batch": f"{t.global_batch_size} x {m.seq_length}",
+            "steps": [r["step"] for r in train_records], "loss": [_finite_or_inf(r["loss"]) for r in train_records],
+            "val": {r["step"]: r["val_loss"] for r in records if "val_loss" in r}}
+
+
+def group_runs(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    """Runs by (model, schedule) -> {placement: run}; each group must hold one pre- and one post-LN run."""
+    groups: dict[str, dict[str, dict]] = {}
+    for run in sorted(runs, key=lambda r: (r["params"], r["warmup"], r["iters"])):
+        key = (f"BERT {run['params'] / 1e6:,.0f}M ({run['shape']}), lr {run['lr']:g}, warmup {run['warmup']} of "
+               f"{run['iters']} steps, batch {run['batch']}")
+        if run["placement"] in groups.setdefault(key, {}):
+            raise ValueError(f"two {run['placement']}-LN runs of {key}: pass one run directory per placement.")
+        groups[key][run["placement"]] = run
+    for key, pair in groups.items():
+        if set(pair) != set(PLACEMENTS):
+            raise ValueError(f"{key} has only {sorted(pair)}: pass a pre- and a post-LN run of each model.")
+    return groups
+
+
+def plot_groups(groups: dict[str, dict[str, dict]], path: Path, baselines: dict[str, float | None],
+                window: int = 10) -> None:
+    """One panel per group: each placement's logged losses faint and as a `window`-record running mean, on one
+    y scale across the panels, and the group's context-free baseline dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(len(groups), 1, figsize=(6.4, 2.8 * len(groups)), dpi=100, sharey=True, squeeze=False)
+    labels = {"post": "post-LN (original BERT)", "pre": "pre-LN (paper)"}
+    for ax, (title, pair) in zip(axes[:, 0], groups.items()):
+        for placement, color in (("post", "tab:red"), ("pre", "tab:blue")):
+            steps, losses = np.asarray(pair[placement]["steps"]), np.asarray(pair[placement]["loss"], float)
+            ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.6)
+            w = min(window, len(losses))
+            ax.plot(steps[w - 1:], np.convolve(losses, np.ones(w) / w, mode="valid"), color=color, linewidth=1.4,
+                    label=labels[placement])
+        if baselines.get(title) is not None:
+            ax.axhline(baselines[title], color="gray", linestyle="--", linewidth=1,
+                       label=f"context-free (unigram) {baselines[title]:.2f}")
+        ax.set_title(title, fontsize=8)
+        ax.set_ylabel("training loss (MLM + SOP)", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[-1, 0].set_xlabel("iteration")
+    axes[0, 0].set_ylim(top=min(12.0, axes[0, 0].get_ylim()[1]))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def from_runs(run_dirs: list[str], out: Path) -> dict:
+    """--from-runs: the groups' summaries (first and last 100 steps' mean loss, validation losses, and the
+    context-free baseline of the batches trained on where the data is here) as JSON and the figure, under `out`."""
+    groups = group_runs([read_run(d) for d in run_dirs])
+    record, baselines = {}, {}
+    for title, pair in groups.items():
+        cfg = pair["pre"]["cfg"]  # both runs read the same batches
+        here = all(Path(p).with_suffix(".idx").exists() for p in cfg.data.data_path)
+        baselines[title] = masked_unigram_loss(cfg, cfg.training.train_iters) if here else None
+        record[title] = {"masked_unigram_loss": baselines[title]}
+        for placement, run in sorted(pair.items()):
+            steps, losses = run["steps"], run["loss"]
+            last = [x for s, x in zip(steps, losses) if s > steps[-1] - 100]
+            first = [x for s, x in zip(steps, losses) if s <= 100]
+            record[title][placement] = {"run": run["run"], "first_100_mean": sum(first) / len(first),
+                                        "last_100_mean": sum(last) / len(last), "val": run["val"],
+                                        "diverged_at": summary({placement: losses})[placement]["diverged_at"]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bert_layernorm_gpu.json").write_text(json.dumps({"summary": record, "runs": {
+        t: {p: {"steps": r["steps"], "loss": r["loss"]} for p, r in pair.items()} for t, pair in groups.items()}},
+        indent=None) + "\n")
+    plot_groups(groups, out / "bert_layernorm_gpu.png", baselines)
+    return record
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-layers", type=int, default=24)
@@ -190,9 +285,19 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-words", type=int, default=500, help="words in the vocabulary built from the data")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="runs/bert_layernorm", help="folder for the JSON, the PNG and the runs")
+    p.add_argument("--from-runs", nargs="+", metavar="RUN_DIR",
+                   help="plot these train.py run directories (a pre- and a post-LN run of each model) instead")
     args = p.parse_args(argv)
     out = Path(args.out)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    if args.from_runs:
+        try:
+            print(json.dumps(from_runs(args.from_runs, out), indent=1))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {out / 'bert_layernorm_gpu.json'} and {out / 'bert_layernorm_gpu.png'}")
+        return 0
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "from_runs")}
     baseline: dict = {}
     start = time.perf_counter()
     try:

@@ -94,6 +94,11 @@ class TrainingConfig:
     compilation_cache_dir: str | None = _f(
         "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "
                             "instead of compiling (none turns it off; CPU runs compile quickly and ignore it)")
+    scheduler_memory_percent: int | None = _f(
+        None, "GPU: the share (percent) of the memory left beside the step's arguments that XLA's latency-hiding "
+              "scheduler may plan into when it moves collectives to overlap compute (XLA's "
+              "xla_gpu_memory_limit_slop_factor, for the training step only); lower trades overlap for memory; "
+              "None: XLA's 95")
     use_flash_attn: bool = _f(False, "fused attention on GPU (bf16/fp16): cuDNN's flash attention, or with attention "
                                      "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere")
     mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "

@@ -65,6 +65,13 @@ def _reduce_rest(g, axes):
     return jax.lax.psum(g, rest) if rest else g
 
 
+def compiler_options(cfg) -> dict | None:
+    """XLA options of the training step's compilation: --scheduler-memory-percent as XLA's slop factor (on CPU it
+    is ignored)."""
+    percent = cfg.training.scheduler_memory_percent
+    return None if percent is None else {"xla_gpu_memory_limit_slop_factor": percent}
+
+
 class TrainStep:
     """The compiled training step of one ShardedModel: `state, metrics = step(state, batch)` (the state is donated)."""
 
@@ -72,7 +79,7 @@ class TrainStep:
         self.model, self.cfg, self.mesh = model, model.cfg, model.mesh
         self.optimizer = optimizer_for(model)
         self.lr_schedule = learning_rate_schedule(self.cfg.optimizer, self.cfg.training.train_iters)
-        self._step = jax.jit(self._train_step, donate_argnums=0)
+        self._step = jax.jit(self._train_step, donate_argnums=0, compiler_options=compiler_options(self.cfg))
 
     @classmethod
     def build(cls, cfg, mesh) -> "TrainStep":

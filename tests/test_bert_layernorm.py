@@ -61,3 +61,34 @@ def test_summary_flags_divergence_and_vocab_covers_the_text(tmp_path):
 
     assert 1 not in BertWordPieceTokenizer(tmp_path / "v.txt").encode(text)  # no [UNK]
     assert 0 < study.unigram_entropy(text, tmp_path / "v.txt") < math.log(len(pieces))
+
+
+def test_from_runs_pairs_the_placements_of_each_model(tmp_path):
+    """--from-runs reads train.py run directories, pairs pre- with post-LN per model and schedule, and refuses a
+    model with one placement only."""
+    import json
+
+    import pytest
+
+    from mtx.config import Config
+
+    def run(name, placement, hidden, losses):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = Config().replace(model_type="bert", num_layers=2, hidden_size=hidden, num_attention_heads=4,
+                               layernorm_placement=placement, train_iters=len(losses) * 5,
+                               data_path=(str(tmp_path / "absent"),))
+        (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+        lines = [{"step": 5 * (i + 1), "loss": x} for i, x in enumerate(losses)] + [{"step": 10, "val_loss": 6.5}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return str(d)
+
+    dirs = [run("a", "pre", 32, [8.0, 7.0]), run("b", "post", 32, [8.0, 7.5]), run("c", "pre", 64, [8.0, 6.0])]
+    with pytest.raises(ValueError, match="only \\['pre'\\]"):
+        study.group_runs([study.read_run(d) for d in dirs])
+    record = study.from_runs([*dirs, run("d", "post", 64, [8.0, float("nan")])], tmp_path / "out")
+    small, large = record.values()  # sorted by size
+    assert small["pre"]["last_100_mean"] == 7.5 and small["post"]["val"] == {10: 6.5}
+    assert large["post"]["diverged_at"] == 2 and large["pre"]["diverged_at"] is None
+    assert small["masked_unigram_loss"] is None  # no data here: no baseline
+    assert (tmp_path / "out" / "bert_layernorm_gpu.png").stat().st_size > 1000

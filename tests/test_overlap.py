@@ -7,6 +7,7 @@ import pytest
 from mtx.audit import audit_config, audit_data_parallel
 from mtx.config import Config, load_preset
 from mtx.run import train
+from mtx.step import compiler_options
 
 from helpers import loss_and_grads
 
@@ -46,10 +47,14 @@ def test_gradients_equal_the_reduction_after_the_backward(mesh, flags):
 
 def test_losses_and_resume_across_meshes_and_flags(tmp_path):
     """Trained with the overlap at DP 4 x TP 2 the losses are those without it at DP 8; a checkpoint saved without
-    the flags resumes exactly with them (the state's layout does not depend on them)."""
+    the flags resumes exactly with them (the state's layout does not depend on them). The overlapped run also
+    passes --scheduler-memory-percent to XLA (a misspelt option fails the compile; it never changes the math)."""
     base = dict(train_iters=4, save_interval=2)
     ref = train(cfg_for((8, 1, 1), save=str(tmp_path / "ref"), **base), progress=False)
-    overlapped = train(cfg_for((4, 1, 2), run_dir=str(tmp_path / "o"), **GATHERED, **base), progress=False)
+    overlapped_cfg = cfg_for((4, 1, 2), run_dir=str(tmp_path / "o"), scheduler_memory_percent=30, **GATHERED, **base)
+    assert compiler_options(overlapped_cfg) == {"xla_gpu_memory_limit_slop_factor": 30}
+    assert compiler_options(cfg_for((4, 1, 2))) is None  # XLA's own setting
+    overlapped = train(overlapped_cfg, progress=False)
     resumed = train(cfg_for((2, 1, 4), load=str(tmp_path / "ref"), ckpt_step=2, run_dir=str(tmp_path / "r"),
                             **REPLICATED, **base), progress=False)
     want = [ref.losses[s] for s in (1, 2, 3, 4)]
