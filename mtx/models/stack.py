@@ -140,9 +140,13 @@ class ParallelTransformer:
                 held = jax.tree.map(lambda a: a[:n], stacked)
                 return jax.lax.scan(body, x_BSD, (held, jnp.arange(n)))[0] if n else x_BSD
             unstacked = jax.tree.map(_unstack, stacked)  # unrolled: each layer's saved activations are own buffers
+            # One jitted layer, called n times: traced, differentiated and lowered once (a function the n calls
+            # share), where a Python loop over `body` would trace n copies; XLA inlines the calls, so the compiled
+            # program is the same unrolled one.
+            layer = jax.jit(body)
             for i in range(n):
-                x_BSD, _ = body(x_BSD, (jax.tree.map(lambda parts: parts[i], unstacked,
-                                                     is_leaf=lambda x: isinstance(x, tuple)), i))
+                x_BSD, _ = layer(x_BSD, (jax.tree.map(lambda parts: parts[i], unstacked,
+                                                      is_leaf=lambda x: isinstance(x, tuple)), jnp.int32(i)))
             return x_BSD
 
         x_BSD = vary_like(x_BSD, stacked)  # the carry's type must not change inside the scan
