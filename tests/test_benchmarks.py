@@ -115,6 +115,7 @@ def test_bench_and_plain_baseline_run_on_cpu(tmp_path):
     for r in (mtx, plain):
         assert r["tokens_per_s"] > 0 and np.isfinite(r["loss"]) and r["step_s_min"] <= r["step_s"]
         assert r["params"] == cfg.model.num_params() and r["recompute"] == "matmuls"
+    assert 0 < mtx["step_s_dispatched"]  # the same steps dispatched back to back, as train.py runs them
     assert mtx["mesh"] == {"data": 4, "pipeline": 1, "model": 2} and mtx["microbatches"] == 1
     # both start from N(0, 0.02) weights on random tokens: the loss is ~ln(V) after a few small steps
     assert abs(mtx["loss"] - plain["loss"]) < 0.5
