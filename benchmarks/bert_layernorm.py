@@ -16,7 +16,7 @@ vocabulary a toy model stays at the unigram loss in that time and the placement 
 At full size the runs are train.py runs on GPUs (docs/bert.md has the commands); --from-runs plots their run
 directories (config.json + metrics.jsonl), one panel per model and schedule, pre- against post-LN:
 
-  python benchmarks/bert_layernorm.py --from-runs runs/fig7/* --out docs   # -> OUT/bert_layernorm_gpu.json, .png
+  python benchmarks/bert_layernorm.py --from-runs runs/fig7/* --out docs [--overwrite]  # -> OUT/bert_layernorm_gpu.*
 """
 
 from __future__ import annotations
@@ -287,8 +287,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/bert_layernorm", help="folder for the JSON, the PNG and the runs")
     p.add_argument("--from-runs", nargs="+", metavar="RUN_DIR",
                    help="plot these train.py run directories (a pre- and a post-LN run of each model) instead")
+    p.add_argument("--overwrite", action="store_true", help="replace the JSON and PNG if --out holds them already")
     args = p.parse_args(argv)
     out = Path(args.out)
+    stem = "bert_layernorm_gpu" if args.from_runs else "bert_layernorm"
+    try:  # before any work: never write over a file unasked
+        from mtx.files import check_new_files
+
+        check_new_files([out / f"{stem}.json", out / f"{stem}.png"], "--out", overwrite=args.overwrite)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.from_runs:
         try:
             print(json.dumps(from_runs(args.from_runs, out), indent=1))
@@ -297,7 +306,7 @@ def main(argv=None) -> int:
             return 2
         print(f"wrote {out / 'bert_layernorm_gpu.json'} and {out / 'bert_layernorm_gpu.png'}")
         return 0
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "from_runs")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "from_runs", "overwrite")}
     baseline: dict = {}
     start = time.perf_counter()
     try:

@@ -92,3 +92,7 @@ def test_from_runs_pairs_the_placements_of_each_model(tmp_path):
     assert large["post"]["diverged_at"] == 2 and large["pre"]["diverged_at"] is None
     assert small["masked_unigram_loss"] is None  # no data here: no baseline
     assert (tmp_path / "out" / "bert_layernorm_gpu.png").stat().st_size > 1000
+    # the command line never writes over existing outputs unasked
+    dirs.append(str(tmp_path / "d"))
+    assert study.main(["--from-runs", *dirs, "--out", str(tmp_path / "out")]) == 2
+    assert study.main(["--from-runs", *dirs, "--out", str(tmp_path / "out"), "--overwrite"]) == 0
