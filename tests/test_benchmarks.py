@@ -18,7 +18,7 @@ from mtx.parallel.mesh import make_mesh
 from mtx.step import TrainStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import bench, plain_gpt, profile_summary  # noqa: E402
+from benchmarks import bench, compile_probe, plain_gpt, profile_summary  # noqa: E402
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"), hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -341,3 +341,14 @@ def test_gpu_checks_of_the_flash_kernel_pass_it_interpreted_and_catch_wrong_mask
     assert gpu_checks.main(shape) == 1
     failed = [json.loads(line)["failed"] for line in capsys.readouterr().out.splitlines()]
     assert failed[0] == [] and "out" in failed[1] and "out" in failed[2]
+
+
+def test_compile_probe_splits_the_start_of_a_step(tmp_path):
+    """Tracing + lowering and XLA's compile timed apart, the compile's own events summed (no Python frames), for a
+    BERT batch (a dict) too; a bad --top is one line and exit status 2."""
+    r = compile_probe.probe(TINY.replace(model_type="bert", num_layers=1, data_parallel_size=8,
+                                         tensor_model_parallel_size=1), tmp_path / "trace", top=5)
+    assert r["trace_lower_s"] > 0 and r["compile_s"] > 0 and r["custom_calls"] == {}
+    assert len(r["events"]) == 5 and not any(name.startswith("$") for name, _, _ in r["events"])
+    assert all(s > 0 and n >= 1 for _, s, n in r["events"])
+    assert compile_probe.main([str(tmp_path / "t2"), "--top", "0", "--config", "configs/tiny.toml"]) == 2

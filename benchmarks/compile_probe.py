@@ -1,0 +1,86 @@
+"""Where the training step's start goes: tracing + lowering, then XLA's compile, with the compile's host events
+(a JAX profiler trace of it) summed by name: XLA's passes (fusion, SPMD partitioning, scheduling), code generation.
+
+    python benchmarks/compile_probe.py OUT_DIR [--top 30] <train.py flags, e.g. --config configs/gpt_1.2b.toml>
+
+OUT_DIR receives the trace. Host events overlap across XLA's threads, so their sums can exceed the wall time; the
+named stages say which part of the compile is serial (HLO optimization) and which runs in parallel (LLVM IR emission
+and PTX -> CUBIN, many kernels at once). Nothing is executed: the state and batch are abstract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtx.devices import simulate_cpu_devices  # noqa: E402
+
+
+def probe(cfg, out: Path, top: int = 30) -> dict:
+    """-> {"trace_lower_s", "compile_s", "custom_calls": {target: count}, "events": [(name, seconds, count)]}."""
+    import jax
+
+    from benchmarks.bench import synthetic_batch
+    from mtx.parallel.mesh import make_mesh
+    from mtx.sharded_model import ShardedModel
+    from mtx.step import TrainStep
+
+    p = cfg.parallel
+    cfg.validate(len(jax.devices()))
+    mesh = make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
+    model = ShardedModel(cfg, mesh)
+    step = TrainStep(model)
+    batch = synthetic_batch(cfg)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=model.batch_sharding), batch)
+    start = time.perf_counter()
+    lowered = step._step.lower(step.abstract_state(), abstract)
+    traced = time.perf_counter()
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+        compiled = lowered.compile()
+    done = time.perf_counter()
+    targets = collections.Counter(line.split('custom_call_target="')[1].split('"')[0]
+                                  for line in compiled.as_text().splitlines() if 'custom_call_target="' in line)
+    trace = json.load(gzip.open(sorted(out.rglob("*perfetto_trace.json.gz"))[-1]))
+    total, count = collections.Counter(), collections.Counter()
+    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
+        if e.get("ph") == "X" and "dur" in e and not e["name"].startswith("$"):  # XLA's events, not Python frames
+            total[e["name"]] += e["dur"] / 1e6
+            count[e["name"]] += 1
+    return {"trace_lower_s": traced - start, "compile_s": done - traced, "custom_calls": dict(targets),
+            "events": [(name, s, count[name]) for name, s in total.most_common(top)]}
+
+
+def main(argv=None) -> int:
+    from mtx.cli import parse_config
+    from mtx.files import check_writable
+
+    simulate_cpu_devices()
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("out")
+    ap.add_argument("--top", type=int, default=30)
+    own, rest = ap.parse_known_args(argv)
+    try:
+        if own.top < 1:
+            raise ValueError(f"--top {own.top}: list at least 1 event.")
+        check_writable(own.out, "OUT_DIR")
+        cfg = parse_config(rest)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    r = probe(cfg, Path(own.out), own.top)
+    print(f"trace + lower {r['trace_lower_s']:.1f} s, compile {r['compile_s']:.1f} s; custom calls "
+          f"{r['custom_calls']}")
+    for name, s, n in r["events"]:
+        print(f"{s:9.2f} s  x{n:<6d} {name[:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
