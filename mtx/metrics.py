@@ -158,6 +158,18 @@ class _WandB:
         self._run.finish()
 
 
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started, from Linux's /proc (to about a second: the boot time is whole
+    seconds); None where that is not available."""
+    try:
+        started_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as fh:
+            boot = next(float(line.split()[1]) for line in fh if line.startswith("btime "))
+        return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def throughput(tokens: int, seconds: float, flops_per_token: float, num_devices: int) -> dict[str, float | None]:
     """tokens/s, model TFLOP/s per device and MFU (None without a known peak) of `tokens` processed in `seconds`."""
     tokens_per_s = tokens / seconds

@@ -28,7 +28,7 @@ from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable
-from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
+from mtx.metrics import MetricsLogger, Progress, check_trackers, seconds_since_process_start, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
 from mtx.sharded_model import ShardedModel
@@ -97,6 +97,7 @@ def prepare(cfg: Config) -> Plan:
 
 def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     """Trains as `cfg` says; a Config is first checked by `prepare`."""
+    entered = time.perf_counter()
     plan = cfg if isinstance(cfg, Plan) else prepare(cfg)
     cfg, dataset, run_dir = plan.cfg, plan.dataset, plan.run_dir
     t, p = cfg.training, cfg.parallel
@@ -129,7 +130,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 loader.close()
         else:
             state = train_step.init_state()
-        start = int(jax.device_get(state.step))
+        start = int(jax.device_get(jax.block_until_ready(state).step))
+        startup = _Startup(entered, state_ready=time.perf_counter())
         if main:
             _print_banner(cfg, mesh, model, start)
 
@@ -156,6 +158,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 if step == start:  # the first step compiles: time the interval from its end
                     jax.block_until_ready(metrics)
                     interval_start, _ = time.perf_counter(), batch_times.take()
+                    if main:
+                        console.write(startup.first_step_done(interval_start))
                 else:
                     interval_steps += 1
                 final = step + 1 == t.train_iters
@@ -165,7 +169,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                     elapsed = time.perf_counter() - interval_start
                     result.losses.update((s, float(m["loss"])) for s, m in fetched)
                     record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
-                                     batch_times.take())
+                                     batch_times.take()) | startup.take()
                     console.update(logger.log(record), len(fetched))
                     pending, interval_steps = [], 0
                 if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
@@ -328,6 +332,37 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
         chunks = f" x {sch.virtual} virtual stages" if sch.virtual > 1 else ""
         print(f"mtx: pipeline schedule {sch.kind}: {sch.stages} stages{chunks}, layers {list(sch.counts)}, "
               f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble (p-1)/(v m+p-1) = {sch.bubble:.1%}")
+
+
+class _Startup:
+    """Where the time to the first step went, as Megatron's "time to initialize" and setup timers: the process's
+    start up to train() (Python, imports, flag parsing), train() up to a ready state (checks, data, model, the
+    state initialized or loaded), and the first step (tracing it, compiling it or loading it from the compilation
+    cache, running it). Printed when the first step is done; its seconds go into the first metrics record."""
+
+    def __init__(self, entered: float, state_ready: float):
+        since_start = seconds_since_process_start()
+        now = time.perf_counter()
+        self.process_start = None if since_start is None else now - since_start  # on the perf_counter clock
+        self.entered, self.state_ready, self.fields = entered, state_ready, {}
+
+    def first_step_done(self, now: float) -> str:
+        self.fields = {"startup_state_s": self.state_ready - self.entered,
+                       "startup_first_step_s": now - self.state_ready}
+        if self.process_start is not None:
+            self.fields = {"startup_s": now - self.process_start,
+                           "startup_to_train_s": max(self.entered - self.process_start, 0.0), **self.fields}
+        f = self.fields
+        total = f"{f['startup_s']:.1f} s after the process started" if "startup_s" in f else "done"
+        before = f"{f['startup_to_train_s']:.1f} s to train(), " if "startup_to_train_s" in f else ""
+        return (f"mtx: first step {total} ({before}{f['startup_state_s']:.1f} s to the initialized or loaded state, "
+                f"{f['startup_first_step_s']:.1f} s for the first step: tracing, compiling or loading it from the "
+                "compilation cache, running it)")
+
+    def take(self) -> dict:
+        """The startup fields once (for the first record written after the first step), then nothing."""
+        fields, self.fields = self.fields, {}
+        return fields
 
 
 def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float, devices: int,

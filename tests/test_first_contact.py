@@ -155,6 +155,12 @@ def test_train_prints_the_run_directory_at_start_and_end(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) > 2 and lines[0] == lines[-1] == f"mtx: run directory {run}/ (config.json, metrics.jsonl)"
     assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl"]
+    # Where the time to the first step went: printed, and in the first record (its parts add up to the whole)
+    assert any(line.startswith("mtx: first step ") and "s after the process started" in line for line in lines)
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    parts = [first[k] for k in ("startup_to_train_s", "startup_state_s", "startup_first_step_s")]
+    assert all(x >= 0 for x in parts) and first["startup_first_step_s"] > 0
+    assert first["startup_s"] == pytest.approx(sum(parts), abs=1e-6)
 
 
 def test_the_run_directory_line_names_the_tracker_directories():
