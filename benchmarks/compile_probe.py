@@ -71,6 +71,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--top {own.top}: list at least 1 event.")
         check_writable(own.out, "OUT_DIR")
         cfg = parse_config(rest)
+        import jax
+
+        cfg.validate(len(jax.devices()))  # the mesh against the devices there are, before any work
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -352,3 +352,4 @@ def test_compile_probe_splits_the_start_of_a_step(tmp_path):
     assert len(r["events"]) == 5 and not any(name.startswith("$") for name, _, _ in r["events"])
     assert all(s > 0 and n >= 1 for _, s, n in r["events"])
     assert compile_probe.main([str(tmp_path / "t2"), "--top", "0", "--config", "configs/tiny.toml"]) == 2
+    assert compile_probe.main([str(tmp_path / "t2"), "--config", "configs/tiny.toml", "--global-batch-size", "3"]) == 2
