@@ -11,6 +11,7 @@ import pytest
 from mtx import audit, convert, plot
 from mtx.cli import parse_config, unknown_flags_message
 from mtx.files import run_files
+from mtx.metrics import seconds_since_process_start
 from mtx.data import preprocess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,6 +162,7 @@ def test_train_prints_the_run_directory_at_start_and_end(tmp_path, capsys):
     parts = [first[k] for k in ("startup_to_train_s", "startup_state_s", "startup_first_step_s")]
     assert all(x >= 0 for x in parts) and first["startup_first_step_s"] > 0
     assert first["startup_s"] == pytest.approx(sum(parts), abs=1e-6)
+    assert first["startup_s"] <= seconds_since_process_start() + 1  # this process's age, to /proc's second
 
 
 def test_the_run_directory_line_names_the_tracker_directories():

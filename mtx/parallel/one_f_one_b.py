@@ -90,8 +90,9 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         return model, batch_B, y_BSD
 
     # The chunk's forward and its pullback are each one jitted function that the K forward and K backward branches
-    # call: traced and lowered once instead of once a branch (V 4 uneven on CPU: HLO 65.5k -> 26.8k instructions
-    # before XLA inlines the calls into each branch, where every slot's buffers still feed their consumers in place).
+    # call: traced and lowered once instead of once a branch (V 4 uneven: 65.5k -> 26.8k HLO instructions before
+    # XLA inlines the calls into each branch; the compiled interleaved step has the same instructions of every kind
+    # as with a trace a branch, checked on CPU).
     @jax.jit
     def chunk_vjp(params, x_BSD, mb, chunk):
         forward = jax.checkpoint(lambda p, x: chunk_forward(p, x, mb, chunk)[2], policy=keep_policy(x_BSD))
