@@ -188,12 +188,8 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     forward_slot(zeros_BSD, f_mb0, f_chunk0)  # records the residuals' shapes and types
     ring = tuple((zeros_BSD, *residuals.zeros()) for _ in range(k_slots))
     grads = jax.tree.map(accumulator, params)  # fp32: the distributed optimizer's stack comes in the compute dtype
-    # The input gradient a backward slot sends is read only by the next tick's backward slot, after its forward slot
-    # and head: deferred, its shift (and any wait for the device sending it) can overlap them. The forward slot's
-    # output is read first thing next tick; it ships at this tick's end (issued once the forward slot is done, so it
-    # overlaps this tick's head and backward slot).
     (_, grads, loss), _ = lockstep(tick, (zeros_BSD, zeros_BSD), (ring, grads, _typed(jnp.zeros((), jnp.float32))),
-                                   schedule.ticks, (NEXT, PREVIOUS), deferred=(False, True))
+                                   schedule.ticks, (NEXT, PREVIOUS))
     return loss, grads
 
 

@@ -199,30 +199,19 @@ class SlotExchange:
 NEXT, PREVIOUS = 1, -1  # directions along the pipeline ring
 
 
-def lockstep(work, received, carry, ticks: int, directions, deferred=None):
+def lockstep(work, received, carry, ticks: int, directions):
     """The pipeline's tick loop, shared by every schedule (GPipe, 1F1B, interleaved), evaluation and decoding: a
     `lax.scan` over `ticks` ticks; at tick t every device runs work(t, received, carry) -> (sent, carry, out), then
     each of `sent` moves one device along the ring in its direction (NEXT: stage s -> s + 1, the last stage to the
     first; PREVIOUS: s -> s - 1) by a `ppermute` and arrives as the next tick's `received`.
 
-    A value marked in `deferred` is shifted at the start of the next tick instead of the end of its own: it arrives
-    in the same tick, but its transfer, and any wait for the device sending it, can overlap the next tick's work up
-    to where that work first reads it (1F1B's input gradients, read only by the next tick's backward slot).
-
-    `received` (what arrives before tick 0) types the shifted values; a deferred one is shifted once more at tick 0
-    (zeros stay zeros). Returns (final carry, the ticks' outs)."""
+    `received` (what arrives before tick 0) types the shifted values; returns (final carry, the ticks' outs)."""
     p = jax.lax.axis_size(PIPELINE)
     pairs = {d: [(i, (i + d) % p) for i in range(p)] for d in set(directions)}
-    deferred = tuple(deferred or (False,) * len(directions))
-
-    def shift(values, which):  # the values marked in `which` one device along the ring, the others as they are
-        return tuple(jax.lax.ppermute(x, PIPELINE, pairs[d]) if move else x
-                     for x, d, move in zip(values, directions, which))
 
     def tick(state, t):
-        pending, carry = state
-        sent, carry, out = work(t, shift(pending, deferred), carry)  # the deferred values shift at the tick's start
-        return (shift(sent, [not late for late in deferred]), carry), out  # the others at its end
+        sent, carry, out = work(t, *state)
+        return (tuple(jax.lax.ppermute(x, PIPELINE, pairs[d]) for x, d in zip(sent, directions)), carry), out
 
     (_, carry), outs = jax.lax.scan(tick, (tuple(received), carry), jnp.arange(ticks))
     return carry, outs
