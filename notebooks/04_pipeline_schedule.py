@@ -166,8 +166,8 @@ for sched in (one_f_one_b, interleaved):
     for s in range(P_):
         assert sorted(zip(table["fwd_mb"][:, s], table["fwd_chunk"][:, s]))[-m * v:] == sorted(
             (i, c) for i in range(m) for c in range(v))
-    # at most 2 P V - 1 stage inputs in flight on any device, whatever M
-    assert sched.in_flight == 2 * P_ * v - 1
+    # at most 2 P V - 1 stage inputs in flight on any device, whatever M (the ring: each chunk's most at once)
+    assert sched.in_flight <= 2 * P_ * v - 1
 assert interleaved.bubble < one_f_one_b.bubble  # V = 2 halves the idle ticks' share
 print(f"bubble: GPipe/1F1B {one_f_one_b.bubble:.1%}, interleaved V=2 {interleaved.bubble:.1%} at M = {M_ + 2}")
 

@@ -28,20 +28,28 @@ heads run on the last stage, and so does GPT's when P does not divide a model ra
 of 128 rows, so only for P not a power of two).
 
 Memory: a (microbatch, chunk) is in flight on device s from the tick of its forward to the tick of its backward, 2
-(P V - 1 - s - P c) ticks later, so at most K = 2 P V - 1 are alive per device (both end ticks count: a tick runs
-its forward before its backward), whatever M. The forward slot runs the chunk
-under `jax.vjp` and keeps, in slot t mod K of a ring, its input and what `--recompute-granularity` keeps of it
-(everything without recomputation, the matmul outputs with `matmuls`, each layer's input with `full`:
-`_keep_policy`); the backward slot pulls back through those residuals, recomputing only what the policy dropped, as
-the unpipelined step does. Values computed from the parameters alone (the layers' slices of the stack, their bf16
-casts) are recomputed rather than kept per microbatch. The ring is K separate sets of buffers and each slot has its
-own branch in the forward and backward `switch`es, so no slot is indexed dynamically: a dynamic index into one
-stacked ring copied every kept value in and out (a cuBLAS or cuDNN operand cannot be a dynamic slice), ~58 ms a step
-for the 1.2B model on 2 GPUs with V 2 (docs/benchmarks.md 4d). The embedding runs in virtual stage 0's forward, per
-microbatch as it enters.
+(P V - 1 - s - P c) ticks later (both end ticks count: a tick runs its forward before its backward), so at most 2 P V
+- 1 are alive per device, whatever M. The forward slot runs the chunk under `jax.vjp` and keeps, in a slot of a ring,
+its input and what `--recompute-granularity` keeps of it (everything without recomputation, the matmul outputs with
+`matmuls`, each layer's input with `full`: `_keep_policy`); the backward slot pulls back through those residuals,
+recomputing only what the policy dropped, as the unpipelined step does. Values computed from the parameters alone
+(the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch.
+
+The ring is separate sets of buffers, each slot with its own branch in the forward and backward `switch`es, so no
+slot is indexed dynamically: a dynamic index into one stacked ring copied every kept value in and out (a cuBLAS or
+cuDNN operand cannot be a dynamic slice), ~58 ms a step for the 1.2B model on 2 GPUs with V 2 (docs/benchmarks.md
+4d). Its slots are grouped by chunk (Schedule.ring: chunk c gets as many as the most of its pairs alive at once), so
+each branch runs one chunk and takes that chunk's layers from the stack, and adds their gradients back, at a static
+offset: with one ring for all chunks the chunk index was dynamic, and each forward and backward slot sliced the
+chunk's weights out of the stack and updated its gradients through it (on the 2.5B model with V 3, ~55 ms a device
+and step of such slices and updates that one GPU does not do, docs/benchmarks.md 4i). Grouped, the ring also holds
+fewer slots (V 3 on P 2: 9 instead of 11), and fewer than 2 P - 1 when M is smaller. The embedding runs in virtual
+stage 0's forward, per microbatch as it enters.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,22 +73,25 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     stage = jax.lax.axis_index(PIPELINE)
     last_stage = p * v - 1
     table = {name: jnp.asarray(a) for name, a in schedule.timetable().items()}
-    k_slots = schedule.in_flight
+    chunk_of_slot, fwd_slot, bwd_slot = schedule.ring()
+    table["fwd_slot"], table["bwd_slot"] = jnp.asarray(fwd_slot), jnp.asarray(bwd_slot)
     dropout = keys_MB is not None
-    residuals = _Residuals()
+    residuals = [_Residuals() for _ in range(v)]  # each chunk's pullback structure (its layers' offset is static)
     keep_policy = _keep_policy(recompute, seq_length)
     spread = _head_spreads(objective, graphdef, params, p)
 
     def microbatch(mb):
         return jax.tree.map(lambda a: a[mb], batch_M), (keys_MB[mb] if dropout else None)
 
-    def chunk_forward(params, x_BSD, mb, chunk):
+    def chunk_forward(params, x_BSD, mb, chunk: int):
         """The forward of virtual stage chunk P + stage on microbatch mb: embedding first if it is stage 0."""
         model = nnx.merge(graphdef, params)
         batch_B, keys_B = microbatch(mb)
         first_layer, real_layers = schedule.local_layers(chunk)
         layers_def, layers_state = nnx.split(model.layers)
-        layers_state = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, chunk * slots, slots), layers_state)
+        # A static slice: its transpose adds the chunk's gradients in place, no dynamic index into the stack.
+        layers_state = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, chunk * slots, (chunk + 1) * slots),
+                                    layers_state)
         # Only virtual stage 0 embeds (a cond, so the other stages run no lookup and no all-reduce over "model").
         x_BSD = jax.lax.cond(chunk * p + stage == 0,
                              lambda: vary(objective.embed(model, batch_B, keys_B), varying_axes(x_BSD)),
@@ -89,31 +100,31 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
                             keys_B=keys_B, first_layer=first_layer, real_layers=real_layers)
         return model, batch_B, y_BSD
 
-    # The chunk's forward and its pullback are each one jitted function that the K forward and K backward branches
-    # call: traced and lowered once instead of once a branch (V 4 uneven: 65.5k -> 26.8k HLO instructions before
-    # XLA inlines the calls into each branch; the compiled interleaved step has the same instructions of every kind
-    # as with a trace a branch, checked on CPU).
-    @jax.jit
+    # Each chunk's forward and its pullback are one jitted function that its ring slots' forward and backward
+    # branches call: traced and lowered once a chunk instead of once a branch (V 4 uneven: 65.5k -> 26.8k HLO
+    # instructions before XLA inlines the calls into each branch; the compiled interleaved step has the same
+    # instructions of every kind as with a trace a branch, checked on CPU).
+    @functools.partial(jax.jit, static_argnames="chunk")
     def chunk_vjp(params, x_BSD, mb, chunk):
         forward = jax.checkpoint(lambda p, x: chunk_forward(p, x, mb, chunk)[2], policy=keep_policy(x_BSD))
         y_BSD, pullback = jax.vjp(forward, params, x_BSD)
-        return y_BSD, residuals.split(pullback, params, x_BSD)
+        return y_BSD, residuals[chunk].split(pullback, params, x_BSD)
 
-    @jax.jit
-    def chunk_pullback(kept, params, x_BSD, dy_BSD):
-        return residuals.join(kept, params, x_BSD)(dy_BSD)
+    @functools.partial(jax.jit, static_argnames="chunk")
+    def chunk_pullback(kept, params, x_BSD, dy_BSD, chunk):
+        return residuals[chunk].join(kept, params, x_BSD)(dy_BSD)
 
-    def forward_slot(x_BSD, mb, chunk):
+    def forward_slot(x_BSD, mb, chunk: int):
         """The chunk's forward under `jax.vjp` -> (output, the residuals to keep for its backward): what the keep
         policy saves, less the parameters and the stage input (at hand in the backward anyway; `_Residuals`)."""
-        return chunk_vjp(params, x_BSD, mb, chunk)
+        return chunk_vjp(params, x_BSD, mb, chunk=chunk)
 
     def stored_backward(slot):
-        """Pulls dy back through a chunk whose forward kept its input and residuals in ring slot `slot` (a static
+        """Pulls dy back through the chunk whose forward kept its input and residuals in ring slot `slot` (a static
         index: one branch per slot, so the slot's buffers feed their consumers in place)."""
         def run(grads, ring, dy_BSD):
             x_BSD, *kept = ring[slot]
-            d_params, dx_BSD = chunk_pullback(kept, params, x_BSD, dy_BSD)
+            d_params, dx_BSD = chunk_pullback(kept, params, x_BSD, dy_BSD, chunk=chunk_of_slot[slot])
             return jax.tree.map(jnp.add, grads, d_params), dx_BSD.astype(dy_BSD.dtype)
 
         return run
@@ -122,15 +133,16 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         return grads, jnp.zeros_like(dy_BSD)
 
     def forward_into(slot):
-        """The forward slot, its input and residuals becoming ring slot `slot` (static: one branch per slot, so the
-        new residuals are written where they are computed, not copied into a dynamically indexed ring)."""
-        def run(x_BSD, ring, mb, chunk):
-            y_BSD, new_kept = forward_slot(x_BSD, mb, chunk)
+        """The forward slot of the chunk whose inputs ring slot `slot` holds, its input and residuals becoming that
+        slot (static: one branch per slot, so the new residuals are written where they are computed, not copied
+        into a dynamically indexed ring)."""
+        def run(x_BSD, ring, mb):
+            y_BSD, new_kept = forward_slot(x_BSD, mb, chunk_of_slot[slot])
             return y_BSD, ring[:slot] + ((x_BSD, *new_kept),) + ring[slot + 1:]
 
         return run
 
-    def idle_forward(x_BSD, ring, mb, chunk):
+    def idle_forward(x_BSD, ring, mb):
         return jnp.zeros_like(x_BSD), ring
 
     def head(grads, y_BSD, mb):
@@ -161,32 +173,31 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
 
     def tick(t, received, carry):
         (recv_fwd, recv_bwd), (ring, grads, loss_sum) = received, carry
-        f_mb, f_chunk = table["fwd_mb"][t, stage], table["fwd_chunk"][t, stage]
-        b_mb, b_chunk = table["bwd_mb"][t, stage], table["bwd_chunk"][t, stage]
-        # Forward slot: keep the input and the residuals in ring slot t mod K (what it held finished its backward).
-        y_BSD, ring = jax.lax.switch(
-            jnp.where(f_mb >= 0, 1 + t % k_slots, 0), (idle_forward, *map(forward_into, range(k_slots))),
-            recv_fwd, ring, jnp.maximum(f_mb, 0), jnp.maximum(f_chunk, 0))
+        f_mb, b_chunk = table["fwd_mb"][t, stage], table["bwd_chunk"][t, stage]
+        slots_of_ring = range(len(chunk_of_slot))
+        # Forward slot: keep the input and the residuals in the ring slot Schedule.ring gives (one of the chunk's,
+        # whose last (microbatch, chunk) finished its backward).
+        y_BSD, ring = jax.lax.switch(table["fwd_slot"][t, stage] + 1, (idle_forward, *map(forward_into, slots_of_ring)),
+                                     recv_fwd, ring, jnp.maximum(f_mb, 0))
         # The head, at the ticks where the last virtual stage ran a forward (the same ticks on every device).
         head_mb = table["fwd_mb"][t, p - 1]
         grads, loss, dy_head = jax.lax.cond((head_mb >= 0) & (table["fwd_chunk"][t, p - 1] == v - 1), head, no_head,
                                             grads, y_BSD, jnp.maximum(head_mb, 0))
-        # Backward slot: the input and residuals this (microbatch, chunk) kept at its forward (the timetable says
-        # which tick: this one for the last virtual stage, whose dy is the head's).
-        at = table["bwd_saved_at"][t, stage] % k_slots
+        # Backward slot: the input and residuals this (microbatch, chunk) kept at its forward (this tick's for the
+        # last virtual stage, whose dy is the head's).
         dy_BSD = jnp.where(b_chunk * p + stage == last_stage, dy_head, recv_bwd)
-        grads, dx_BSD = jax.lax.switch(jnp.where(b_mb < 0, 0, 1 + at),
-                                       (idle_backward, *map(stored_backward, range(k_slots))), grads, ring, dy_BSD)
+        grads, dx_BSD = jax.lax.switch(table["bwd_slot"][t, stage] + 1,
+                                       (idle_backward, *map(stored_backward, slots_of_ring)), grads, ring, dy_BSD)
         return (y_BSD, dx_BSD), (ring, grads, loss_sum + loss), None  # activations on (P - 1 -> 0: next chunk)
 
     # The carried activations and the kept residuals are typed like a chunk's (they vary wherever the layers do):
-    # one forward traced on the first embedding types the carry, a second on the carry types the ring, as in the
-    # scan (XLA drops both; their values are never used).
-    f_mb0, f_chunk0 = jnp.maximum(table["fwd_mb"][0, stage], 0), jnp.maximum(table["fwd_chunk"][0, stage], 0)
-    zeros_BSD = jnp.zeros_like(forward_slot(_first_embedding(graphdef, params, objective, microbatch), f_mb0,
-                                            f_chunk0)[0])
-    forward_slot(zeros_BSD, f_mb0, f_chunk0)  # records the residuals' shapes and types
-    ring = tuple((zeros_BSD, *residuals.zeros()) for _ in range(k_slots))
+    # one forward traced on the first embedding types the carry, one a chunk on the carry types its ring slots, as
+    # in the scan (XLA drops them; their values are never used).
+    f_mb0 = jnp.maximum(table["fwd_mb"][0, stage], 0)
+    zeros_BSD = jnp.zeros_like(forward_slot(_first_embedding(graphdef, params, objective, microbatch), f_mb0, 0)[0])
+    for chunk in range(v):
+        forward_slot(zeros_BSD, f_mb0, chunk)  # records the chunk's residuals' shapes and types
+    ring = tuple((zeros_BSD, *residuals[chunk].zeros()) for chunk in chunk_of_slot)
     grads = jax.tree.map(accumulator, params)  # fp32: the distributed optimizer's stack comes in the compute dtype
     (_, grads, loss), _ = lockstep(tick, (zeros_BSD, zeros_BSD), (ring, grads, _typed(jnp.zeros((), jnp.float32))),
                                    schedule.ticks, (NEXT, PREVIOUS))

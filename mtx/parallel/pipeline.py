@@ -77,9 +77,37 @@ class Schedule:
 
     @property
     def in_flight(self) -> int:
-        """1F1B's K: the most (microbatch, chunk) stage inputs a device keeps between forward and backward, the tick
-        of each included (a tick runs its forward, then the head, then its backward)."""
-        return 2 * self.stages * self.virtual - 1
+        """1F1B's ring size: the (microbatch, chunk) stage inputs a device keeps between forward and backward, the
+        tick of each included (a tick runs its forward, then the head, then its backward); the sum over chunks of the
+        most of each chunk alive at once (at most 2 P V - 1, whatever M)."""
+        return len(self.ring()[0])
+
+    def ring(self) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+        """1F1B's ring slots, grouped by chunk so that each slot holds one chunk's stage inputs only (its forward and
+        backward branches then slice that chunk's layers at a static offset) -> (chunk of each slot, (T, P) slot
+        each forward writes, (T, P) slot each backward reads; -1 where idle). Chunk c gets as many slots as the most
+        of its (microbatch, chunk) pairs alive at once on any device; a device hands them out round-robin in the
+        order of their forwards, which never reuses a slot before its backward (pairs of one chunk on one device all
+        live the same number of ticks)."""
+        p, v, m = self.stages, self.virtual, self.microbatches
+        table = self.timetable()
+        lives = {}  # (device, chunk) -> [(forward tick, backward tick)] in forward order
+        for t_b, s in zip(*np.nonzero(table["bwd_mb"] >= 0)):
+            t_f = int(table["bwd_saved_at"][t_b, s])
+            lives.setdefault((int(s), int(table["fwd_chunk"][t_f, s])), []).append((t_f, int(t_b)))
+        lives = {key: sorted(spans) for key, spans in lives.items()}
+        width = [max((sum(f <= t <= b for f, b in lives.get((s, c), [])) for s in range(p) for t in range(self.ticks)),
+                     default=0) for c in range(v)]
+        offsets = np.concatenate([[0], np.cumsum(width)[:-1]]).astype(int)
+        fwd_slot, bwd_slot = np.full((self.ticks, p), -1, np.int32), np.full((self.ticks, p), -1, np.int32)
+        for (s, c), spans in lives.items():
+            freed = {}  # slot -> the tick of its last backward so far
+            for n, (f, b) in enumerate(spans):
+                slot = offsets[c] + n % width[c]
+                assert freed.get(slot, -1) < f, "a ring slot reused before its backward"
+                fwd_slot[f, s], bwd_slot[b, s], freed[slot] = slot, slot, b
+        assert m == 0 or all(width), "every chunk runs"
+        return tuple(c for c in range(v) for _ in range(width[c])), fwd_slot, bwd_slot
 
     def timetable(self) -> dict[str, np.ndarray]:
         """1F1B: (T, P) tables of what each device does at each tick, fwd_mb, fwd_chunk, bwd_mb, bwd_chunk (-1 where
