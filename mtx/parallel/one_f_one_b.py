@@ -101,9 +101,9 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         return model, batch_B, y_BSD
 
     # Each chunk's forward and its pullback are one jitted function that its ring slots' forward and backward
-    # branches call: traced and lowered once a chunk instead of once a branch (V 4 uneven: 65.5k -> 26.8k HLO
-    # instructions before XLA inlines the calls into each branch; the compiled interleaved step has the same
-    # instructions of every kind as with a trace a branch, checked on CPU).
+    # branches call: traced and lowered once a chunk instead of once a branch (one trace for all chunks, with the
+    # chunk a dynamic index, took V 4 uneven from 65.5k to 26.8k HLO instructions before XLA inlines the calls into
+    # each branch, where they become the same program as a trace a branch).
     @functools.partial(jax.jit, static_argnames="chunk")
     def chunk_vjp(params, x_BSD, mb, chunk):
         forward = jax.checkpoint(lambda p, x: chunk_forward(p, x, mb, chunk)[2], policy=keep_policy(x_BSD))
