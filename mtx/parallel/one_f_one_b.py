@@ -124,8 +124,9 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         index: one branch per slot, so the slot's buffers feed their consumers in place)."""
         def run(grads, ring, dy_BSD):
             x_BSD, *kept = ring[slot]
-            d_params, dx_BSD = chunk_pullback(kept, params, x_BSD, dy_BSD, chunk=chunk_of_slot[slot])
-            return jax.tree.map(jnp.add, grads, d_params), dx_BSD.astype(dy_BSD.dtype)
+            chunk = chunk_of_slot[slot]
+            d_params, dx_BSD = chunk_pullback(kept, params, x_BSD, dy_BSD, chunk=chunk)
+            return _add_chunk(grads, d_params, chunk * slots, slots), dx_BSD.astype(dy_BSD.dtype)
 
         return run
 
@@ -235,6 +236,19 @@ class _Residuals:
     def zeros(self) -> list:
         """Zeros like the kept residuals."""
         return [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in self.avals]
+
+
+def _add_chunk(grads, d_params, start: int, size: int):
+    """grads + the gradients of one chunk's backward, whose layer stack is zero outside the chunk's rows start ..
+    start + size (the transpose of the chunk's static slice pads it): only those rows are added, in place, instead
+    of reading and writing the device's whole stack each backward slot."""
+    def add(path, g, d):
+        if getattr(path[0], "key", None) != "layers":
+            return g + d
+        rows = jax.lax.slice_in_dim(g, start, start + size) + jax.lax.slice_in_dim(d, start, start + size)
+        return jax.lax.dynamic_update_slice_in_dim(g, rows.astype(g.dtype), start, axis=0)
+
+    return jax.tree_util.tree_map_with_path(add, grads, d_params)
 
 
 def _keep_policy(recompute, seq_length):
