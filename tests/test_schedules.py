@@ -187,3 +187,43 @@ def test_lockstep_shifts_each_value_one_device_along_the_ring_per_tick():
     for s in range(p):
         for t in range(ticks):  # after t shifts, stage s holds the index of stage s - t (NEXT) and s + t (PREVIOUS)
             assert outs[s, t].tolist() == [(s - t) % p, (s + t) % p]
+
+
+def test_the_tick_loop_adds_only_a_chunks_rows_of_the_layer_gradients():
+    """A backward slot's layer gradients are zero outside its chunk's rows of the device's stack (the transpose of the
+    chunk's static slice pads them), the head's zero throughout: the tick loop adds a chunk's rows in place and never
+    a whole stack-shaped gradient to the accumulator (which would read and write every row each time)."""
+    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
+                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2).validate(8)
+    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    ticks = _scan_body(jax.make_jaxpr(step._train_step)(step.abstract_state(), tokens).jaxpr, step.model.pipeline.ticks)
+    eqns = _eqns(ticks)
+    padded = {tuple(e.outvars[0].aval.shape) for e in eqns
+              if e.primitive.name == "pad" and e.params["padding_config"][0][:2] != (0, 0)}
+    assert padded  # the chunks' slices are transposed (the stack has 2 chunks a device)
+    assert not [e for e in eqns if e.primitive.name == "add" and tuple(e.outvars[0].aval.shape) in padded]
+
+
+def _scan_body(jaxpr, length: int):
+    """The body of the scan of `length` steps in a traced jaxpr, looked for through nested jaxprs (jit, shard_map)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
+            return eqn.params["jaxpr"].jaxpr
+        for sub in (getattr(value, "jaxpr", value) for value in eqn.params.values()):  # closed or open jaxprs
+            if hasattr(sub, "eqns") and (found := _scan_body(sub, length)) is not None:
+                return found
+    return None
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (branches, calls)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    out += _eqns(sub)
+    return out

@@ -126,7 +126,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
             x_BSD, *kept = ring[slot]
             chunk = chunk_of_slot[slot]
             d_params, dx_BSD = chunk_pullback(kept, params, x_BSD, dy_BSD, chunk=chunk)
-            return _add_chunk(grads, d_params, chunk * slots, slots), dx_BSD.astype(dy_BSD.dtype)
+            return _add_grads(grads, d_params, rows=(chunk * slots, slots)), dx_BSD.astype(dy_BSD.dtype)
 
         return run
 
@@ -160,7 +160,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         def run(grads, y_BSD):
             loss, pullback = jax.vjp(loss_of, params, y_BSD)
             d_params, dy_BSD = pullback(jnp.full_like(loss, scale))
-            return jax.tree.map(jnp.add, grads, d_params), _typed(loss * scale), vary(dy_BSD, varying_axes(y_BSD))
+            return _add_grads(grads, d_params, rows=None), _typed(loss * scale), vary(dy_BSD, varying_axes(y_BSD))
 
         if spread:  # y to every stage; the gradients wrt it come back summed over them (vjp of the cast)
             grads, loss, dy_BSD = run(grads, last_stage_to_all(y_BSD))
@@ -238,15 +238,19 @@ class _Residuals:
         return [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in self.avals]
 
 
-def _add_chunk(grads, d_params, start: int, size: int):
-    """grads + the gradients of one chunk's backward, whose layer stack is zero outside the chunk's rows start ..
-    start + size (the transpose of the chunk's static slice pads it): only those rows are added, in place, instead
-    of reading and writing the device's whole stack each backward slot."""
+def _add_grads(grads, d_params, rows: tuple[int, int] | None):
+    """grads + the gradients of one tick's head or one chunk's backward, adding only the layer stack's `rows` (start,
+    count): a chunk's layer gradients are zero outside its rows (the transpose of the chunk's static slice pads
+    them), the head's are zero throughout (rows None). Those rows are added in place, instead of reading and
+    writing the device's whole stack each time."""
     def add(path, g, d):
         if getattr(path[0], "key", None) != "layers":
             return g + d
-        rows = jax.lax.slice_in_dim(g, start, start + size) + jax.lax.slice_in_dim(d, start, start + size)
-        return jax.lax.dynamic_update_slice_in_dim(g, rows.astype(g.dtype), start, axis=0)
+        if rows is None:
+            return g
+        start, size = rows
+        new = jax.lax.slice_in_dim(g, start, start + size) + jax.lax.slice_in_dim(d, start, start + size)
+        return jax.lax.dynamic_update_slice_in_dim(g, new.astype(g.dtype), start, axis=0)
 
     return jax.tree_util.tree_map_with_path(add, grads, d_params)
 
