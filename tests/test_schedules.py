@@ -206,14 +206,9 @@ def test_the_tick_loop_adds_only_a_chunks_rows_of_the_layer_gradients():
 
 
 def _scan_body(jaxpr, length: int):
-    """The body of the scan of `length` steps in a traced jaxpr, looked for through nested jaxprs (jit, shard_map)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and eqn.params["length"] == length:
-            return eqn.params["jaxpr"].jaxpr
-        for sub in (getattr(value, "jaxpr", value) for value in eqn.params.values()):  # closed or open jaxprs
-            if hasattr(sub, "eqns") and (found := _scan_body(sub, length)) is not None:
-                return found
-    return None
+    """The body of the scan of `length` steps in a traced jaxpr (looked for inside jit, shard_map, branches)."""
+    return next(e.params["jaxpr"].jaxpr for e in _eqns(jaxpr)
+                if e.primitive.name == "scan" and e.params["length"] == length)
 
 
 def _eqns(jaxpr):

@@ -74,6 +74,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     last_stage = p * v - 1
     table = {name: jnp.asarray(a) for name, a in schedule.timetable().items()}
     chunk_of_slot, fwd_slot, bwd_slot = schedule.ring()
+    slots_of_ring = range(len(chunk_of_slot))
     table["fwd_slot"], table["bwd_slot"] = jnp.asarray(fwd_slot), jnp.asarray(bwd_slot)
     dropout = keys_MB is not None
     residuals = [_Residuals() for _ in range(v)]  # each chunk's pullback structure (its layers' offset is static)
@@ -175,7 +176,6 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     def tick(t, received, carry):
         (recv_fwd, recv_bwd), (ring, grads, loss_sum) = received, carry
         f_mb, b_chunk = table["fwd_mb"][t, stage], table["bwd_chunk"][t, stage]
-        slots_of_ring = range(len(chunk_of_slot))
         # Forward slot: keep the input and the residuals in the ring slot Schedule.ring gives (one of the chunk's,
         # whose last (microbatch, chunk) finished its backward).
         y_BSD, ring = jax.lax.switch(table["fwd_slot"][t, stage] + 1, (idle_forward, *map(forward_into, slots_of_ring)),
