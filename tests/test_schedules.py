@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from jax.extend.core import Literal
 
 from mtx.config import Config, load_preset
 from mtx.parallel import make_mesh
@@ -192,7 +193,9 @@ def test_lockstep_shifts_each_value_one_device_along_the_ring_per_tick():
 def test_the_tick_loop_adds_only_a_chunks_rows_of_the_layer_gradients():
     """A backward slot's layer gradients are zero outside its chunk's rows of the device's stack (the transpose of the
     chunk's static slice pads them), the head's zero throughout: the tick loop adds a chunk's rows in place and never
-    a whole stack-shaped gradient to the accumulator (which would read and write every row each time)."""
+    a whole stack-shaped gradient to the accumulator (which would read and write every row each time), reading and
+    writing those rows at one traced index (XLA's GPU backend rewrites the whole stack for a static slice and update
+    at constants)."""
     cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
                        micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2).validate(8)
     step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
@@ -203,6 +206,12 @@ def test_the_tick_loop_adds_only_a_chunks_rows_of_the_layer_gradients():
               if e.primitive.name == "pad" and e.params["padding_config"][0][:2] != (0, 0)}
     assert padded  # the chunks' slices are transposed (the stack has 2 chunks a device)
     assert not [e for e in eqns if e.primitive.name == "add" and tuple(e.outvars[0].aval.shape) in padded]
+    # The rows' index along the stack: dynamic_slice(stack, i, ...), dynamic_update_slice(stack, rows, i, ...).
+    row_index = {"dynamic_slice": 1, "dynamic_update_slice": 2}
+    indices = [(e.primitive.name, e.invars[row_index[e.primitive.name]]) for e in eqns
+               if e.primitive.name in row_index and tuple(e.invars[0].aval.shape) in padded]
+    assert {name for name, _ in indices} == set(row_index)
+    assert not [i for _, i in indices if isinstance(i, Literal)]
 
 
 def _scan_body(jaxpr, length: int):
