@@ -127,8 +127,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
             x_BSD, *kept = ring[slot]
             chunk = chunk_of_slot[slot]
             d_params, dx_BSD = chunk_pullback(kept, params, x_BSD, dy_BSD, chunk=chunk)
-            return _add_grads(grads, d_params, rows=(chunk * slots, slots), first_row=first_row), \
-                dx_BSD.astype(dy_BSD.dtype)
+            return _add_grads(grads, d_params, rows=(chunk * slots, slots, first_row)), dx_BSD.astype(dy_BSD.dtype)
 
         return run
 
@@ -242,23 +241,22 @@ class _Residuals:
         return [vary(jnp.zeros(shape, dtype), axes) for shape, dtype, axes in self.avals]
 
 
-def _add_grads(grads, d_params, rows: tuple[int, int] | None, first_row=None):
-    """grads + the gradients of one tick's head or one chunk's backward, adding only the layer stack's `rows` (start,
-    count): a chunk's layer gradients are zero outside its rows (the transpose of the chunk's static slice pads
-    them), the head's are zero throughout (rows None). Those rows are added in place, instead of reading and
-    writing the device's whole stack each time.
+def _add_grads(grads, d_params, rows: tuple[int, int, jax.Array] | None):
+    """grads + the gradients of one tick's head or one chunk's backward, adding only the layer stack's `rows` (first,
+    count, and first again as a traced value): a chunk's layer gradients are zero outside its rows (the transpose of
+    the chunk's static slice pads them), the head's are zero throughout (rows None). Those rows are added in place,
+    instead of reading and writing the device's whole stack each time.
 
-    `first_row` is `rows`' start as a traced value: the accumulator's rows are read and written at it. XLA's GPU
-    backend updates a buffer in place only when the read and the write share one dynamic index; with the static
-    start (a slice and an update at constants) it rewrote the whole stack: 0.82 against 0.32 ms for 9 of 27 rows
-    of a 1920 x 7680 fp32 leaf on an H200 (docs/benchmarks.md 4j)."""
+    The accumulator's rows are read and written at the traced first row: XLA's GPU backend updates a buffer in
+    place only when the read and the write share one dynamic index; at the static one (a slice and an update at
+    constants) it rewrote the whole stack: 0.82 against 0.32 ms for 9 of 27 rows of a 1920 x 7680 fp32 leaf on an
+    H200 (docs/benchmarks.md 4j)."""
     def add(path, g, d):
         if getattr(path[0], "key", None) != "layers":
             return g + d
         if rows is None:
             return g
-        start, size = rows
-        at = start if first_row is None else first_row
+        start, size, at = rows
         new = jax.lax.dynamic_slice_in_dim(g, at, size) + jax.lax.slice_in_dim(d, start, start + size)
         return jax.lax.dynamic_update_slice_in_dim(g, new.astype(g.dtype), at, axis=0)
 
