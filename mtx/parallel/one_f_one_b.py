@@ -39,12 +39,11 @@ The ring is separate sets of buffers, each slot with its own branch in the forwa
 slot is indexed dynamically: a dynamic index into one stacked ring copied every kept value in and out (a cuBLAS or
 cuDNN operand cannot be a dynamic slice), ~58 ms a step for the 1.2B model on 2 GPUs with V 2 (docs/benchmarks.md
 4d). Its slots are grouped by chunk (Schedule.ring: chunk c gets as many as the most of its pairs alive at once), so
-each branch runs one chunk and takes that chunk's layers from the stack, and adds their gradients back, at a static
-offset: with one ring for all chunks the chunk index was dynamic, and each forward and backward slot sliced the
-chunk's weights out of the stack and updated its gradients through it (on the 2.5B model with V 3, ~55 ms a device
-and step of such slices and updates that one GPU does not do, docs/benchmarks.md 4i). Grouped, the ring also holds
-fewer slots (V 3 on P 2: 9 instead of 11), and fewer than 2 P - 1 when M is smaller. The embedding runs in virtual
-stage 0's forward, per microbatch as it enters.
+each branch runs one chunk and takes that chunk's layers from the stack at a static offset, where one ring for all
+chunks sliced them at a dynamic one; a backward slot adds the chunk's gradients to its rows in place (`_add_grads`).
+Grouped, the ring holds fewer slots (V 3 on P 2: 9 instead of 11; fewer than 2 P - 1 when M is smaller): on the 2.5B
+model with V 3, 10.8 GiB less memory and 21 s less compilation, the same step time (docs/benchmarks.md 4j). The
+embedding runs in virtual stage 0's forward, per microbatch as it enters.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ stage's count are inactive (identity) layers, so every stage compiles to the sam
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ class Schedule:
         most of each chunk alive at once (at most 2 P V - 1, whatever M)."""
         return len(self.ring()[0])
 
+    @functools.cache  # (a Schedule is frozen: computed once, read-only arrays)
     def ring(self) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
         """1F1B's ring slots, grouped by chunk so that each slot holds one chunk's stage inputs only (its forward and
         backward branches then slice that chunk's layers at a static offset) -> (chunk of each slot, (T, P) slot
@@ -107,8 +109,10 @@ class Schedule:
                 assert freed.get(slot, -1) < f, "a ring slot reused before its backward"
                 fwd_slot[f, s], bwd_slot[b, s], freed[slot] = slot, slot, b
         assert m == 0 or all(width), "every chunk runs"
+        fwd_slot.flags.writeable = bwd_slot.flags.writeable = False
         return tuple(c for c in range(v) for _ in range(width[c])), fwd_slot, bwd_slot
 
+    @functools.cache
     def timetable(self) -> dict[str, np.ndarray]:
         """1F1B: (T, P) tables of what each device does at each tick, fwd_mb, fwd_chunk, bwd_mb, bwd_chunk (-1 where
         idle), and bwd_saved_at, the tick of the forward whose input a backward needs; from the formulas in
@@ -126,6 +130,8 @@ class Schedule:
                     tables["fwd_mb"][t_f, s], tables["fwd_chunk"][t_f, s] = i, c
                     tables["bwd_mb"][t_b, s], tables["bwd_chunk"][t_b, s] = i, c
                     tables["bwd_saved_at"][t_b, s] = t_f
+        for a in tables.values():
+            a.flags.writeable = False
         return tables
 
     def with_microbatches(self, microbatches: int) -> "Schedule":
