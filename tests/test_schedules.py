@@ -231,3 +231,27 @@ def _eqns(jaxpr):
                 if hasattr(sub, "eqns"):
                     out += _eqns(sub)
     return out
+
+
+@pytest.mark.parametrize("recompute", ["matmuls", "full"])
+def test_1f1b_recomputes_layers_without_a_barrier_on_their_weights(recompute):
+    """A chunk's backward recomputes its layers without jax.checkpoint's barrier against CSE (the forward it repeats
+    is in another branch of the tick): no optimization barrier of the lowered step takes one layer's parameter,
+    which XLA copied out of the stack ahead of every backward (docs/benchmarks.md 4k); the stacked ones may."""
+    import re
+
+    from mtx.sharded_model import build_model
+
+    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
+                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
+                       recompute_granularity=recompute, scan_layers=False).validate(8)
+    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    text = jax.jit(step._train_step).lower(step.abstract_state(), tokens).as_text()
+    abstract = split_abstract(build_model(cfg))[1]
+    specs = jax.tree.leaves(partition_specs(abstract, 1), is_leaf=lambda x: isinstance(x, P))
+    layer = {"x".join(map(str, leaf.shape[1:])) + "xf32"
+             for leaf, spec in zip(jax.tree.leaves(abstract), specs) if is_stacked(spec)}
+    barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
+    operands = {t for line in barriers for t in re.findall(r"tensor<([^>]*)>", line.rsplit(":", 1)[-1].split("->")[0])}
+    assert barriers and layer and not operands & layer, sorted(operands & layer)

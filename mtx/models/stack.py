@@ -82,7 +82,10 @@ class ParallelTransformer:
     recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity); scan_layers: one lax.scan over the
     stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model";
     per_layer: set by the training step for its overlapped data-parallel reductions (mtx/parallel/overlap.py), applied
-    to each layer's parameters as it runs, outside its recomputation (so a gather there is never repeated).
+    to each layer's parameters as it runs, outside its recomputation (so a gather there is never repeated);
+    prevent_cse: the layers' recomputation behind an optimization barrier (jax.checkpoint's), so XLA cannot merge it
+    with the forward it repeats. 1F1B turns it off: a chunk's backward is a program of its own, and the barrier made
+    XLA copy every layer's fp32 weight slices ahead of it in every backward (16 ms a step, docs/benchmarks.md 4k).
     """
 
     cfg: ModelConfig
@@ -94,6 +97,7 @@ class ParallelTransformer:
     causal: bool = True
     post_layernorm: bool = False
     per_layer: Callable | None = None  # training step: (layer's parameters, index) -> what it computes with
+    prevent_cse: bool = True  # False where a layer's forward and its backward never share a program
 
     def build(self, rngs: nnx.Rngs) -> TransformerLayer:
         """The L layers as one TransformerLayer whose every parameter has a leading (L,) axis declared "pipeline"."""
@@ -126,10 +130,10 @@ class ParallelTransformer:
             return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, keys_B=layer_keys), None
 
         if self.recompute == "full":  # keep each layer's input only; recompute its activations in the backward
-            layer = jax.checkpoint(body)
+            layer = jax.checkpoint(body, prevent_cse=self.prevent_cse)
             body = lambda x_BSD, inputs: layer(checkpoint_name(x_BSD, LAYER_INPUT), inputs)
         elif self.recompute == "matmuls":  # keep the matmuls' outputs; recompute LN, GeLU, bias adds, dropout
-            body = jax.checkpoint(body, policy=save_matmul_outputs)
+            body = jax.checkpoint(body, policy=save_matmul_outputs, prevent_cse=self.prevent_cse)
 
         if self.per_layer is not None:
             checkpointed = body

@@ -33,7 +33,10 @@ Memory: a (microbatch, chunk) is in flight on device s from the tick of its forw
 its input and what `--recompute-granularity` keeps of it (everything without recomputation, the matmul outputs with
 `matmuls`, each layer's input with `full`: `_keep_policy`); the backward slot pulls back through those residuals,
 recomputing only what the policy dropped, as the unpipelined step does. Values computed from the parameters alone
-(the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch.
+(the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch. The layers'
+own recomputation runs without jax.checkpoint's barrier against CSE (the forward it repeats is in another branch):
+behind the barrier XLA copied every layer's fp32 weight slices in every backward, 16 ms a step on the 2.5B model
+with V 3 (docs/benchmarks.md 4k).
 
 The ring is separate sets of buffers, each slot with its own branch in the forward and backward `switch`es, so no
 slot is indexed dynamically: a dynamic index into one stacked ring copied every kept value in and out (a cuBLAS or
@@ -48,6 +51,7 @@ embedding runs in virtual stage 0's forward, per microbatch as it enters.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -96,8 +100,11 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         x_BSD = jax.lax.cond(chunk * p + stage == 0,
                              lambda: vary(objective.embed(model, batch_B, keys_B), varying_axes(x_BSD)),
                              lambda: x_BSD)
-        y_BSD = model.stack(nnx.merge(layers_def, layers_state), x_BSD, mask_BS=objective.attention_mask(batch_B),
-                            keys_B=keys_B, first_layer=first_layer, real_layers=real_layers)
+        # The chunk's backward (its own slot, another branch) never shares a program with this forward, so the
+        # layers' recomputation needs no barrier against CSE: behind one, XLA copied each layer's weight slices.
+        stack = dataclasses.replace(model.stack, prevent_cse=False)
+        y_BSD = stack(nnx.merge(layers_def, layers_state), x_BSD, mask_BS=objective.attention_mask(batch_B),
+                      keys_B=keys_B, first_layer=first_layer, real_layers=real_layers)
         return model, batch_B, y_BSD
 
     # Each chunk's forward and its pullback are one jitted function that its ring slots' forward and backward
