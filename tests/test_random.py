@@ -62,3 +62,58 @@ def test_dropout_training_is_mesh_invariant(tmp_path):
     no_dropout = train(cfg.replace(run_dir=str(tmp_path / "off"), hidden_dropout=0.0, attention_dropout=0.0),
                        progress=False)
     assert abs(no_dropout.losses[4] - curves[0][3]) > 1e-4  # dropout is really on
+
+
+def _stack():
+    from mtx.models.stack import ParallelTransformer
+
+    cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+        hidden_dropout=0.1, attention_dropout=0.1, data_parallel_size=1, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1).validate(1)
+    return cfg, ParallelTransformer(cfg.model)
+
+
+def test_a_layers_draws_depend_on_its_global_index_not_on_which_layers_are_drawn_with_it():
+    """The stack draws its layers' dropout all at once; layer l's draws are the same whether it is drawn with the
+    whole stack or as the first of a pipeline stage's layers, and the same as drawing it alone (`dropout_draws`
+    from its key folded with l + 1)."""
+    from mtx.models.transformer import dropout_draws
+    from mtx.parallel.random import fold
+
+    cfg, stack = _stack()
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    keys_B = sample_keys(jax.random.key(3), 0, B)
+
+    def draws(count, first):
+        return jax.jit(jax.shard_map(lambda k: stack.draws(k, count, first, S), mesh=mesh, in_specs=P(),
+                                     out_specs=P(), check_vma=False))(keys_B)
+
+    whole, stage = draws(6, 0), draws(3, jnp.int32(2))
+    alone = jax.jit(jax.shard_map(lambda k: dropout_draws(cfg.model, fold(k, 5), S), mesh=mesh, in_specs=P(),
+                                  out_specs=P(), check_vma=False))(keys_B)
+    leaves = jax.tree.leaves
+    assert len(leaves(whole)) == 6  # rows and columns of the attention's and the two residual branches' masks
+    for w, st, a in zip(leaves(whole), leaves(stage), leaves(alone)):
+        np.testing.assert_array_equal(np.asarray(w)[2:5], np.asarray(st))
+        np.testing.assert_array_equal(np.asarray(w)[4], np.asarray(a))
+    assert not np.array_equal(np.asarray(leaves(whole)[2])[0], np.asarray(leaves(whole)[2])[1])
+
+
+def test_dropout_does_not_grow_the_compiled_step_per_layer():
+    """The compiled training step with the paper's dropout is at most 1.4x the instructions of the step without: the
+    masks' hashing is drawn once for the stack, not fused into every layer's uses (it was 2.65x at 24 layers,
+    docs/benchmarks.md 8f)."""
+    from mtx.step import TrainStep
+
+    def instructions(rate):
+        cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+            num_layers=8, hidden_dropout=rate, attention_dropout=rate, recompute_granularity="matmuls",
+            scan_layers=False, micro_batch_size=2, global_batch_size=2, data_parallel_size=1,
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1).validate(1)
+        step = TrainStep.build(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+        tokens = jax.ShapeDtypeStruct((2, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+        text = jax.jit(step._train_step).lower(step.abstract_state(), tokens).compile().as_text()
+        return sum(" = " in line for line in text.splitlines())
+
+    off, on = instructions(0.0), instructions(0.1)
+    assert on < 1.4 * off, (on, off)

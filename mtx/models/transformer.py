@@ -37,7 +37,8 @@ from mtx.kernels import flash_attention as flash_kernel
 from mtx.models.rotary import apply_rotary
 from mtx.parallel.layers import ColumnParallelLinear, RowParallelLinear, normalization
 from mtx.parallel.ops import model_rank, model_size, sequence_parallel_rows
-from mtx.parallel.random import attention_dropout_hashes, attention_keep, dropout, fold, model_parallel_keys
+from mtx.parallel.random import (attention_dropout_hashes, attention_keep, drop, fold, model_parallel_keys,
+                                 position_hashes)
 
 
 def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, hashes=None, causal=True):
@@ -68,6 +69,33 @@ def dropout_hashes(keys_B, heads: int, length: int):
     """The attention-dropout hashes ((B, n_local, S) rows and cols) of this rank's heads, from the sequences'
     keys folded with each head's global index: the same masks for a head whichever rank computes it."""
     return attention_dropout_hashes(model_parallel_keys(keys_B, heads), length)
+
+
+class Draws(NamedTuple):
+    """A layer's dropout masks as the position hashes they are drawn from ((rows, cols), or None where that site
+    does not drop): the attention probabilities of this rank's heads ((B, n_local, S) each) and the two residual
+    branches ((B, S) and (B, D), B this rank's rows with sequence parallelism)."""
+
+    attention: tuple | None
+    residual1: tuple | None
+    residual2: tuple | None
+
+
+def dropout_draws(cfg: ModelConfig, keys_B, length: int, *, sequence_parallel: bool = False) -> Draws:
+    """A layer's Draws from its sequences' keys (the layer's fold of each sequence's key; None: no dropout).
+
+    Residual-branch dropout acts on the residual stream: the same mask on every rank that holds the sequence (all
+    of them, or with sequence parallelism the one holding its row); attention dropout on whole rows, by head. The
+    layer stack draws all its layers' at once (vmapped over the layers: one program for the L layers' hashes,
+    where a layer's own draws made XLA's program twice as large, docs/benchmarks.md 8f)."""
+    if keys_B is None:
+        return Draws(None, None, None)
+    own_B = sequence_parallel_rows(keys_B) if sequence_parallel else keys_B
+    heads = cfg.num_attention_heads // model_size()
+    attention = dropout_hashes(fold(keys_B, 0), heads, length) if cfg.attention_dropout > 0.0 else None
+    residual = [position_hashes(fold(own_B, site), length, cfg.hidden_size) if cfg.hidden_dropout > 0.0 else None
+                for site in (1, 2)]
+    return Draws(attention, *residual)
 
 
 def segment_mask(mask_BS):
@@ -196,12 +224,13 @@ class ParallelSelfAttention(nnx.Module):
         self.flash = flash  # fused attention (--use-flash-attn): cuDNN, or mtx's kernel with attention dropout
         self.causal = causal  # False: every token attends to every (unpadded) token, as in BERT
 
-    def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
+    def __call__(self, x_BSD, *, mask_BS=None, hashes=None):
         """(B, S, D) -> (B, S, D), or this rank's rows (B / tp, S, D) with sequence parallelism; attention sees whole
-        rows (at positions 0 .. S - 1). mask_BS and keys_B cover the whole microbatch."""
+        rows (at positions 0 .. S - 1). mask_BS and the dropout hashes (Draws.attention) cover the whole
+        microbatch."""
         q, k, v = self._project(x_BSD, jnp.arange(x_BSD.shape[1]))
         k, v = (repeat_groups(a, q.shape[2]) for a in (k, v))  # (B, S, n_local, H) each
-        return self.proj(self._attend(q, k, v, mask_BS, keys_B))
+        return self.proj(self._attend(q, k, v, mask_BS, hashes))
 
     def _project(self, x_BSD, positions):
         """x -> q (B, S, n_local, H) of this rank's heads, k and v (B, S, g, H) of its key/value heads (its groups
@@ -226,11 +255,10 @@ class ParallelSelfAttention(nnx.Module):
         start = group * self.head_dim
         return q, *(p.local_call(x, start, self.head_dim)[:, :, None] for p in (self.key, self.value))
 
-    def _attend(self, q, k, v, mask_BS, keys_B):
+    def _attend(self, q, k, v, mask_BS, hashes):
         """(B, S, n_local, H) q, k, v -> (B, S, n_local * H) context of this rank's heads."""
         b, s = q.shape[:2]
-        rate = self.dropout_rate if keys_B is not None else 0.0
-        hashes = dropout_hashes(keys_B, q.shape[2], s) if rate > 0.0 else None
+        rate = self.dropout_rate if hashes is not None else 0.0
         if self.flash and rate == 0.0:
             return fused_attention(q, k, v, mask_BS=mask_BS, causal=self.causal).reshape(b, s, -1)
         if self.flash and flash_kernel.usable(q, k, mask_BS, self.causal):  # dropout inside the kernel
@@ -301,22 +329,16 @@ class TransformerLayer(nnx.Module):
         self.post_layernorm = post_layernorm
         self.sequence_parallel = sequence_parallel
 
-    def __call__(self, x_BSD, *, mask_BS=None, keys_B=None):
-        """keys_B: one dropout key per sequence of the microbatch (None: no dropout). With sequence parallelism x is
-        this rank's rows (B / tp, S, D) of it."""
-        k_attn, k_res1, k_res2 = None, None, None
-        if keys_B is not None:
-            # Residual-branch dropout acts on the residual stream: the same mask on every rank that holds the
-            # sequence (all of them, or with sequence parallelism the one holding its row); attention dropout on
-            # whole rows.
-            own_B = sequence_parallel_rows(keys_B) if self.sequence_parallel else keys_B
-            k_attn, k_res1, k_res2 = fold(keys_B, 0), fold(own_B, 1), fold(own_B, 2)
-        attention = functools.partial(self.attention, mask_BS=mask_BS, keys_B=k_attn)
+    def __call__(self, x_BSD, *, mask_BS=None, draws: Draws | None = None):
+        """draws: the layer's dropout (`dropout_draws`; None: no dropout). With sequence parallelism x is this rank's
+        rows (B / tp, S, D) of the microbatch."""
+        draws = draws or Draws(None, None, None)
+        attention = functools.partial(self.attention, mask_BS=mask_BS, hashes=draws.attention)
         if self.post_layernorm:
-            x_BSD = self.ln1(x_BSD + dropout(attention(x_BSD), self.dropout_rate, k_res1))
-            return self.ln2(x_BSD + dropout(self.mlp(x_BSD), self.dropout_rate, k_res2))
-        x_BSD = x_BSD + dropout(attention(self.ln1(x_BSD)), self.dropout_rate, k_res1)
-        return x_BSD + dropout(self.mlp(self.ln2(x_BSD)), self.dropout_rate, k_res2)
+            x_BSD = self.ln1(x_BSD + drop(attention(x_BSD), self.dropout_rate, draws.residual1))
+            return self.ln2(x_BSD + drop(self.mlp(x_BSD), self.dropout_rate, draws.residual2))
+        x_BSD = x_BSD + drop(attention(self.ln1(x_BSD)), self.dropout_rate, draws.residual1)
+        return x_BSD + drop(self.mlp(self.ln2(x_BSD)), self.dropout_rate, draws.residual2)
 
     def decode(self, x_BTD, cache: KVCache, start_B, *, write=None):
         """The same block for inference with this layer's KV cache (see ParallelSelfAttention.decode); no dropout."""

@@ -59,7 +59,15 @@ def dropout(x, rate: float, keys):
     if keys is None or rate == 0.0:
         return x
     rest = x.shape[keys.ndim:]
-    rows, cols = position_hashes(keys, math.prod(rest[:-1]), rest[-1] if rest else 1)
+    return drop(x, rate, position_hashes(keys, math.prod(rest[:-1]), rest[-1] if rest else 1))
+
+
+def drop(x, rate: float, hashes):
+    """`dropout` with its (rows, cols) position hashes drawn already (K + (rows,) and K + (cols,), as
+    `position_hashes` gives them; None or rate 0 is the identity): what is left to do per element."""
+    if hashes is None or rate == 0.0:
+        return x
+    rows, cols = hashes
     keep = attention_keep(rows[..., :, None], cols[..., None, :], rate).reshape(x.shape)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype)).astype(x.dtype)
 
