@@ -1,6 +1,8 @@
 """The 1F1B and interleaved timetables (mtx/parallel/one_f_one_b.py): every slot obeys the dependencies, memory does
 not grow with the microbatches, the bubble is the schedule's ideal, and the audit counts the two shifts a tick."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,10 +240,6 @@ def test_1f1b_recomputes_layers_without_a_barrier_on_their_weights(recompute):
     """A chunk's backward recomputes its layers without jax.checkpoint's barrier against CSE (the forward it repeats
     is in another branch of the tick): no optimization barrier of the lowered step takes one layer's parameter,
     which XLA copied out of the stack ahead of every backward (docs/benchmarks.md 4k); the stacked ones may."""
-    import re
-
-    from mtx.sharded_model import build_model
-
     cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
                        micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
                        recompute_granularity=recompute, scan_layers=False).validate(8)
