@@ -76,20 +76,18 @@ class Draws(NamedTuple):
     does not drop): the attention probabilities of this rank's heads ((B, n_local, S) each) and the two residual
     branches ((B, S) and (B, D), B this rank's rows with sequence parallelism)."""
 
-    attention: tuple | None
-    residual1: tuple | None
-    residual2: tuple | None
+    attention: tuple | None = None
+    residual1: tuple | None = None
+    residual2: tuple | None = None
 
 
 def dropout_draws(cfg: ModelConfig, keys_B, length: int, *, sequence_parallel: bool = False) -> Draws:
-    """A layer's Draws from its sequences' keys (the layer's fold of each sequence's key; None: no dropout).
+    """A layer's Draws from its sequences' keys (the layer's fold of each sequence's key).
 
     Residual-branch dropout acts on the residual stream: the same mask on every rank that holds the sequence (all
     of them, or with sequence parallelism the one holding its row); attention dropout on whole rows, by head. The
     layer stack draws all its layers' at once (vmapped over the layers: one program for the L layers' hashes,
-    where a layer's own draws made XLA's program twice as large, docs/benchmarks.md 8f)."""
-    if keys_B is None:
-        return Draws(None, None, None)
+    where a layer's own draws made XLA's program more than twice as large, docs/benchmarks.md 8f)."""
     own_B = sequence_parallel_rows(keys_B) if sequence_parallel else keys_B
     heads = cfg.num_attention_heads // model_size()
     attention = dropout_hashes(fold(keys_B, 0), heads, length) if cfg.attention_dropout > 0.0 else None
@@ -332,7 +330,7 @@ class TransformerLayer(nnx.Module):
     def __call__(self, x_BSD, *, mask_BS=None, draws: Draws | None = None):
         """draws: the layer's dropout (`dropout_draws`; None: no dropout). With sequence parallelism x is this rank's
         rows (B / tp, S, D) of the microbatch."""
-        draws = draws or Draws(None, None, None)
+        draws = draws or Draws()
         attention = functools.partial(self.attention, mask_BS=mask_BS, hashes=draws.attention)
         if self.post_layernorm:
             x_BSD = self.ln1(x_BSD + drop(attention(x_BSD), self.dropout_rate, draws.residual1))
