@@ -253,3 +253,20 @@ def test_1f1b_recomputes_layers_without_a_barrier_on_their_weights(recompute):
     barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
     operands = {t for line in barriers for t in re.findall(r"tensor<([^>]*)>", line.rsplit(":", 1)[-1].split("->")[0])}
     assert barriers and layer and not operands & layer, sorted(operands & layer)
+
+
+def test_only_the_first_chunks_backward_slots_hold_the_embeddings_gradient():
+    """Only virtual stage 0 embeds, so only chunk 0's ring slots pull a gradient back into the word embedding (a
+    scatter into the table): a later chunk's pullback has no embedding branch, whose zeros (the whole fp32 table)
+    were filled and added to the accumulator in every one of its backward slots."""
+    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
+                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
+                       recompute_granularity="matmuls", scan_layers=False).validate(8)
+    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    state = step.abstract_state()
+    table = "f32[%d,%d]" % jax.tree.leaves(state.params["embedding"]["embedding"])[0].shape
+    text = jax.jit(step._train_step).lower(state, tokens).compile().as_text()
+    scatters = [line for line in text.splitlines() if re.match(rf"\s+%\S*scatter\S* = {re.escape(table)}", line)]
+    chunk_of_slot = step.model.pipeline.ring()[0]
+    assert 1 in chunk_of_slot and len(scatters) == chunk_of_slot.count(0), (len(scatters), chunk_of_slot)

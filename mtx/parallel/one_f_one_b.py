@@ -96,10 +96,12 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
         # A static slice: its transpose adds the chunk's gradients in place, no dynamic index into the stack.
         layers_state = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, chunk * slots, (chunk + 1) * slots),
                                     layers_state)
-        # Only virtual stage 0 embeds (a cond, so the other stages run no lookup and no all-reduce over "model").
-        x_BSD = jax.lax.cond(chunk * p + stage == 0,
-                             lambda: vary(objective.embed(model, batch_B, keys_B), varying_axes(x_BSD)),
-                             lambda: x_BSD)
+        # Only virtual stage 0 embeds (a cond, so the other stages run no lookup and no all-reduce over "model"). A
+        # chunk past the first never does: without the cond its pullback has no embedding gradient, where the cond's
+        # zeros (the whole fp32 table) were filled and added to the accumulator in every one of its backward slots.
+        if chunk == 0:
+            x_BSD = jax.lax.cond(stage == 0, lambda: vary(objective.embed(model, batch_B, keys_B), varying_axes(x_BSD)),
+                                 lambda: x_BSD)
         # The chunk's backward (its own slot, another branch) never shares a program with this forward, so the
         # layers' recomputation needs no barrier against CSE: behind one, XLA copied each layer's weight slices.
         stack = dataclasses.replace(model.stack, prevent_cse=False)
