@@ -270,3 +270,21 @@ def test_only_the_first_chunks_backward_slots_hold_the_embeddings_gradient():
     scatters = [line for line in text.splitlines() if re.match(rf"\s+%\S*scatter\S* = {re.escape(table)}", line)]
     chunk_of_slot = step.model.pipeline.ring()[0]
     assert 1 in chunk_of_slot and len(scatters) == chunk_of_slot.count(0), (len(scatters), chunk_of_slot)
+
+
+def test_the_ring_is_allocated_not_filled_on_gpus():
+    """The ring's slots are never read before a forward slot writes them, so the step lowered for GPUs allocates
+    them (jax.lax.empty: an AllocateBuffer call, no kernel) instead of filling them from one zeros value that XLA
+    then copied into every slot's buffers each step (28.5 GiB a step for the 2.5B model with V 3). Lowered, not
+    compiled: no GPU needed."""
+    if not hasattr(jax.lax, "empty"):
+        pytest.skip("this jax has no lax.empty; the ring is zero-filled")
+    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
+                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
+                       recompute_granularity="matmuls", scan_layers=False).validate(8)
+    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    text = jax.jit(step._train_step).trace(step.abstract_state(), tokens).lower(lowering_platforms=("cuda",)).as_text()
+    slots = len(step.model.pipeline.ring()[0])
+    # Each slot: the stage input and at least one kept residual a layer (2 layers a chunk here).
+    assert text.count("@AllocateBuffer") >= slots * 3, text.count("@AllocateBuffer")

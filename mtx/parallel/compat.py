@@ -42,3 +42,10 @@ def all_gather_invariant(x, axis_name: str, axis: int):
     shape[axis] *= tp
     buf = jnp.zeros(shape, x.dtype)
     return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(buf, x, rank * x.shape[axis], axis), axis_name)
+
+
+def uninitialized(shape, dtype):
+    """An array whose values will all be written before any is read: `jax.lax.empty` (on GPUs an allocation and no
+    kernel; elsewhere zeros). Versions without it get zeros."""
+    empty = getattr(jax.lax, "empty", None)
+    return empty(shape, dtype) if empty is not None else jnp.zeros(shape, dtype)
