@@ -24,23 +24,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 
-def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None) -> dict:
+def build_step(cfg):
+    """-> (model, its training step) on the mesh the flags ask for, the config checked against the devices there
+    are (vocab_size as configured, GPT-2's 50,257 by default: the tokens are synthetic). Compiles nothing."""
     import jax
 
-    from mtx.metrics import peak_flops_per_device
     from mtx.parallel.mesh import make_mesh
     from mtx.sharded_model import ShardedModel
     from mtx.step import TrainStep
 
-    from mtx.devices import use_compilation_cache
-
     p = cfg.parallel
-    cfg.validate(len(jax.devices()))  # vocab_size as configured (GPT-2's 50,257 by default): tokens are synthetic
+    cfg.validate(len(jax.devices()))
+    model = ShardedModel(cfg, make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size,
+                                        p.tensor_model_parallel_size))
+    return model, TrainStep(model)
+
+
+def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None) -> dict:
+    import jax
+
+    from mtx.devices import use_compilation_cache
+    from mtx.metrics import peak_flops_per_device
+
     if jax.default_backend() != "cpu":  # as train.py
         use_compilation_cache(cfg.training.compilation_cache_dir)
-    mesh = make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
-    model = ShardedModel(cfg, mesh)
-    train_step = TrainStep(model)
+    model, train_step = build_step(cfg)
+    mesh = model.mesh
     state = train_step.init_state()
     t, m = cfg.training, cfg.model
     batch = synthetic_batch(cfg)

@@ -27,16 +27,9 @@ def probe(cfg, out: Path, top: int = 30) -> dict:
     """-> {"trace_lower_s", "compile_s", "custom_calls": {target: count}, "events": [(name, seconds, count)]}."""
     import jax
 
-    from benchmarks.bench import synthetic_batch
-    from mtx.parallel.mesh import make_mesh
-    from mtx.sharded_model import ShardedModel
-    from mtx.step import TrainStep
+    from benchmarks.bench import build_step, synthetic_batch
 
-    p = cfg.parallel
-    cfg.validate(len(jax.devices()))
-    mesh = make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
-    model = ShardedModel(cfg, mesh)
-    step = TrainStep(model)
+    model, step = build_step(cfg)
     batch = synthetic_batch(cfg)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=model.batch_sharding), batch)
     start = time.perf_counter()
