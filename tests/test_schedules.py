@@ -42,10 +42,13 @@ def test_timetable_runs_every_slot_once_in_dependency_order(p, v, m):
                 assert bwd[i, k] == bwd[i, k + 1] + 1
         assert bwd[i, p * v - 1] == fwd[i, p * v - 1]  # the loss: forward and backward in one tick
     # stage inputs alive at a tick (its forward's and its backward's included), per device: never more than the
-    # ring holds (at most 2 P V - 1); each (microbatch, chunk) has one ring slot of its chunk's, written by its
-    # forward, read by its backward, and no other forward writes that slot in between
+    # ring holds (Schedule.in_flight's bound, <= 2 P V - 1, reached once M >= 2 P V); each (microbatch, chunk) has
+    # one ring slot of its chunk's, written by its forward, read by its backward, and no other forward writes that
+    # slot in between
     chunk_of_slot, fwd_slot, bwd_slot = schedule.ring()
-    assert schedule.in_flight == len(chunk_of_slot) <= 2 * p * v - 1
+    bound = p * v + p * -(-v // 2) - v % 2
+    assert schedule.in_flight == len(chunk_of_slot) <= bound <= 2 * p * v - 1
+    assert m < 2 * p * v or schedule.in_flight == bound
     for s in range(p):
         for t in range(schedule.ticks):
             alive = sum(fwd[i, k] <= t <= bwd[i, k] for i in range(m) for k in stages if k % p == s)

@@ -80,7 +80,10 @@ class Schedule:
     def in_flight(self) -> int:
         """1F1B's ring size: the (microbatch, chunk) stage inputs a device keeps between forward and backward, the
         tick of each included (a tick runs its forward, then the head, then its backward); the sum over chunks of the
-        most of each chunk alive at once (at most 2 P V - 1, whatever M)."""
+        most of each chunk alive at once. At most P V + P ceil(V / 2) - (V mod 2) <= 2 P V - 1 whatever M (equal once
+        M >= 2 P V): on device s a pair of chunk c lives L = 2 P (V - c) - 1 - 2 s ticks and the chunk's forwards come P
+        in a row every P V ticks, so at most P floor(L / P V) + min(P, L mod P V) are alive at once: P for each
+        c >= V / 2, 2 P for each c < V / 2 but 2 P - 1 for c = (V - 1) / 2 when V is odd (tests/test_schedules.py)."""
         return len(self.ring()[0])
 
     @functools.cache  # (a Schedule is frozen: computed once, read-only arrays)
