@@ -238,16 +238,22 @@ def _eqns(jaxpr):
     return out
 
 
+def _interleaved_step(recompute):
+    """The tiny model's interleaved 1F1B step (P 2, V 2, layers unrolled, 4 microbatches) -> (config, step,
+    abstract tokens)."""
+    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
+                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
+                       recompute_granularity=recompute, scan_layers=False).validate(8)
+    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
+    return cfg, step, jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+
+
 @pytest.mark.parametrize("recompute", ["matmuls", "full"])
 def test_1f1b_recomputes_layers_without_a_barrier_on_their_weights(recompute):
     """A chunk's backward recomputes its layers without jax.checkpoint's barrier against CSE (the forward it repeats
     is in another branch of the tick): no optimization barrier of the lowered step takes one layer's parameter,
     which XLA copied out of the stack ahead of every backward (docs/benchmarks.md 4k); the stacked ones may."""
-    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
-                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
-                       recompute_granularity=recompute, scan_layers=False).validate(8)
-    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
-    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    cfg, step, tokens = _interleaved_step(recompute)
     text = jax.jit(step._train_step).lower(step.abstract_state(), tokens).as_text()
     abstract = split_abstract(build_model(cfg))[1]
     specs = jax.tree.leaves(partition_specs(abstract, 1), is_leaf=lambda x: isinstance(x, P))
@@ -262,11 +268,7 @@ def test_only_the_first_chunks_backward_slots_hold_the_embeddings_gradient():
     """Only virtual stage 0 embeds, so only chunk 0's ring slots pull a gradient back into the word embedding (a
     scatter into the table): a later chunk's pullback has no embedding branch, whose zeros (the whole fp32 table)
     were filled and added to the accumulator in every one of its backward slots."""
-    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
-                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
-                       recompute_granularity="matmuls", scan_layers=False).validate(8)
-    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
-    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    _, step, tokens = _interleaved_step("matmuls")
     state = step.abstract_state()
     table = "f32[%d,%d]" % jax.tree.leaves(state.params["embedding"]["embedding"])[0].shape
     text = jax.jit(step._train_step).lower(state, tokens).compile().as_text()
@@ -282,11 +284,7 @@ def test_the_ring_is_allocated_not_filled_on_gpus():
     compiled: no GPU needed."""
     if not hasattr(jax.lax, "empty"):
         pytest.skip("this jax has no lax.empty; the ring is zero-filled")
-    cfg = DEEP.replace(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=1,
-                       micro_batch_size=2, global_batch_size=8, virtual_pipeline_model_parallel_size=2,
-                       recompute_granularity="matmuls", scan_layers=False).validate(8)
-    step = TrainStep.build(cfg, make_mesh(1, 2, 1, devices=jax.devices()[:2]))
-    tokens = jax.ShapeDtypeStruct((8, cfg.model.seq_length + 1), np.int32, sharding=step.model.batch_sharding)
+    _, step, tokens = _interleaved_step("matmuls")
     text = jax.jit(step._train_step).trace(step.abstract_state(), tokens).lower(lowering_platforms=("cuda",)).as_text()
     slots = len(step.model.pipeline.ring()[0])
     # Each slot: the stage input and at least one kept residual a layer (2 layers a chunk here).
