@@ -181,8 +181,8 @@ def audit_pipeline(cfg: Config) -> dict:
     GPipe: one in the body of the tick scan, which runs M + P - 1 times forward and again backward. 1F1B /
     interleaved: two in the body of one scan of forward and backward slots (the activations to the next stage, the
     input gradients to the previous one), and the head's collectives over "pipeline" once a microbatch (the last
-    stage's output to every stage, the loss's three sums over the stages' vocabulary shares, the gradient wrt that
-    output summed back; GPT, mtx/parallel/one_f_one_b.py). Outside the ticks, uneven or virtual stages move the
+    stage's output sent to every stage, the loss's three sums over the stages' vocabulary shares, the gradients wrt
+    that output sent back; GPT, mtx/parallel/one_f_one_b.py). Outside the ticks, uneven or virtual stages move the
     layers stored on another device into each device's chunk slots, and their gradients back, once a step
     (`layer exchange`)."""
     from mtx.sharded_model import ShardedModel
@@ -211,14 +211,15 @@ def audit_pipeline(cfg: Config) -> dict:
         phases = {"forward and backward": ticked[1]}
     report["per_step"] = {phase: {"collective-permute pipeline": ops.total() * schedule.ticks,
                                   "elements_each": sorted({op[2] for op in ops})} for phase, ops in phases.items()}
-    if schedule.kind != "gpipe":  # the head spread over the stages: its collectives over "pipeline", once a microbatch
+    head = Counter()  # the head spread over the stages: its collectives over "pipeline", once a microbatch
+    if schedule.kind != "gpipe":
         head = Counter(op for op in loop_collectives(hlo[1], sizes, branches=True) if "pipeline" in op[1].split(","))
         if head:
             tally = Counter()
             for (kind, axes, _), n in head.items():
                 tally[f"{kind} {axes}"] += n * schedule.microbatches
             report["per_step"]["head"] = {**tally, "elements_each": sorted({op[2] for op in head})}
-    exchange = every[1] - ticked[1]
+    exchange = every[1] - ticked[1] - permutes(head.elements())  # the head's sends are not the layers'
     report["layer_exchange"] = {"collective-permute pipeline": exchange.total(),
                                 "elements": sum(op[2] * n for op, n in exchange.items())}
     return report

@@ -93,12 +93,13 @@ def test_audit_counts_two_shifts_a_tick():
         report = audit_pipeline(cfg)
         ticks = 4 * v + 2 * v + 2 - 2
         assert report["schedule"]["ticks"] == ticks
-        # The head, spread over the stages by vocabulary, once a microbatch: the last stage's output to every stage
-        # and the gradient wrt it back (b s h each); the loss's max, sum of exponentials and target logit (b s each)
-        # over the stages' and model ranks' vocabulary slices.
+        # The head, spread over the stages by vocabulary, once a microbatch: the last stage's output sent to the
+        # other stage and the gradient wrt it sent back (b s h each, point to point: no all-reduce of the output);
+        # the loss's max, sum of exponentials and target logit (b s each) over the stages' and model ranks'
+        # vocabulary slices.
         assert report["per_step"] == {"forward and backward": {"collective-permute pipeline": 2 * ticks,
                                                                "elements_each": [b * s * h]},
-                                      "head": {"all-reduce pipeline": 2 * 4, "all-reduce pipeline,model": 3 * 4,
+                                      "head": {"collective-permute pipeline": 2 * 4, "all-reduce pipeline,model": 3 * 4,
                                                "elements_each": [b * s, b * s * h]}}
         # Interleaved: device s holds chunks s and s + 2 of 4 layers stored [0 1 | 2 3], so each device receives one
         # layer from the other (every stacked parameter), and sends its gradient back.
@@ -193,6 +194,35 @@ def test_lockstep_shifts_each_value_one_device_along_the_ring_per_tick():
     for s in range(p):
         for t in range(ticks):  # after t shifts, stage s holds the index of stage s - t (NEXT) and s + t (PREVIOUS)
             assert outs[s, t].tolist() == [(s - t) % p, (s + t) % p]
+
+
+def test_the_last_stage_sends_its_value_to_each_stage_and_gets_the_gradients_back():
+    """The spread head's input: the last stage's value on every stage, by sends of one pair (no all-reduce, forward
+    or backward); its pullback sums every stage's cotangent on the last stage, in the value's dtype (bf16 here), and
+    gives the other stages' own values none."""
+    from mtx.parallel.mesh import PIPELINE
+    from mtx.parallel.pipeline import last_stage_to_each
+
+    p = 4
+    mesh = make_mesh(1, p, 1, devices=jax.devices()[:p])
+    x = jnp.arange(p * 3, dtype=jnp.bfloat16).reshape(p, 3)
+    ct = (x + 1) * jnp.asarray([1, 2, 4, 8], jnp.bfloat16)[:, None]  # sums of integers below 256: exact in bf16
+    x_np, ct_np = np.asarray(x, np.float32), np.asarray(ct, np.float32)
+    x, ct = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P(PIPELINE))) for a in (x, ct))
+
+    def run(x, ct):
+        y, pullback = jax.vjp(last_stage_to_each, x)
+        return y, pullback(ct)[0]
+
+    shard = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(PIPELINE), out_specs=P(PIPELINE)))
+    y, dx = shard(x, ct)
+    assert dx.dtype == jnp.bfloat16
+    y, dx = np.asarray(y, np.float32), np.asarray(dx, np.float32)
+    np.testing.assert_array_equal(y, np.tile(x_np[-1:], (p, 1)))
+    np.testing.assert_array_equal(dx[:-1], 0)
+    np.testing.assert_array_equal(dx[-1], ct_np.sum(0))
+    hlo = shard.lower(x, ct).compile().as_text()
+    assert "all-reduce" not in hlo and hlo.count("collective-permute") >= 2 * (p - 1)
 
 
 def test_the_tick_loop_adds_only_a_chunks_rows_of_the_layer_gradients():

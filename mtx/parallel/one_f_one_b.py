@@ -20,12 +20,13 @@ backward of a microbatch in the tick of its forward, after the head. Ticks with 
 / (V M + P - 1), as Megatron's. Unlike Megatron's interleaving, M need not be a multiple of P (a last partial group
 of microbatches only leaves more slots idle).
 
-The head is spread over the stages (GPT): the last virtual stage's output goes to every device, each computes the
-logits of its 1 / P of the vocabulary (of its model rank's slice) and the loss's max, sum of exponentials and target
-logit are reduced over "pipeline" and "model" together; the gradient wrt that output comes back summed. So no stage
-carries the logits alone (left there, they made the last stage's tick the longest: docs/benchmarks.md 4d). BERT's
-heads run on the last stage, and so does GPT's when P does not divide a model rank's vocabulary slice (a multiple
-of 128 rows, so only for P not a power of two).
+The head is spread over the stages (GPT): the last virtual stage's output is sent to every device (P - 1 sends of
+one pair, `last_stage_to_each`), each computes the logits of its 1 / P of the vocabulary (of its model rank's slice)
+and the loss's max, sum of exponentials and target logit are reduced over "pipeline" and "model" together; the
+gradients wrt that output come back along the sends, summed on the last stage. So no stage carries the logits alone
+(left there, they made the last stage's tick the longest: docs/benchmarks.md 4d). BERT's heads run on the last
+stage, and so does GPT's when P does not divide a model rank's vocabulary slice (a multiple of 128 rows, so only for
+P not a power of two).
 
 Memory: a (microbatch, chunk) is in flight on device s from the tick of its forward to the tick of its backward, 2
 (P V - 1 - s - P c) ticks later (both end ticks count: a tick runs its forward before its backward), so at most 2 P V
@@ -62,7 +63,7 @@ from mtx.parallel.mesh import DATA, PIPELINE
 from mtx.parallel.compat import uninitialized, varying_axes
 from mtx.parallel.ops import vary
 from mtx.parallel.overlap import accumulator
-from mtx.parallel.pipeline import NEXT, PREVIOUS, Schedule, last_stage_to_all, lockstep
+from mtx.parallel.pipeline import NEXT, PREVIOUS, Schedule, last_stage_to_each, lockstep
 
 
 def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None, scale=1.0,
@@ -164,15 +165,19 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
 
         def loss_of(params, y_BSD):
             model = nnx.merge(graphdef, params)
-            return objective.head_loss(model, y_BSD, batch_B, counts, **({"pipeline_share": True} if spread else {}))
+            if not spread:
+                return objective.head_loss(model, y_BSD, batch_B, counts)
+            # y sent to every stage, inside the vjp: the gradients wrt it come back along the sends, summed on the
+            # last stage (the sends' transpose), in y's dtype.
+            return objective.head_loss(model, last_stage_to_each(y_BSD), batch_B, counts, pipeline_share=True)
 
         def run(grads, y_BSD):
             loss, pullback = jax.vjp(loss_of, params, y_BSD)
             d_params, dy_BSD = pullback(jnp.full_like(loss, scale))
             return _add_grads(grads, d_params, rows=None), _typed(loss * scale), vary(dy_BSD, varying_axes(y_BSD))
 
-        if spread:  # y to every stage; the gradients wrt it come back summed over them (vjp of the cast)
-            grads, loss, dy_BSD = run(grads, last_stage_to_all(y_BSD))
+        if spread:
+            grads, loss, dy_BSD = run(grads, y_BSD)
         else:
             grads, loss, dy_BSD = jax.lax.cond(stage == p - 1, run, lambda g, y: (g, _typed(jnp.zeros(())),
                                                                                    jnp.zeros_like(y)), grads, y_BSD)

@@ -282,6 +282,19 @@ def last_stage_to_all(x):
     return jax.lax.psum(jnp.where(last, x, jnp.zeros((), x.dtype)), PIPELINE)
 
 
+def last_stage_to_each(x):
+    """The last stage's value of x on every stage, sent to each of the others by a ppermute of one pair (varying over
+    "pipeline", where last_stage_to_all's psum makes it invariant). Under autodiff the gradients come back the same
+    way, summed on the last stage in x's dtype: the psum's all-reduce of the (B, S, D) output cost 3.8 ms a call on 2
+    H200s where a send costs ~0.25 ms, and its transpose, met only where the fp32 LayerNorm read the invariant value,
+    was an fp32 all-reduce (docs/benchmarks.md 4l)."""
+    p, stage = jax.lax.axis_size(PIPELINE), jax.lax.axis_index(PIPELINE)
+    out = x
+    for k in range(p - 1):
+        out = jnp.where(stage == k, jax.lax.ppermute(x, PIPELINE, [(p - 1, k)]), out)
+    return out
+
+
 def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None, mask_MBS=None):
     """Runs this stage's layers over the M microbatches, GPipe style; returns (M, B, S, D) final-layer outputs (B / tp
     rows each with sequence parallelism), meaningful on the last stage only. `model` is the local (this stage's)
