@@ -319,3 +319,16 @@ def test_the_ring_is_allocated_not_filled_on_gpus():
     slots = len(step.model.pipeline.ring()[0])
     # Each slot: the stage input and at least one kept residual a layer (2 layers a chunk here).
     assert text.count("@AllocateBuffer") >= slots * 3, text.count("@AllocateBuffer")
+
+
+def test_a_tick_waits_for_both_shifts_at_once():
+    """Both values shifted into a 1F1B tick (the activations and the input gradients) pass one optimization barrier
+    at the tick's start, so a tick waits once for its neighbours and XLA cannot start the gradients' shift behind the
+    tick's forward (docs/benchmarks.md 4l): the tick loop's body holds a barrier of exactly the two received values."""
+    cfg, step, tokens = _interleaved_step("matmuls")
+    text = jax.jit(step._train_step).lower(step.abstract_state(), tokens).as_text()
+    m = cfg.model
+    received = f"tensor<{cfg.training.micro_batch_size}x{m.seq_length}x{m.hidden_size}xf32>"
+    barriers = [line.split(" : ", 1)[-1] for line in text.splitlines()
+                if re.search(r"stablehlo.optimization_barrier %iterArg\S*, %iterArg\S* :", line)]
+    assert [b.strip().split(", ") for b in barriers] == [[received, received]], barriers
