@@ -14,10 +14,10 @@ GPUs in the trace one is counted (--device, default the first).
     python benchmarks/profile_summary.py TRACE_DIR --ticks [--devices 0 1]
 
 A pipelined step is a loop of ticks, each ending in its shifts (collective-permutes) to the neighbouring stages.
---ticks cuts each device's timeline at its shifts and lines the devices' pieces up ("ticks" below; where XLA issues
-a tick's two shifts apart, e.g. 1F1B's activations right after the forward slot, a tick is two of them): per piece,
-each device's compute (kernels other than collectives), its other collectives (the head's sums) and the wall time
-of its shift, which is the transfer plus the wait for the slower device. "skew" sums, over pieces, how much longer
+--ticks cuts each device's timeline at one of the tick loop's shifts (the shift op that runs most often) and lines
+the devices' pieces up ("ticks" below): per piece, each device's compute (kernels other than collectives), its other
+collectives (the head's sums) and the wall time of its shifts (the tick's and the head's sends), which is the
+transfer plus the wait for the slower device. "skew" sums, over pieces, how much longer
 the busiest device computed than each of the others: the time a lockstep loses to unequal work between shifts.
 """
 
@@ -29,7 +29,7 @@ import functools
 import gzip
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 CLASSES = (  # first match wins
@@ -111,30 +111,44 @@ def _is_shift(e) -> bool:
     return bool(SHIFT.search(e["name"]) or SHIFT.search(str((e.get("args") or {}).get("hlo_op", ""))))
 
 
+def _op(e) -> str:
+    return str((e.get("args") or {}).get("hlo_op") or e["name"])
+
+
 def ticks(trace_dir: str | Path, device: int = 0) -> list[dict]:
-    """One device's timeline cut at its shifts -> its ticks, each {start, compute_us, collective_us, shift_us}: the
-    union of its non-collective kernels and of its other collectives since the previous shift, and the wall time of
-    the shift that ends it (shift kernels with no other kernel starting between them are one shift)."""
+    """One device's timeline cut at its tick shifts -> its ticks, each {start, compute_us, collective_us, shift_us}:
+    the union of its non-collective kernels and of its other collectives since the previous cut, and the wall time of
+    its shifts (shift kernels with no other kernel starting between them are one shift). The cuts are the shifts of
+    the op that runs most often (ties: the first name): the tick loop's own, which every device runs once a tick;
+    the head's sends (1F1B) run only at the head's ticks, so cut at they would put the devices' pieces out of line."""
     events = sorted(device_events(find_trace(trace_dir), device), key=lambda e: e["ts"])
-    shifts, open_ = [], None
+    shifts, open_ = [], None  # [start, end, ops]
     for e in events:
         if _is_shift(e):
             if open_ is None:
-                open_ = [e["ts"], e["ts"] + e["dur"]]
+                open_ = [e["ts"], e["ts"] + e["dur"], set()]
                 shifts.append(open_)
             open_[1] = max(open_[1], e["ts"] + e["dur"])
+            open_[2].add(_op(e))
         elif open_ is not None and e["ts"] >= open_[1]:
             open_ = None
-    starts = [s for s, _ in shifts]
-    windows = [[] for _ in shifts]
-    for e in events:  # each other kernel belongs to the tick of the next shift (those after the last: none)
+    runs = Counter(op for _, _, ops in shifts for op in ops)
+    tick_op = min(runs, key=lambda op: (-runs[op], op)) if runs else None
+    cuts = [(s, t) for s, t, ops in shifts if tick_op in ops]
+    starts = [s for s, _ in cuts]
+    windows, shift_us = [[] for _ in cuts], [t - s for s, t in cuts]
+    for s, t, ops in shifts:  # the other shifts (the head's sends) count as shift time of their tick
+        k = bisect.bisect_left(starts, s)
+        if tick_op not in ops and k < len(cuts):
+            shift_us[k] += t - s
+    for e in events:  # each other kernel belongs to the tick of the next cut (those after the last: none)
         k = bisect.bisect_left(starts, e["ts"])
-        if not _is_shift(e) and k < len(shifts):
+        if not _is_shift(e) and k < len(cuts):
             windows[k].append(e)
     span = lambda es: _union_us([(e["ts"], e["ts"] + e["dur"]) for e in es])
     return [{"start": s, "compute_us": span([e for e in w if kernel_class(e["name"]) != "collective"]),
-             "collective_us": span([e for e in w if kernel_class(e["name"]) == "collective"]), "shift_us": t - s}
-            for (s, t), w in zip(shifts, windows)]
+             "collective_us": span([e for e in w if kernel_class(e["name"]) == "collective"]), "shift_us": u}
+            for (s, _), w, u in zip(cuts, windows, shift_us)]
 
 
 def tick_summary(trace_dir: str | Path, devices=(0, 1), *, steps: int = 1, top: int = 10) -> dict:

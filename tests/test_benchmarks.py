@@ -164,6 +164,24 @@ def test_profile_ticks_line_up_the_devices_shifts(tmp_path):
     assert "skew 0.2" in profile_summary.format_ticks(s)
 
 
+def test_profile_ticks_cut_at_the_tick_loops_shifts_only(tmp_path):
+    """The head's sends (another op, at some ticks only) are shift time of their tick, not a cut: the devices' pieces
+    still line up one a tick."""
+    x = lambda op, ts, dur, pid, tid=1: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": {"hlo_op": op},
+                                         "name": "ncclDevKernel_SendRecv" if "permute" in op else "gemm"}
+    _write_trace(tmp_path / "t", [
+        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        x("dot.1", 0, 100, 1), x("ppermute.7", 100, 20, 1, tid=2), x("dot.1", 120, 50, 1),  # a head send in tick 0
+        x("ppermute.3", 170, 10, 1, tid=2), x("dot.1", 180, 100, 1), x("ppermute.3", 280, 10, 1, tid=2),
+        x("dot.1", 0, 150, 3), x("ppermute.3", 170, 10, 3, tid=2), x("dot.1", 180, 80, 3),
+        x("ppermute.3", 280, 10, 3, tid=2),
+    ])
+    s = profile_summary.tick_summary(tmp_path / "t", (0, 1))
+    assert s["ticks"] == {0: 2, 1: 2} and s["lined_up"] == 2
+    assert s["per_device_ms"][0] == pytest.approx({"compute": 0.25, "collective": 0.0, "shift": 0.04, "skew": 0.0})
+    assert s["per_device_ms"][1] == pytest.approx({"compute": 0.23, "collective": 0.0, "shift": 0.02, "skew": 0.02})
+
+
 def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
     from benchmarks import suite
 
