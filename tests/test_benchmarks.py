@@ -167,7 +167,8 @@ def test_profile_ticks_line_up_the_devices_shifts(tmp_path):
 def test_profile_ticks_cut_at_the_tick_loops_shifts_only(tmp_path):
     """The head's sends (another op, at some ticks only) are shift time of their tick, not a cut: the devices' pieces
     still line up one a tick."""
-    x = lambda op, ts, dur, pid, tid=1: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": {"hlo_op": op},
+    x = lambda op, ts, dur, pid, tid=1: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur,
+                                         "args": {"hlo_op": op},
                                          "name": "ncclDevKernel_SendRecv" if "permute" in op else "gemm"}
     _write_trace(tmp_path / "t", [
         {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:1"}},
