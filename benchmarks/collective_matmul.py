@@ -1,23 +1,26 @@
-"""All-gather then matmul, the pattern of sequence parallelism's column-parallel linears (QKV, MLP up) and of the
-row-parallel linears' input gradients: XLA's all-gather (NCCL) followed by its matmul (cuBLAS), against jax's Mosaic GPU
-collective matmul (`jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul`: each device's rows
-passed around the ring by stores into the next device's memory over NVLink, beside the matmul; no multicast), over a
-"model" axis that spans every device (the kernel's condition).
+"""Sequence parallelism's two communicating matmuls, XLA's way (NCCL collective + cuBLAS matmul) against the
+peer-memory kernels of mtx/kernels/collective_matmul.py (Mosaic GPU: operands or partial sums stored into the next
+device's memory over NVLink beside the matmul; no multicast), over a "model" axis that spans every device (the
+kernels' condition):
+
+- `ag`, all-gather then matmul: the column-parallel linears' forward (QKV, MLP up) and the row-parallel linears'
+  input gradient (jax's own kernel);
+- `rs`, matmul then reduce-scatter: the row-parallel linears' forward (attention out, MLP down) and the column-parallel
+  linears' input gradient (mtx's ring kernel).
 
     python benchmarks/collective_matmul.py                                       # simulated CPU devices: XLA only
     python benchmarks/collective_matmul.py --tokens 16384 1024 --out cm.jsonl    # on 2 GPUs: both
 
 Shapes (`--shapes`), per rank at TP 2 of the 1.2B model (hidden 1536; micro batch 16 x seq 1024 = 16384 tokens):
-K x N of the matmul after the gather, K = 1536 (the gathered activations, or the gathered output gradient), N = the
-rank's columns: QKV 2304, MLP up 3072, attention out's input gradient 768, MLP down's 3072. A small `--tokens` gives
-the fixed cost of a call.
+the matmul's depth K and width N on one rank, e.g. QKV 1536 -> 2304 (ag), attention out 768 -> 1536 (rs). A small
+`--tokens` gives the fixed cost of a call.
 
 One JSON line per (shape, tokens, implementation): the time of one call (the median over `--repeats` runs of one
 program of `--iters` calls, each call's input tied to the previous output so none overlaps another), the matmul's
-TFLOP/s per device, the gathered tensor's size over the time (algbw, as if the call were all transfer), and for the
-kernel its largest deviation from XLA's result relative to that result's largest value, and the tuning config that
-ran fastest of a few (those that do not fit in shared memory are skipped). Where the kernel cannot run (no GPU, a
-jax without Mosaic GPU) its line says why.
+TFLOP/s per device, the moved tensor's size (the gathered rows, or the partial sums scattered) over the time (algbw,
+as if the call were all transfer), and for the kernel its largest deviation from XLA's result relative to that
+result's largest value, and the tuning that ran fastest of a few (those that do not fit in shared memory are
+skipped). Where the kernel cannot run (no Hopper GPU, a jax without Mosaic GPU) its line says why.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(2)
 
-SHAPES = {"qkv": (1536, 2304), "mlp_up": (1536, 3072), "attn_out_dgrad": (1536, 768), "mlp_down_dgrad": (1536, 3072)}
+SHAPES = {  # name: (pattern, K, N) on one rank
+    "qkv": ("ag", 1536, 2304), "mlp_up": ("ag", 1536, 3072),
+    "attn_out_dgrad": ("ag", 1536, 768), "mlp_down_dgrad": ("ag", 1536, 3072),
+    "attn_out": ("rs", 768, 1536), "mlp_down": ("rs", 3072, 1536),
+    "qkv_dgrad": ("rs", 2304, 1536), "mlp_up_dgrad": ("rs", 3072, 1536),
+}
 
 
 def chained(once, iters: int):
@@ -52,15 +60,7 @@ def chained(once, iters: int):
     return body
 
 
-def xla_once(x, w):
-    import jax
-
-    from mtx.parallel.mesh import MODEL
-
-    return jax.lax.all_gather(x, MODEL, axis=0, tiled=True) @ w
-
-
-def mosaic_configs():
+def tunings():
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     dims = hm.MatmulDimension
@@ -69,29 +69,44 @@ def mosaic_configs():
             for tm in (128, 256) for width in (4, 8) for wg in dims]
 
 
-def mosaic_once(config):
-    import jax.numpy as jnp
-    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
+def xla_once(pattern: str):
+    from mtx.kernels import collective_matmul as cm
 
-    from mtx.parallel.mesh import MODEL
-
-    return lambda x, w: cm.all_gather_lhs_matmul(x, w, MODEL, config=config, dtype=jnp.bfloat16)
+    return cm.xla_all_gather_matmul if pattern == "ag" else cm.xla_matmul_reduce_scatter
 
 
-def program(once, mesh, iters: int):
-    import jax
+def kernel_once(pattern: str, config):
+    from mtx.kernels import collective_matmul as cm
+
+    if pattern == "ag":
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
+
+        return lambda x, w: collective_matmul_mgpu.all_gather_lhs_matmul(x, w, cm.MODEL, config=config, dtype=x.dtype)
+    return lambda x, w: cm.matmul_reduce_scatter_kernel(x, w, cm.MODEL, config=config)
+
+
+def specs(pattern: str):
+    """(x, w, out) partition specs: ag gathers x's rows and splits w's columns; rs splits the contraction and
+    scatters the output's rows."""
     from jax.sharding import PartitionSpec as P
 
     from mtx.parallel.mesh import MODEL
 
-    return jax.jit(jax.shard_map(chained(once, iters), mesh=mesh, in_specs=(P(MODEL), P(None, MODEL)),
-                                 out_specs=P(None, MODEL), check_vma=False))
+    return (P(MODEL), P(None, MODEL), P(None, MODEL)) if pattern == "ag" else (P(None, MODEL), P(MODEL), P(MODEL))
 
 
-def timed(once, mesh, x, w, *, iters: int, repeats: int) -> float:
+def program(once, mesh, iters: int, pattern: str):
     import jax
 
-    fn = program(once, mesh, iters)
+    x_spec, w_spec, out_spec = specs(pattern)
+    return jax.jit(jax.shard_map(chained(once, iters), mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec,
+                                 check_vma=False))
+
+
+def timed(once, mesh, x, w, pattern: str, *, iters: int, repeats: int) -> float:
+    import jax
+
+    fn = program(once, mesh, iters, pattern)
     jax.block_until_ready(fn(x, w))  # compile + warm up
     times = []
     for _ in range(repeats):
@@ -102,47 +117,53 @@ def timed(once, mesh, x, w, *, iters: int, repeats: int) -> float:
 
 
 def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int) -> list[dict]:
-    """XLA's all-gather + matmul and the Mosaic GPU kernel (where it can run) on one shape -> their JSON lines."""
+    """XLA's collective and matmul and the peer-memory kernel (where it can run) on one shape -> their JSON lines."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
 
+    from mtx.kernels.collective_matmul import kernel_condition
     from mtx.parallel.mesh import MODEL
 
-    n, (k, cols) = mesh.shape[MODEL], SHAPES[shape]
+    n, (pattern, k, cols) = mesh.shape[MODEL], SHAPES[shape]
+    x_spec, w_spec, _ = specs(pattern)
+    x_shape, w_shape = ((tokens, k), (k, cols * n)) if pattern == "ag" else ((tokens, k * n), (k * n, cols))
     kx, kw = jax.random.split(jax.random.key(0))
-    x = jax.device_put(jax.random.normal(kx, (tokens, k), jnp.bfloat16), NamedSharding(mesh, P(MODEL)))
-    w = jax.device_put((jax.random.normal(kw, (k, cols * n)) / k ** 0.5).astype(jnp.bfloat16),
-                       NamedSharding(mesh, P(None, MODEL)))
-    base = {"shape": shape, "tokens": tokens, "k": k, "n_per_rank": cols, "devices": n,
+    x = jax.device_put(jax.random.normal(kx, x_shape, jnp.bfloat16), NamedSharding(mesh, x_spec))
+    w = jax.device_put((jax.random.normal(kw, w_shape) / (k * n) ** 0.5).astype(jnp.bfloat16),
+                       NamedSharding(mesh, w_spec))
+    moved = tokens * (k if pattern == "ag" else cols) * 2  # the gathered rows, or the partial sums scattered
+    base = {"shape": shape, "pattern": pattern, "tokens": tokens, "k": k, "n": cols, "devices": n,
             "device_kind": jax.devices()[0].device_kind}
 
     def line(impl, t, **extra):
         return {**base, "impl": impl, "time_us": round(t * 1e6, 1),
                 "tflops_per_device": round(2 * tokens * k * cols / t / 1e12, 1),
-                "algbw_GBps": round(tokens * k * 2 / t / 1e9, 1), **extra}
+                "algbw_GBps": round(moved / t / 1e9, 1), **extra}
 
-    lines = [line("xla", timed(xla_once, mesh, x, w, iters=iters, repeats=repeats))]
-    if jax.devices()[0].platform != "gpu":
-        return lines + [{**base, "impl": "mosaic", "error": "needs GPUs (Mosaic GPU); measured XLA only"}]
-    reference = np.asarray(program(xla_once, mesh, 1)(x, w), np.float32)
+    lines = [line("xla", timed(xla_once(pattern), mesh, x, w, pattern, iters=iters, repeats=repeats))]
+    local_x = jax.ShapeDtypeStruct((tokens // n, k) if pattern == "ag" else (tokens, k), jnp.bfloat16)
+    local_w = jax.ShapeDtypeStruct((k, cols), jnp.bfloat16)
+    if reason := kernel_condition(local_x, local_w, n, tunings()[0], rows_split=pattern == "ag"):
+        return lines + [{**base, "impl": "kernel", "error": reason}]
+    reference = np.asarray(program(xla_once(pattern), mesh, 1, pattern)(x, w), np.float32)
     best, errors = None, []
-    for config in mosaic_configs():
+    for config in tunings():
         try:
-            out = np.asarray(program(mosaic_once(config), mesh, 1)(x, w), np.float32)
-            t = timed(mosaic_once(config), mesh, x, w, iters=iters, repeats=repeats)
-        except Exception as e:  # a config that does not fit (shared memory) or a kernel condition not met
+            out = np.asarray(program(kernel_once(pattern, config), mesh, 1, pattern)(x, w), np.float32)
+            t = timed(kernel_once(pattern, config), mesh, x, w, pattern, iters=iters, repeats=repeats)
+        except Exception as e:  # a tuning that does not fit (shared memory) or does not divide the shape
             errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
         deviation = float(np.abs(out - reference).max() / np.abs(reference).max())
         if best is None or t < best[0]:
             best = (t, deviation, config)
     if best is None:
-        return lines + [{**base, "impl": "mosaic", "error": errors[0] if errors else "no config ran"}]
+        return lines + [{**base, "impl": "kernel", "error": errors[0] if errors else "no tuning ran"}]
     t, deviation, config = best
-    return lines + [line("mosaic", t, rel_deviation=round(deviation, 5), config=repr(config),
-                         configs_skipped=len(errors))]
+    return lines + [line("kernel", t, rel_deviation=round(deviation, 5), config=repr(config),
+                         tunings_skipped=len(errors))]
 
 
 def main(argv=None) -> list[dict]:

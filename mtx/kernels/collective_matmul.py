@@ -1,0 +1,140 @@
+"""Matmuls that move their operands between the GPUs of the "model" axis through peer memory, beside the matmul:
+sequence parallelism's two patterns without a NCCL call (Transformer Engine's userbuffers idea, in Mosaic GPU).
+
+- `all_gather_matmul(x, w)`: all_gather(x over rows) @ w, the column-parallel linears' forward (QKV, MLP up) and the
+  row-parallel linears' input gradient. On GPUs it is jax's own kernel
+  (`jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul`): each device's rows travel
+  around the ring by stores into the next device's memory while the matmul consumes the rows already there.
+- `matmul_reduce_scatter(x, w)`: psum_scatter(x @ w over rows), the row-parallel linears' forward (attention out,
+  MLP down) and the column-parallel linears' input gradient. On GPUs it is this module's kernel, on the same
+  mechanism reversed: a ring of P steps; at step s device d computes the rows of chunk (d + s + 1) mod P, adds the
+  partial sum that device d + 1 stored into its memory at step s - 1 (the Hopper matmul's C operand) and stores the
+  result into device d - 1's memory, then signals it; at the last step the chunk is d's own and the sum is its
+  output. Partial sums travel in the output dtype, as NCCL's bf16 reduce-scatter sums in bf16.
+
+Neither uses NVLink multicast (multimem). Both need what `kernel_condition` checks: NVIDIA Hopper GPUs with Mosaic GPU,
+one process for all of them or one each, the axis spanning every device, bf16 or f16 operands and tile-divisible
+sizes; otherwise (CPU, the simulated devices of the tests) the XLA collectives run, and they define the result.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtx.parallel.mesh import MODEL
+
+
+def xla_all_gather_matmul(x, w, axis_name=MODEL):
+    return lax.all_gather(x, axis_name, axis=0, tiled=True) @ w
+
+
+def xla_matmul_reduce_scatter(x, w, axis_name=MODEL):
+    return lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)
+
+
+def default_config(n: int):
+    """A Hopper tuning (`hopper_matmul_mgpu.TuningConfig`) for an output n columns wide: 128 x 128 tiles per
+    warpgroup, the two warpgroups side by side along N when n allows it (benchmarks/collective_matmul.py tries
+    others)."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    wg = hm.MatmulDimension.N if n % 256 == 0 else hm.MatmulDimension.M
+    return hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                           grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=4, wg_dimension=wg)
+
+
+def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
+    """Why the peer-memory kernel cannot run on these per-device operands over an axis of p devices (None: it can).
+    rows_split: x's rows are this device's shard (the all-gather kernel) rather than all rows (the reduce-scatter
+    kernel, whose output is this device's shard of them)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith("9."):
+        return "needs NVIDIA Hopper GPUs (compute capability 9.x: wgmma)"
+    try:
+        importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+    except ImportError as e:
+        return f"this jax has no Mosaic GPU ({e})"
+    if jax.device_count() not in (jax.process_count(), jax.local_device_count()):
+        return "needs one process for all GPUs or one process per GPU"
+    if p != jax.device_count():
+        return f"the axis ({p} devices) must span all {jax.device_count()} devices"
+    if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
+        return f"needs bf16 or f16 operands of one dtype, got {x.dtype} and {w.dtype}"
+    m, k = x.shape
+    n = w.shape[1]
+    cta_m = config.tile_m * (2 if config.wg_dimension.name == "M" else 1)
+    cta_n = config.tile_n * (2 if config.wg_dimension.name == "N" else 1)
+    rows = m if rows_split else m // p
+    if (not rows_split and m % p) or rows % cta_m or n % cta_n or k % config.tile_k:
+        return f"rows {rows}, columns {n}, depth {k} do not divide the tiles ({cta_m}, {cta_n}, {config.tile_k})"
+    return None
+
+
+def all_gather_matmul(x, w, axis_name=MODEL, *, config=None):
+    """Inside shard_map: this device's rows x (m, k) -> all_gather(x) @ w, (P m, n), through peer memory where the
+    kernel can run, else XLA's all-gather and matmul."""
+    config = config or default_config(w.shape[1])
+    if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=True) is not None:
+        return xla_all_gather_matmul(x, w, axis_name)
+    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
+
+    return collective_matmul_mgpu.all_gather_lhs_matmul(x, w, axis_name, config=config, dtype=x.dtype)
+
+
+def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
+    """Inside shard_map: x (m, k), this device's share of the contraction -> this device's rows of the sum over
+    devices of x @ w, (m / P, n), through peer memory where the kernel can run, else XLA's matmul and
+    reduce-scatter."""
+    config = config or default_config(w.shape[1])
+    if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=False) is not None:
+        return xla_matmul_reduce_scatter(x, w, axis_name)
+    return matmul_reduce_scatter_kernel(x, w, axis_name, config=config)
+
+
+def matmul_reduce_scatter_kernel(x, w, axis_name, *, config, num_sms: int | None = None):
+    """The ring kernel (module docstring); the caller has checked `kernel_condition`. num_sms: the GPU's streaming
+    multiprocessors (one program each; default: the device's count)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
+
+    p = lax.axis_size(axis_name)
+    m, _ = x.shape
+    n = w.shape[1]
+    shard = m // p
+    num_sms = num_sms or jax.devices()[0].core_count
+    compute_wgs = 2  # hopper_matmul_mgpu's compute warpgroups, each storing its own output tiles; the third loads
+
+    def body(x_ref, w_ref, out_ref, scratch_ref):
+        received = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        wg = lax.axis_index("wg")
+        device = lax.axis_index(axis_name)
+        previous = lax.rem(device + p - 1, jnp.int32(p))
+        previous_scratch = plgpu.remote_ref(scratch_ref, previous)
+        for s in range(p):
+            chunk = lax.rem(device + s + 1, jnp.int32(p))
+            if s > 0:  # every program of device d + 1 has stored its tiles of step s - 1's partial sum here
+                pl.semaphore_wait(received, value=s * compute_wgs * num_sms, decrement=False)
+            hopper_matmul_mgpu.kernel(x_ref.at[pl.ds(chunk * shard, shard)], w_ref,
+                                      None if s == 0 else scratch_ref.at[s - 1],
+                                      out_ref if s == p - 1 else previous_scratch.at[s], config=config)
+            if s < p - 1:
+                @pl.when(wg < compute_wgs)
+                def _signal():  # this warpgroup's stores into device d - 1 have landed
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    pl.semaphore_signal(received, device_id=previous)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out, _ = plgpu.kernel(
+        body,
+        out_type=[jax.ShapeDtypeStruct((shard, n), x.dtype),
+                  jax.ShapeDtypeStruct((max(p - 1, 1), shard, n), x.dtype)],  # the partial sums received
+        grid=(num_sms,), grid_names=("cluster_grid",), num_threads=compute_wgs + 1, thread_name="wg",
+        cluster=(1,), cluster_names=("cluster",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x, w)
+    return out
