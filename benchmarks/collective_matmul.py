@@ -6,7 +6,10 @@ kernels' condition):
 - `ag`, all-gather then matmul: the column-parallel linears' forward (QKV, MLP up) and the row-parallel linears'
   input gradient (jax's own kernel);
 - `rs`, matmul then reduce-scatter: the row-parallel linears' forward (attention out, MLP down) and the column-parallel
-  linears' input gradient (mtx's ring kernel).
+  linears' input gradient (mtx's ring kernel);
+- `column`, `row` (the `_layer` shapes): a linear layer's matmul forward and backward, `column_parallel_matmul` /
+  `row_parallel_matmul` (the kernels forward and for the input gradient, the weight gradient from a gathered operand)
+  against autodiff of XLA's collective and matmul; TFLOP/s and bytes count the three matmuls and three moves.
 
     python benchmarks/collective_matmul.py                                       # simulated CPU devices: XLA only
     python benchmarks/collective_matmul.py --tokens 16384 1024 --out cm.jsonl    # on 2 GPUs: both
@@ -43,7 +46,12 @@ SHAPES = {  # name: (pattern, K, N) on one rank
     "attn_out_dgrad": ("ag", 1536, 768), "mlp_down_dgrad": ("ag", 1536, 3072),
     "attn_out": ("rs", 768, 1536), "mlp_down": ("rs", 3072, 1536),
     "qkv_dgrad": ("rs", 2304, 1536), "mlp_up_dgrad": ("rs", 3072, 1536),
+    # A linear layer's matmul forward and backward (input and weight gradients): column_parallel_matmul and
+    # row_parallel_matmul against autodiff of XLA's collective and matmul.
+    "qkv_layer": ("column", 1536, 2304), "mlp_up_layer": ("column", 1536, 3072),
+    "attn_out_layer": ("row", 768, 1536), "mlp_down_layer": ("row", 3072, 1536),
 }
+LAYERS = {"column": "ag", "row": "rs"}  # a layer pattern's forward geometry
 
 
 def chained(once, iters: int):
@@ -69,15 +77,32 @@ def tunings():
             for tm in (128, 256) for width in (4, 8) for wg in dims]
 
 
+def layer_step(f):
+    """A linear layer's matmul forward and backward: x -> dx, the cotangent being the output itself, the weight's
+    gradient computed and folded into one element of dx so that none of it is dead code."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(x, w):
+        y, pullback = jax.vjp(f, x, w)
+        dx, dw = pullback(y)
+        return dx.at[0, 0].add((dw.astype(jnp.float32).sum() * 0).astype(dx.dtype))
+
+    return step
+
+
 def xla_once(pattern: str):
     from mtx.kernels import collective_matmul as cm
 
-    return cm.xla_all_gather_matmul if pattern == "ag" else cm.xla_matmul_reduce_scatter
+    plain = cm.xla_all_gather_matmul if LAYERS.get(pattern, pattern) == "ag" else cm.xla_matmul_reduce_scatter
+    return layer_step(plain) if pattern in LAYERS else plain
 
 
 def kernel_once(pattern: str, config):
     from mtx.kernels import collective_matmul as cm
 
+    if pattern in LAYERS:  # the layer functions take their kernels' default tuning
+        return layer_step(cm.column_parallel_matmul if pattern == "column" else cm.row_parallel_matmul)
     if pattern == "ag":
         from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
 
@@ -87,12 +112,14 @@ def kernel_once(pattern: str, config):
 
 def specs(pattern: str):
     """(x, w, out) partition specs: ag gathers x's rows and splits w's columns; rs splits the contraction and
-    scatters the output's rows."""
+    scatters the output's rows; a layer pattern returns dx, laid out as x."""
     from jax.sharding import PartitionSpec as P
 
     from mtx.parallel.mesh import MODEL
 
-    return (P(MODEL), P(None, MODEL), P(None, MODEL)) if pattern == "ag" else (P(None, MODEL), P(MODEL), P(MODEL))
+    x, w, out = ((P(MODEL), P(None, MODEL), P(None, MODEL)) if LAYERS.get(pattern, pattern) == "ag"
+                 else (P(None, MODEL), P(MODEL), P(MODEL)))
+    return x, w, (x if pattern in LAYERS else out)
 
 
 def program(once, mesh, iters: int, pattern: str):
@@ -127,29 +154,30 @@ def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int) -> list[
     from mtx.parallel.mesh import MODEL
 
     n, (pattern, k, cols) = mesh.shape[MODEL], SHAPES[shape]
+    geometry, passes = LAYERS.get(pattern, pattern), 3 if pattern in LAYERS else 1  # a layer: 3 matmuls, 3 moves
     x_spec, w_spec, _ = specs(pattern)
-    x_shape, w_shape = ((tokens, k), (k, cols * n)) if pattern == "ag" else ((tokens, k * n), (k * n, cols))
+    x_shape, w_shape = ((tokens, k), (k, cols * n)) if geometry == "ag" else ((tokens, k * n), (k * n, cols))
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.device_put(jax.random.normal(kx, x_shape, jnp.bfloat16), NamedSharding(mesh, x_spec))
     w = jax.device_put((jax.random.normal(kw, w_shape) / (k * n) ** 0.5).astype(jnp.bfloat16),
                        NamedSharding(mesh, w_spec))
-    moved = tokens * (k if pattern == "ag" else cols) * 2  # the gathered rows, or the partial sums scattered
+    moved = passes * tokens * (k if geometry == "ag" else cols) * 2  # the gathered rows, or the partial sums
     base = {"shape": shape, "pattern": pattern, "tokens": tokens, "k": k, "n": cols, "devices": n,
             "device_kind": jax.devices()[0].device_kind}
 
     def line(impl, t, **extra):
         return {**base, "impl": impl, "time_us": round(t * 1e6, 1),
-                "tflops_per_device": round(2 * tokens * k * cols / t / 1e12, 1),
+                "tflops_per_device": round(passes * 2 * tokens * k * cols / t / 1e12, 1),
                 "algbw_GBps": round(moved / t / 1e9, 1), **extra}
 
     lines = [line("xla", timed(xla_once(pattern), mesh, x, w, pattern, iters=iters, repeats=repeats))]
-    local_x = jax.ShapeDtypeStruct((tokens // n, k) if pattern == "ag" else (tokens, k), jnp.bfloat16)
+    local_x = jax.ShapeDtypeStruct((tokens // n, k) if geometry == "ag" else (tokens, k), jnp.bfloat16)
     local_w = jax.ShapeDtypeStruct((k, cols), jnp.bfloat16)
-    if reason := kernel_condition(local_x, local_w, n, tunings()[0], rows_split=pattern == "ag"):
+    if reason := kernel_condition(local_x, local_w, n, tunings()[0], rows_split=geometry == "ag"):
         return lines + [{**base, "impl": "kernel", "error": reason}]
     reference = np.asarray(program(xla_once(pattern), mesh, 1, pattern)(x, w), np.float32)
     best, errors = None, []
-    for config in tunings():
+    for config in (tunings() if pattern not in LAYERS else [None]):
         try:
             out = np.asarray(program(kernel_once(pattern, config), mesh, 1, pattern)(x, w), np.float32)
             t = timed(kernel_once(pattern, config), mesh, x, w, pattern, iters=iters, repeats=repeats)

@@ -184,17 +184,18 @@ def test_profile_ticks_cut_at_the_tick_loops_shifts_only(tmp_path):
 
 
 def test_collective_matmul_benchmark_runs_xla_and_says_why_the_kernel_cannot(tmp_path):
-    """benchmarks/collective_matmul.py on simulated devices: XLA's all-gather + matmul and matmul + reduce-scatter
-    timed, the peer-memory kernels' lines saying they need Hopper GPUs; bad sizes refused in one line."""
+    """benchmarks/collective_matmul.py on simulated devices: XLA's all-gather + matmul, matmul + reduce-scatter and a
+    layer's matmul forward and backward timed, the peer-memory kernels' lines saying they need Hopper GPUs; bad sizes
+    refused in one line."""
     from benchmarks import collective_matmul
 
     out = tmp_path / "cm.jsonl"
-    results = collective_matmul.main(["--shapes", "qkv", "attn_out", "--tokens", "8", "--iters", "2", "--repeats",
-                                      "1", "--out", str(out)])
+    results = collective_matmul.main(["--shapes", "qkv", "attn_out", "mlp_down_layer", "--tokens", "8", "--iters",
+                                      "2", "--repeats", "1", "--out", str(out)])
     assert [(r["pattern"], r["impl"]) for r in results] == [("ag", "xla"), ("ag", "kernel"), ("rs", "xla"),
-                                                            ("rs", "kernel")]
+                                                            ("rs", "kernel"), ("row", "xla"), ("row", "kernel")]
     assert all(r["time_us"] > 0 for r in results[::2]) and all("Hopper" in r["error"] for r in results[1::2])
-    assert len(out.read_text().splitlines()) == 4
+    assert len(out.read_text().splitlines()) == 6
     for bad in (["--tokens", "7"], ["--iters", "0"]):
         with pytest.raises(SystemExit):
             collective_matmul.main(bad)

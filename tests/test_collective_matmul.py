@@ -33,6 +33,15 @@ def test_off_a_gpu_they_are_the_collective_and_the_matmul():
     assert reason.startswith("needs NVIDIA Hopper GPUs")
 
 
+def _lower_for_hopper(program, *args) -> str:
+    """The StableHLO of `program` lowered for CUDA here, on the CPU. The kernels ask the device for its SM count, and
+    jax's for a mesh of every device (the tests simulate 8; the programs use 2)."""
+    with unittest.mock.patch.object(type(jax.devices()[0]), "core_count", 132, create=True), \
+            unittest.mock.patch.object(jax, "device_count", lambda: 2), \
+            unittest.mock.patch.object(jax, "local_device_count", lambda: 2):
+        return program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("pattern", ["ag", "rs"])
 def test_the_kernels_lower_for_hopper(pattern):
     """Traced and lowered for CUDA on the CPU (a Mosaic GPU custom call in the module): catches a kernel written
@@ -50,9 +59,55 @@ def test_the_kernels_lower_for_hopper(pattern):
         shapes, specs = ((1024, 2 * 768), (2 * 768, 1536)), RS
     program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=False))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
-    # The kernels ask the device for its SM count, and jax's for a mesh of every device (the tests simulate 8).
-    with unittest.mock.patch.object(type(jax.devices()[0]), "core_count", 132, create=True), \
-            unittest.mock.patch.object(jax, "device_count", lambda: 2), \
-            unittest.mock.patch.object(jax, "local_device_count", lambda: 2):
-        text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in _lower_for_hopper(program, *args)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_the_linear_layers_matmuls_and_their_gradients_equal_autodiffs(kind):
+    """column_parallel_matmul / row_parallel_matmul (custom backward: the other pattern for the input gradient, the
+    gathered operand for the weight's) against autodiff of the plain collectives, inside a shard_map that checks
+    which values vary, on 4 devices."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (MODEL,))
+    keys = jax.random.split(jax.random.key(0), 3)
+    if kind == "column":
+        x, w, specs = jax.random.normal(keys[0], (16, 6)), jax.random.normal(keys[1], (6, 8)), AG
+        fn, plain = cm.column_parallel_matmul, cm.xla_all_gather_matmul
+    else:
+        x, w, specs = jax.random.normal(keys[0], (16, 8)), jax.random.normal(keys[1], (8, 6)), RS
+        fn, plain = cm.row_parallel_matmul, cm.xla_matmul_reduce_scatter
+    ct = jax.random.normal(keys[2], (16, w.shape[1]))  # a cotangent for every output row
+
+    def loss(f):
+        def run(x, w, ct):
+            return jax.lax.psum((f(x, w) * ct).sum(), MODEL)[None]
+        x_spec, w_spec, out_spec = specs
+        sharded = jax.shard_map(run, mesh=mesh, in_specs=(x_spec, w_spec, out_spec), out_specs=P(MODEL))
+        return lambda x, w: sharded(x, w, ct)[0]
+
+    np.testing.assert_allclose(loss(fn)(x, w), loss(plain)(x, w), rtol=1e-5)
+    for got, want in zip(jax.grad(loss(fn), (0, 1))(x, w), jax.grad(loss(plain), (0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, monkeypatch):
+    """Lowered for CUDA with the kernels' condition met (as on 2 H200s), inside a shard_map that checks which values
+    vary: the forward and the input gradient are the peer-memory kernels (two Mosaic GPU calls), no NCCL all-gather or
+    reduce-scatter is left but the weight gradient's gather."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    monkeypatch.setattr(cm, "kernel_condition", lambda *args, **kwargs: None)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
+    if kind == "column":
+        fn, specs, shapes = cm.column_parallel_matmul, AG, ((2048, 1536), (1536, 2 * 1536))
+    else:
+        fn, specs, shapes = cm.row_parallel_matmul, RS, ((2048, 2 * 768), (2 * 768, 1536))
+
+    def run(x, w):  # the loss kept, so the forward's kernel is not dead code
+        loss, grads = jax.value_and_grad(lambda x, w: fn(x, w).astype(jnp.float32).sum(), (0, 1))(x, w)
+        return jax.lax.psum(loss, MODEL), grads
+
+    program = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=specs[:2], out_specs=(P(), specs[:2])))
+    text = _lower_for_hopper(program, *(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes))
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == 2, len(calls)
+    assert "reduce_scatter" not in text and text.count("stablehlo.all_gather") == 1

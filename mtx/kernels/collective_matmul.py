@@ -12,20 +12,27 @@ sequence parallelism's two patterns without a NCCL call (Transformer Engine's us
   result into device d - 1's memory, then signals it; at the last step the chunk is d's own and the sum is its
   output. Partial sums travel in the output dtype, as NCCL's bf16 reduce-scatter sums in bf16.
 
-Neither uses NVLink multicast (multimem). Both need what `kernel_condition` checks: NVIDIA Hopper GPUs with Mosaic GPU,
+`column_parallel_matmul` and `row_parallel_matmul` are a linear layer's matmul under sequence parallelism with its
+backward written out: each pattern's input gradient is the other pattern (Megatron's conjugate pair), its weight
+gradient a matmul with the operand gathered again.
+
+Neither kernel uses NVLink multicast (multimem). Both need what `kernel_condition` checks: NVIDIA Hopper GPUs with Mosaic GPU,
 one process for all of them or one each, the axis spanning every device, bf16 or f16 operands and tile-divisible
 sizes; otherwise (CPU, the simulated devices of the tests) the XLA collectives run, and they define the result.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mtx.parallel.compat import varying_axes
 from mtx.parallel.mesh import MODEL
+from mtx.parallel.ops import vary
 
 
 def xla_all_gather_matmul(x, w, axis_name=MODEL):
@@ -82,7 +89,8 @@ def all_gather_matmul(x, w, axis_name=MODEL, *, config=None):
         return xla_all_gather_matmul(x, w, axis_name)
     from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
 
-    return collective_matmul_mgpu.all_gather_lhs_matmul(x, w, axis_name, config=config, dtype=x.dtype)
+    return _typed_like(collective_matmul_mgpu.all_gather_lhs_matmul(x, w, axis_name, config=config, dtype=x.dtype),
+                       x, w)
 
 
 def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
@@ -92,7 +100,60 @@ def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
     config = config or default_config(w.shape[1])
     if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=False) is not None:
         return xla_matmul_reduce_scatter(x, w, axis_name)
-    return matmul_reduce_scatter_kernel(x, w, axis_name, config=config)
+    return _typed_like(matmul_reduce_scatter_kernel(x, w, axis_name, config=config), x, w)
+
+
+def _typed_like(out, *operands):
+    """A kernel's output typed as varying over the axes its operands vary over (a Pallas call's outputs carry no
+    such type inside shard_map; the cast is a type, no data moves)."""
+    return vary(out, set().union(*map(varying_axes, operands)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def column_parallel_matmul(x, w, axis_name=MODEL):
+    """Sequence parallelism's column-parallel matmul: this device's rows x (m, k) and its columns w (k, n) -> every
+    row's product with them, (P m, n): `all_gather_matmul` forward; backward the input gradient by
+    `matmul_reduce_scatter` (dy @ w^T, each device's rows of it summed over devices) and the weight gradient from the
+    gathered rows (gathered again, as Megatron's sequence parallelism does, not kept from the forward). w must vary
+    over the axes x varies over (its gradient is then the devices' own; the caller's cast sums it)."""
+    return all_gather_matmul(x, w, axis_name)
+
+
+def _column_forward(x, w, axis_name):
+    return all_gather_matmul(x, w, axis_name), (x, w)
+
+
+def _column_backward(axis_name, residuals, dy):
+    x, w = residuals
+    dx = matmul_reduce_scatter(dy, w.T.astype(dy.dtype), axis_name)
+    dw = lax.all_gather(x, axis_name, axis=0, tiled=True).T @ dy
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+column_parallel_matmul.defvjp(_column_forward, _column_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def row_parallel_matmul(x, w, axis_name=MODEL):
+    """Sequence parallelism's row-parallel matmul: x (m, k), this device's share of the contraction, and its rows of
+    the weight w (k, n) -> this device's rows of the sum over devices of x @ w, (m / P, n): `matmul_reduce_scatter`
+    forward; backward the input gradient by `all_gather_matmul` (the gathered dy @ w^T) and the weight gradient from
+    the gathered dy. w must vary over the axes x varies over."""
+    return matmul_reduce_scatter(x, w, axis_name)
+
+
+def _row_forward(x, w, axis_name):
+    return matmul_reduce_scatter(x, w, axis_name), (x, w)
+
+
+def _row_backward(axis_name, residuals, dy):
+    x, w = residuals
+    dx = all_gather_matmul(dy, w.T.astype(dy.dtype), axis_name)
+    dw = x.T @ lax.all_gather(dy, axis_name, axis=0, tiled=True)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+row_parallel_matmul.defvjp(_row_forward, _row_backward)
 
 
 def matmul_reduce_scatter_kernel(x, w, axis_name, *, config, num_sms: int | None = None):
