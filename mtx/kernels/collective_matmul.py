@@ -16,9 +16,10 @@ sequence parallelism's two patterns without a NCCL call (Transformer Engine's us
 backward written out: each pattern's input gradient is the other pattern (Megatron's conjugate pair), its weight
 gradient a matmul with the operand gathered again.
 
-Neither kernel uses NVLink multicast (multimem). Both need what `kernel_condition` checks: NVIDIA Hopper GPUs with Mosaic GPU,
-one process for all of them or one each, the axis spanning every device, bf16 or f16 operands and tile-divisible
-sizes; otherwise (CPU, the simulated devices of the tests) the XLA collectives run, and they define the result.
+Neither kernel uses NVLink multicast (multimem). Both need what `kernel_condition` checks: NVIDIA Hopper GPUs with
+Mosaic GPU, one process for all of them or one each, the axis spanning every device, bf16 or f16 operands and
+tile-divisible sizes; otherwise (CPU, the simulated devices of the tests) the XLA collectives run, and they define
+the result.
 """
 
 from __future__ import annotations
