@@ -285,9 +285,9 @@ def last_stage_to_all(x):
 def last_stage_to_each(x):
     """The last stage's value of x on every stage, sent to each of the others by a ppermute of one pair (varying over
     "pipeline", where last_stage_to_all's psum makes it invariant). Under autodiff the gradients come back the same
-    way, summed on the last stage in x's dtype: the psum's all-reduce of the (B, S, D) output cost 3.8 ms a call on 2
-    H200s where a send costs ~0.25 ms, and its transpose, met only where the fp32 LayerNorm read the invariant value,
-    was an fp32 all-reduce (docs/benchmarks.md 4l)."""
+    way, summed on the last stage in x's dtype. For the spread head (mtx/parallel/one_f_one_b.py) the psum was an
+    all-reduce of the (B, S, D) output (30 ms a step on one of 2 H200s, its waits included) and its transpose, met
+    only where the fp32 LayerNorm read the invariant value, an fp32 all-reduce (docs/benchmarks.md 4l, 4m)."""
     p, stage = jax.lax.axis_size(PIPELINE), jax.lax.axis_index(PIPELINE)
     out = x
     for k in range(p - 1):
