@@ -1,8 +1,11 @@
 """The peer-memory collective matmuls (mtx/kernels/collective_matmul.py): off a Hopper GPU they are XLA's collectives
 and matmuls; their Mosaic GPU kernels lower for CUDA here (checked without a GPU), and run and are compared with XLA's
-result by benchmarks/collective_matmul.py on GPUs."""
+result on GPUs by benchmarks/collective_matmul.py and benchmarks/gpu_checks.py, whose runs here are tested too."""
 
+import json
+import sys
 import unittest.mock
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtx.kernels import collective_matmul as cm
 from mtx.parallel.mesh import MODEL
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import collective_matmul as benchmark, gpu_checks  # noqa: E402
 
 AG = (P(MODEL), P(None, MODEL), P(None, MODEL))  # x, w, out: rows gathered, columns split
 RS = (P(None, MODEL), P(MODEL), P(MODEL))  # contraction split, output rows scattered
@@ -111,3 +117,32 @@ def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, monk
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line and "mosaic_gpu" in line]
     assert len(calls) == 2, len(calls)
     assert "reduce_scatter" not in text and text.count("stablehlo.all_gather") == 1
+
+
+def test_collective_matmul_benchmark_runs_xla_and_says_why_the_kernel_cannot(tmp_path):
+    """benchmarks/collective_matmul.py on simulated devices: XLA's all-gather + matmul, matmul + reduce-scatter and a
+    layer's matmul forward and backward timed, the peer-memory kernels' lines saying they need Hopper GPUs; bad sizes
+    refused in one line."""
+    out = tmp_path / "cm.jsonl"
+    results = benchmark.main(["--shapes", "qkv", "attn_out", "mlp_down_layer", "--tokens", "8", "--iters",
+                                      "2", "--repeats", "1", "--out", str(out)])
+    assert [(r["pattern"], r["impl"]) for r in results] == [("ag", "xla"), ("ag", "kernel"), ("rs", "xla"),
+                                                            ("rs", "kernel"), ("row", "xla"), ("row", "kernel")]
+    assert all(r["time_us"] > 0 for r in results[::2]) and all("Hopper" in r["error"] for r in results[1::2])
+    assert len(out.read_text().splitlines()) == 6
+    for bad in (["--tokens", "7"], ["--iters", "0"]):
+        with pytest.raises(SystemExit):
+            benchmark.main(bad)
+
+
+def test_gpu_checks_catch_a_wrong_collective_matmul_backward(monkeypatch, capsys):
+    """The collective_matmul check (XLA's collectives inside the layer functions here) fails a row-parallel matmul
+    whose weight gradient is off by 5%."""
+    def wrong(x, w):
+        y = cm.xla_matmul_reduce_scatter(x, w)
+        return y + cm.xla_matmul_reduce_scatter(x, 0.05 * (w - jax.lax.stop_gradient(w)))
+
+    monkeypatch.setattr(cm, "row_parallel_matmul", wrong)
+    assert gpu_checks.main(["--batch", "2", "--seq", "16", "--heads", "2", "--head-dim", "8"]) == 1
+    check = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert check["check"] == "collective_matmul" and check["failed"] == ["dw2"]
