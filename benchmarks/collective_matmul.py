@@ -29,10 +29,7 @@ skipped). Where the kernel cannot run (no Hopper GPU, a jax without Mosaic GPU) 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -131,16 +128,9 @@ def program(once, mesh, iters: int, pattern: str):
 
 
 def timed(once, mesh, x, w, pattern: str, *, iters: int, repeats: int) -> float:
-    import jax
+    from benchmarks.collectives import time_per_call
 
-    fn = program(once, mesh, iters, pattern)
-    jax.block_until_ready(fn(x, w))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, w))
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    return time_per_call(program(once, mesh, iters, pattern), (x, w), iters=iters, repeats=repeats)
 
 
 def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int) -> list[dict]:
@@ -218,17 +208,11 @@ def main(argv=None) -> list[dict]:
     for tokens in args.tokens:
         if tokens < n or tokens % n:
             p.error(f"--tokens {tokens}: must be a positive multiple of the {n} devices")
+    from benchmarks.collectives import emit
+
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (MODEL,))
-    results = []
-    for shape in args.shapes:
-        for tokens in args.tokens:
-            for r in measure(shape, tokens, mesh, iters=args.iters, repeats=args.repeats):
-                print(json.dumps(r), flush=True)
-                results.append(r)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in results)
-    return results
+    return emit((r for shape in args.shapes for tokens in args.tokens
+                 for r in measure(shape, tokens, mesh, iters=args.iters, repeats=args.repeats)), args.out)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,32 @@ def collective_fn(collective: str, mesh, iters: int = 1):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=True)), split
 
 
+def time_per_call(fn, args, *, iters: int, repeats: int) -> float:
+    """Seconds per call of a program of `iters` chained calls: compiled and warmed up, then the median of `repeats`
+    runs, each divided by `iters`."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def emit(records, out: str | None) -> list[dict]:
+    """Prints each record as a JSON line (as it comes) and appends them all to `out` when given; -> the records."""
+    results = []
+    for r in records:
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    if out:
+        with open(out, "a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in results)
+    return results
+
+
 def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters: int = 50, repeats: int = 5) -> dict:
     import jax
     import jax.numpy as jnp
@@ -82,13 +108,7 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
     rows = max(n, size_bytes // (2 * width) // n * n)
     fn, split = collective_fn(collective, mesh, iters)
     x = jax.device_put(jnp.ones((rows, width), jnp.bfloat16), NamedSharding(mesh, P(MODEL) if split else P()))
-    jax.block_until_ready(fn(x))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append((time.perf_counter() - t0) / iters)
-    t = statistics.median(times)
+    t = time_per_call(fn, (x,), iters=iters, repeats=repeats)
     nbytes = rows * width * 2 // (n if collective == "ppermute" else 1)  # a ring step moves one shard
     algbw = nbytes / t / 1e9
     return {"collective": collective, "devices": n, "bytes": nbytes, "time_us": round(t * 1e6, 1),
@@ -118,16 +138,8 @@ def main(argv=None) -> list[dict]:
     if n < 2 or n > jax.device_count():
         p.error(f"--devices {n}: need 2 to {jax.device_count()} devices (pass --devices within that range)")
     mesh = make_mesh(1, 1, n, devices=jax.devices()[:n])
-    results = []
-    for collective in args.collectives:
-        for mb in args.sizes_mb:
-            r = measure(collective, int(mb * 1e6), mesh, width=args.width, iters=args.iters, repeats=args.repeats)
-            print(json.dumps(r), flush=True)
-            results.append(r)
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in results)
-    return results
+    return emit((measure(collective, int(mb * 1e6), mesh, width=args.width, iters=args.iters, repeats=args.repeats)
+                 for collective in args.collectives for mb in args.sizes_mb), args.out)
 
 
 if __name__ == "__main__":
