@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import ModelConfig
+from mtx.kernels.elementwise import STATISTICS
 from mtx.models.transformer import KVCache, TransformerLayer, dropout_draws, local_kv_heads
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.ops import vary, vary_like
@@ -48,8 +49,9 @@ _SAVED_PRIMITIVES = ("dot_product_attention_fwd", "pallas_call", "psum", "all_ga
 
 def save_matmul_outputs(prim, *args, **params) -> bool:
     """Remat policy of `--recompute-granularity matmuls`: save the outputs of the weight matmuls, of fused attention
-    (cuDNN's or mtx's kernel: output and softmax statistics, which its backward needs) and of the `g` all-reduces;
-    recompute the element-wise rest (LayerNorm, GeLU, bias adds, residual adds, dropout).
+    (cuDNN's or mtx's kernel: output and softmax statistics, which its backward needs), of the `g` all-reduces and
+    the norms' row statistics (`elementwise.STATISTICS`, 4 or 8 bytes a row); recompute the element-wise rest
+    (LayerNorm's output, GeLU, bias adds, residual adds, dropout).
 
     The element-wise ops are cheap to recompute (memory-bound, fused into their neighbours), while each saved
     activation costs a write now and a read in the backward; the matmuls and attention are the FLOPs, and an
@@ -60,7 +62,7 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     batch dimensions and are recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith(_SAVED_PRIMITIVES))
+            or prim.name.startswith(_SAVED_PRIMITIVES) or params.get("name") == STATISTICS)
 
 
 @jax.custom_vjp

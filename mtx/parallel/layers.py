@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtx.kernels.elementwise import layer_norm, rms_norm
 from mtx.parallel.mesh import MODEL, PIPELINE
 from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequence_parallel, model_rank,
                               reduce_scatter_to_sequence_parallel, scatter_to_model_parallel)
@@ -190,7 +191,8 @@ class VocabParallelEmbedding(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with replicated scale and bias, computed in float32 whatever the compute dtype."""
+    """LayerNorm with replicated scale and bias, computed in float32 whatever the compute dtype (its backward written
+    out, mtx/kernels/elementwise.py)."""
 
     def __init__(self, features: int, *, epsilon: float = 1e-5, dtype=jnp.float32):
         self.scale = param(None, (features,), (REPLICATED,), value=1.0)
@@ -199,11 +201,7 @@ class LayerNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
-        return (y * self.scale[...] + self.bias[...]).astype(self.dtype)
+        return layer_norm(x, self.scale[...], self.bias[...], self.epsilon, self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -217,9 +215,7 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.epsilon)
-        return (y * self.scale[...]).astype(self.dtype)
+        return rms_norm(x, self.scale[...], self.epsilon, self.dtype)
 
 
 def normalization(cfg, features: int, *, dtype):
