@@ -18,6 +18,8 @@ Checks:
   collective_matmul  an MLP's two matmuls under sequence parallelism through the peer-memory kernels (2+ Hopper
                 GPUs; XLA's collectives elsewhere) against XLA's in bf16 and fp32: the output and the gradients; on
                 GPUs it fails if the kernels did not run.
+  tp_comm_overlap_training  on 2+ GPUs, the small GPT of flash_training trained 50 steps with TP over every GPU,
+                --sequence-parallel with and without --tp-comm-overlap: the curves must agree to `--loss-tol`.
 """
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ def flash_dropout(batch: int, seq: int, heads: int, head_dim: int, causal: bool,
             "causal": causal}
 
 
-def flash_training(steps: int = 30) -> dict:
-    """Loss curves of a small GPT with dropout 0.1, through the kernel and through XLA's attention."""
+def _loss_curves(steps: int, tp: int, **variants) -> dict:
+    """Loss curves of a small GPT (bf16, dropout 0.1, TP `tp` over the first tp devices) trained `steps` steps with
+    each variant's flags: {name: [loss of step 1 .. steps]}."""
     import tempfile
 
     from mtx.config import Config, load_preset
@@ -114,16 +117,32 @@ def flash_training(steps: int = 30) -> dict:
 
     cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
         num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, max_position_embeddings=256,
-        micro_batch_size=8, global_batch_size=8, data_parallel_size=1, tensor_model_parallel_size=1,
+        micro_batch_size=8, global_batch_size=8, data_parallel_size=1, tensor_model_parallel_size=tp,
         train_iters=steps, bf16=True, hidden_dropout=0.1, attention_dropout=0.1, log_interval=steps, lr=3e-4)
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for fused in (True, False):
-            run = train(cfg.replace(run_dir=f"{tmp}/{fused}", use_flash_attn=fused), progress=False)
-            curves["kernel" if fused else "xla"] = [run.losses[s] for s in range(1, steps + 1)]
+        for name, flags in variants.items():
+            run = train(cfg.replace(run_dir=f"{tmp}/{name}", **flags), progress=False)
+            curves[name] = [run.losses[s] for s in range(1, steps + 1)]
+    return curves
+
+
+def flash_training(steps: int = 30) -> dict:
+    """Loss curves of a small GPT with dropout 0.1, through the kernel and through XLA's attention."""
+    curves = _loss_curves(steps, 1, kernel={"use_flash_attn": True}, xla={"use_flash_attn": False})
     diff = max(abs(a - b) for a, b in zip(curves["kernel"], curves["xla"]))
     return {"max_loss_difference": diff, "first": curves["xla"][0], "last": curves["xla"][-1],
             "kernel_last": curves["kernel"][-1]}
+
+
+def tp_comm_overlap_training(steps: int = 50) -> dict:
+    """Issue item: the loss curve of --tp-comm-overlap (the peer-memory kernels inside the layers) against sequence
+    parallelism's NCCL collectives, TP over every GPU, 50 steps."""
+    sp = {"sequence_parallel": True, "use_flash_attn": True}
+    curves = _loss_curves(steps, len(jax.devices()), kernels={**sp, "tp_comm_overlap": True}, nccl=sp)
+    diff = max(abs(a - b) for a, b in zip(curves["kernels"], curves["nccl"]))
+    return {"max_loss_difference": diff, "first": curves["nccl"][0], "last": curves["nccl"][-1],
+            "kernels_last": curves["kernels"][-1]}
 
 
 def collective_matmul(tokens: int, hidden: int, ffn: int) -> dict:
@@ -174,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slack", type=float, default=2.0,
                         help="fail when a fused error exceeds slack x XLA bf16's (plus 1e-3)")
     parser.add_argument("--loss-tol", type=float, default=0.05,
-                        help="flash_training: largest loss difference allowed between the two bf16 curves")
+                        help="flash_training, tp_comm_overlap_training: largest loss difference allowed between "
+                        "the two bf16 curves")
     a = parser.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     shape = (a.batch, a.seq, a.heads, a.head_dim)
@@ -186,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(jax.devices()) >= 2:  # on GPUs the MLP of the 1.2B model at micro batch 4; elsewhere a small one
         dims = (4096, 1536, 6144) if gpu else (256, 128, 512)
         results.append({"check": "collective_matmul", **collective_matmul(*dims)})
+        if gpu:
+            results.append({"check": "tp_comm_overlap_training", **tp_comm_overlap_training()})
     status = 0
     for result in results:
         result["backend"] = jax.default_backend()
@@ -197,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             failed.append("no cuDNN attention in the compiled program")
         if result["check"] == "collective_matmul" and gpu and result["kernels_not_used"]:
             failed.append(f"the peer-memory kernels did not run: {result['kernels_not_used']}")
-        if result["check"] == "flash_training" and not result["max_loss_difference"] <= a.loss_tol:
+        if result["check"] in ("flash_training", "tp_comm_overlap_training") and \
+                not result["max_loss_difference"] <= a.loss_tol:
             failed.append(f"loss curves differ by {result['max_loss_difference']:.4f}")
         result["failed"] = failed
         status |= bool(failed)

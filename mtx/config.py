@@ -25,6 +25,9 @@ from mtx.schema_checks import check_combinations, check_field, described as _f
 class ParallelConfig:
     tensor_model_parallel_size: int = _f(2, 'TP: devices one layer is split over (the "model" axis)')
     sequence_parallel: bool = _f(False, "split the residual stream (LayerNorm, dropout, residual adds) over TP by rows")
+    tp_comm_overlap: bool = _f(
+        False, "with --sequence-parallel: its all-gathers and reduce-scatters inside the linear layers' matmuls, "
+        "through peer memory (Mosaic GPU kernels on Hopper GPUs; XLA's collectives elsewhere)")
     pipeline_model_parallel_size: int = _f(1, 'PP: stages the layer stack is split into (the "pipeline" axis)')
     data_parallel_size: int = _f(-1, "DP: -1 means all remaining devices, devices / (TP x PP), as in Megatron")
     num_layers_in_first_pipeline_stage: int | None = _f(None, "uneven stages: layers of the first stage")
@@ -185,6 +188,12 @@ class Config:
         split the residual stream by rows over "model"; the one switch every layer reads."""
         return self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1
 
+    @property
+    def tp_comm_overlap(self) -> bool:
+        """--tp-comm-overlap where sequence parallelism is on: whether its linear layers move their operands inside
+        the matmuls (mtx/kernels/collective_matmul.py)."""
+        return self.sequence_parallel and self.parallel.tp_comm_overlap
+
     def __post_init__(self):
         """Megatron's derived settings, recomputed whenever the config changes: sample counts and the warmup fraction
         set the step counts the schedule and the loop read, --recompute-activations the recompute granularity.
@@ -294,7 +303,7 @@ class Config:
 
 
 # Fields older versions saved for features measured slower and removed (none changed the model): configs still load.
-_REMOVED_FIELDS = frozenset({"tp_comm_overlap", "tp_comm_p2p", "tp_comm_batch_split"})
+_REMOVED_FIELDS = frozenset({"tp_comm_p2p", "tp_comm_batch_split"})
 
 # Step counts that Megatron's sample / fraction flags set (Config.__post_init__), each from the flags named.
 DERIVED = {"train_iters": ("train_samples",), "lr_decay_iters": ("lr_decay_samples",),

@@ -128,6 +128,9 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
            f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
            f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
+    _check(not p.tp_comm_overlap or p.sequence_parallel,
+           "--tp-comm-overlap moves sequence parallelism's all-gathers and reduce-scatters into the matmuls; pass it "
+           "with --sequence-parallel.")
     _check_pipeline(cfg)
     _check_overlap(p)
     cfg.stage_layer_counts()  # refuses layers that do not split over the stages as asked

@@ -43,7 +43,8 @@ def build_model(cfg: Config, *, seed: int | None = None):
     family = BERT if cfg.model.is_bert else GPT
     return lambda: family(cfg.model, dtype=DTYPES[t.compute_dtype], recompute=t.recompute_granularity,
                           flash=t.use_flash_attn, scan_layers=t.scan_layers,
-                          sequence_parallel=cfg.sequence_parallel, rngs=nnx.Rngs(seed))
+                          sequence_parallel=cfg.sequence_parallel, tp_comm_overlap=cfg.tp_comm_overlap,
+                          rngs=nnx.Rngs(seed))
 
 
 def num_microbatches(cfg: Config, mesh) -> int:

@@ -53,12 +53,10 @@ def test_the_kernels_lower_for_hopper(pattern):
     """Traced and lowered for CUDA on the CPU (a Mosaic GPU custom call in the module): catches a kernel written
     against another jax's Pallas API; whether it computes the right thing is the GPU benchmark's check."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
-
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
     config = cm.default_config(1536)
     if pattern == "ag":
-        fn = lambda x, w: collective_matmul_mgpu.all_gather_lhs_matmul(x, w, MODEL, config=config, dtype=x.dtype)
+        fn = lambda x, w: cm.all_gather_matmul_kernel(x, w, MODEL, config=config, num_sms=132)
         shapes, specs = ((1024, 1536), (1536, 2 * 1536)), AG
     else:
         fn = lambda x, w: cm.matmul_reduce_scatter_kernel(x, w, MODEL, config=config, num_sms=132)
@@ -146,3 +144,35 @@ def test_gpu_checks_catch_a_wrong_collective_matmul_backward(monkeypatch, capsys
     assert gpu_checks.main(["--batch", "2", "--seq", "16", "--heads", "2", "--head-dim", "8"]) == 1
     check = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert check["check"] == "collective_matmul" and check["failed"] == ["dw2"]
+
+
+def test_with_tp_comm_overlap_the_training_step_lowers_to_the_kernels(monkeypatch):
+    """The model's training step with --sequence-parallel on a (1, 1, 2) mesh, lowered for CUDA as on 2 H200s (the
+    machine's condition met, the shapes' still checked), in bf16 at sizes the tiles divide, with and without
+    --tp-comm-overlap: with it, each of the layer's four linears runs its forward and its input gradient as Mosaic GPU
+    calls (typed inside the step's shard_map that checks which values vary); the layer's four reduce-scatters are
+    gone, its four all-gathers are now the weight gradients' (the embedding's collectives stay)."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from mtx.config import Config, load_preset
+    from mtx.parallel import make_mesh
+    from mtx.step import TrainStep
+
+    monkeypatch.setattr(cm, "device_condition", lambda: None)
+    counts = {}
+    for overlap in (False, True):
+        cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+            num_layers=1, hidden_size=256, num_attention_heads=2, seq_length=256, max_position_embeddings=256,
+            vocab_size=1000, micro_batch_size=2, global_batch_size=2, bf16=True, hidden_dropout=0.0,
+            attention_dropout=0.0, data_parallel_size=1, tensor_model_parallel_size=2, sequence_parallel=True,
+            tp_comm_overlap=overlap).validate(2)
+        step = TrainStep.build(cfg, make_mesh(1, 1, 2, devices=jax.devices()[:2]))
+        tokens = np.zeros((2, cfg.model.seq_length + 1), np.int32)
+        lines = _lower_for_hopper(step._step, step.init_state(), step.model.put_batch(tokens)).splitlines()
+        counts[overlap] = {op: sum(op in line for line in lines) for op in (
+            "stablehlo.reduce_scatter", "stablehlo.all_gather", "stablehlo.all_reduce")}
+        counts[overlap]["kernels"] = sum("stablehlo.custom_call" in line and "mosaic_gpu" in line for line in lines)
+    plain, overlapped = counts[False], counts[True]
+    assert plain["kernels"] == 0 and overlapped["kernels"] == 8
+    assert overlapped["stablehlo.reduce_scatter"] == plain["stablehlo.reduce_scatter"] - 4
+    assert overlapped["stablehlo.all_gather"] == plain["stablehlo.all_gather"]
+    assert overlapped["stablehlo.all_reduce"] == plain["stablehlo.all_reduce"]

@@ -121,10 +121,11 @@ def test_every_field_has_help_and_entry_points_share_its_flags():
 
 
 def test_configs_saved_with_removed_fields_still_load():
-    """config.json of a run from before --tp-comm-overlap (and its two siblings) were removed: the fields never changed
-    the model, so the run's checkpoints keep loading; an unknown field is still refused."""
+    """config.json of a run from before --tp-comm-p2p and --tp-comm-batch-split were removed: the fields never changed
+    the model, so the run's checkpoints keep loading; an unknown field is still refused. (--tp-comm-overlap, removed
+    with them, is a field again: the same switch, now the peer-memory matmuls.)"""
     saved = Config().to_dict()
-    saved["parallel"].update(tp_comm_overlap=True, tp_comm_p2p=False)
+    saved["parallel"].update(tp_comm_p2p=True, tp_comm_batch_split=False)
     assert Config.from_dict(saved) == Config()
     saved["parallel"]["not_a_field"] = 1
     with pytest.raises(ValueError, match="unknown config field 'not_a_field'"):

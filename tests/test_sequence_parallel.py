@@ -78,3 +78,30 @@ def test_sequence_parallel_is_one_switch_on_the_config():
 def test_bad_sequence_parallel_flags_are_refused(flags, needle):
     with pytest.raises(ValueError, match=needle):
         TINY.replace(**flags).validate()
+
+
+def test_tp_comm_overlap_is_the_same_math_and_the_same_collectives():
+    """--tp-comm-overlap routes the linears' gathers and scatters through mtx/kernels/collective_matmul.py (whose
+    Hopper kernels are checked on GPUs by benchmarks/gpu_checks.py); here, as on any device without the kernels, those
+    are XLA's collectives: loss and gradients equal the unsplit run's (pipelined too, and with `matmuls` recomputation
+    and unrolled layers), and the layer's collectives are sequence parallelism's own, no more."""
+    from mtx import audit
+
+    cfg = TINY.replace(hidden_dropout=0.1, attention_dropout=0.1, global_batch_size=16, micro_batch_size=8)
+    reference = loss_and_grads(cfg.replace(tensor_model_parallel_size=1), 1, 1, 1)
+    for (dp, pp, tp), flags in [((2, 1, 4), {}), ((1, 2, 2), {}),
+                                ((1, 1, 2), {"recompute_granularity": "matmuls", "scan_layers": False})]:
+        overlap = cfg.replace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                              sequence_parallel=True, tp_comm_overlap=True, **flags)
+        assert overlap.tp_comm_overlap
+        assert_same(loss_and_grads(overlap, dp, pp, tp), reference)
+    layer = dict(hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=4, tensor_model_parallel_size=2,
+                 sequence_parallel=True, recompute_granularity="matmuls")
+    plain, overlapped = (audit.audit_layer(audit.audit_config(**layer, tp_comm_overlap=on)) for on in (False, True))
+    assert overlapped["by_axis"] == plain["by_axis"] and overlapped["elements"] == plain["elements"]
+
+
+def test_tp_comm_overlap_needs_sequence_parallelism():
+    with pytest.raises(ValueError, match="--tp-comm-overlap .* pass it with --sequence-parallel"):
+        TINY.replace(tensor_model_parallel_size=2, tp_comm_overlap=True).validate()
+    assert not TINY.replace(tensor_model_parallel_size=1, sequence_parallel=True, tp_comm_overlap=True).tp_comm_overlap

@@ -2,24 +2,27 @@
 sequence parallelism's two patterns without a NCCL call (Transformer Engine's userbuffers idea, in Mosaic GPU).
 
 - `all_gather_matmul(x, w)`: all_gather(x over rows) @ w, the column-parallel linears' forward (QKV, MLP up) and the
-  row-parallel linears' input gradient. On GPUs it is jax's own kernel
-  (`jax.experimental.pallas.ops.gpu.collective_matmul_mgpu.all_gather_lhs_matmul`): each device's rows travel
-  around the ring by stores into the next device's memory while the matmul consumes the rows already there.
+  row-parallel linears' input gradient. On GPUs a ring of P steps in one kernel (the mechanism of jax's
+  `collective_matmul_mgpu.all_gather_lhs_matmul`, whose single peer coordinate cannot address a device of a mesh
+  with more axes than one): at step s device d multiplies row chunk (d + s) mod P, its own first, and while the
+  matmul streams the chunk's tiles it stores them into device d - 1's memory for that device's next step.
 - `matmul_reduce_scatter(x, w)`: psum_scatter(x @ w over rows), the row-parallel linears' forward (attention out,
-  MLP down) and the column-parallel linears' input gradient. On GPUs it is this module's kernel, on the same
-  mechanism reversed: a ring of P steps; at step s device d computes the rows of chunk (d + s + 1) mod P, adds the
-  partial sum that device d + 1 stored into its memory at step s - 1 (the Hopper matmul's C operand) and stores the
-  result into device d - 1's memory, then signals it; at the last step the chunk is d's own and the sum is its
-  output. Partial sums travel in the output dtype, as NCCL's bf16 reduce-scatter sums in bf16.
+  MLP down) and the column-parallel linears' input gradient. On GPUs the same mechanism reversed: a ring of P
+  steps; at step s device d computes the rows of chunk (d + s + 1) mod P, adds the partial sum that device d + 1
+  stored into its memory at step s - 1 (the Hopper matmul's C operand) and stores the result into device d - 1's
+  memory, then signals it; at the last step the chunk is d's own and the sum is its output. Partial sums travel in
+  the output dtype, as NCCL's bf16 reduce-scatter sums in bf16.
 
 `column_parallel_matmul` and `row_parallel_matmul` are a linear layer's matmul under sequence parallelism with its
 backward written out: each pattern's input gradient is the other pattern (Megatron's conjugate pair), its weight
 gradient a matmul with the operand gathered again.
 
-Neither kernel uses NVLink multicast (multimem). Both need what `kernel_condition` checks: NVIDIA Hopper GPUs with
-Mosaic GPU, one process for all of them or one each, the axis spanning every device, bf16 or f16 operands and
-tile-divisible sizes; otherwise (CPU, the simulated devices of the tests) the XLA collectives run, and they define
-the result.
+Both address their peer by its mesh coordinates (this device's on every other axis), so they run inside the
+training step's (data, pipeline, model) shard_map, where `--tp-comm-overlap` makes the linear layers call
+`column_parallel_matmul` / `row_parallel_matmul` (mtx/parallel/layers.py). Neither uses NVLink multicast (multimem).
+Both need what `kernel_condition` checks: NVIDIA Hopper GPUs with Mosaic GPU, one process for all of them or one
+each, the axis spanning every device, bf16 or f16 operands and tile-divisible sizes; otherwise (CPU, the simulated
+devices of the tests) the XLA collectives run, and they define the result.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from jax import lax
 
 from mtx.parallel.compat import varying_axes
 from mtx.parallel.mesh import MODEL
-from mtx.parallel.ops import vary
+from mtx.parallel.ops import cotangent_like, vary
 
 
 def xla_all_gather_matmul(x, w, axis_name=MODEL):
@@ -55,10 +58,8 @@ def default_config(n: int):
                            grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=4, wg_dimension=wg)
 
 
-def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
-    """Why the peer-memory kernel cannot run on these per-device operands over an axis of p devices (None: it can).
-    rows_split: x's rows are this device's shard (the all-gather kernel) rather than all rows (the reduce-scatter
-    kernel, whose output is this device's shard of them)."""
+def device_condition() -> str | None:
+    """Why this machine cannot run the kernels (None: it can)."""
     device = jax.devices()[0]
     if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith("9."):
         return "needs NVIDIA Hopper GPUs (compute capability 9.x: wgmma)"
@@ -68,6 +69,15 @@ def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
         return f"this jax has no Mosaic GPU ({e})"
     if jax.device_count() not in (jax.process_count(), jax.local_device_count()):
         return "needs one process for all GPUs or one process per GPU"
+    return None
+
+
+def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
+    """Why the peer-memory kernel cannot run on these per-device operands over an axis of p devices (None: it can).
+    rows_split: x's rows are this device's shard (the all-gather kernel) rather than all rows (the reduce-scatter
+    kernel, whose output is this device's shard of them)."""
+    if (reason := device_condition()) is not None:
+        return reason
     if p != jax.device_count():
         return f"the axis ({p} devices) must span all {jax.device_count()} devices"
     if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
@@ -88,10 +98,7 @@ def all_gather_matmul(x, w, axis_name=MODEL, *, config=None):
     config = config or default_config(w.shape[1])
     if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=True) is not None:
         return xla_all_gather_matmul(x, w, axis_name)
-    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu
-
-    return _typed_like(collective_matmul_mgpu.all_gather_lhs_matmul(x, w, axis_name, config=config, dtype=x.dtype),
-                       x, w)
+    return _typed_like(all_gather_matmul_kernel(x, w, axis_name, config=config), x, w)
 
 
 def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
@@ -115,8 +122,8 @@ def column_parallel_matmul(x, w, axis_name=MODEL):
     """Sequence parallelism's column-parallel matmul: this device's rows x (m, k) and its columns w (k, n) -> every
     row's product with them, (P m, n): `all_gather_matmul` forward; backward the input gradient by
     `matmul_reduce_scatter` (dy @ w^T, each device's rows of it summed over devices) and the weight gradient from the
-    gathered rows (gathered again, as Megatron's sequence parallelism does, not kept from the forward). w must vary
-    over the axes x varies over (its gradient is then the devices' own; the caller's cast sums it)."""
+    gathered rows (gathered again, as Megatron's sequence parallelism does, not kept from the forward). Each gradient
+    is typed as its input (`cotangent_like`: summed over the axes it varies over and the input does not)."""
     return all_gather_matmul(x, w, axis_name)
 
 
@@ -128,7 +135,7 @@ def _column_backward(axis_name, residuals, dy):
     x, w = residuals
     dx = matmul_reduce_scatter(dy, w.T.astype(dy.dtype), axis_name)
     dw = lax.all_gather(x, axis_name, axis=0, tiled=True).T @ dy
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
 
 
 column_parallel_matmul.defvjp(_column_forward, _column_backward)
@@ -139,7 +146,7 @@ def row_parallel_matmul(x, w, axis_name=MODEL):
     """Sequence parallelism's row-parallel matmul: x (m, k), this device's share of the contraction, and its rows of
     the weight w (k, n) -> this device's rows of the sum over devices of x @ w, (m / P, n): `matmul_reduce_scatter`
     forward; backward the input gradient by `all_gather_matmul` (the gathered dy @ w^T) and the weight gradient from
-    the gathered dy. w must vary over the axes x varies over."""
+    the gathered dy; each gradient typed as its input."""
     return matmul_reduce_scatter(x, w, axis_name)
 
 
@@ -151,7 +158,7 @@ def _row_backward(axis_name, residuals, dy):
     x, w = residuals
     dx = all_gather_matmul(dy, w.T.astype(dy.dtype), axis_name)
     dw = x.T @ lax.all_gather(dy, axis_name, axis=0, tiled=True)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
 
 
 row_parallel_matmul.defvjp(_row_forward, _row_backward)
@@ -175,7 +182,8 @@ def matmul_reduce_scatter_kernel(x, w, axis_name, *, config, num_sms: int | None
         received = pl.get_global(plgpu.SemaphoreType.REGULAR)
         wg = lax.axis_index("wg")
         device = lax.axis_index(axis_name)
-        previous = lax.rem(device + p - 1, jnp.int32(p))
+        # device d - 1 of the axis, addressed by its mesh coordinates (this device's on every other mesh axis)
+        previous = {axis_name: lax.rem(device + p - 1, jnp.int32(p))}
         previous_scratch = plgpu.remote_ref(scratch_ref, previous)
         for s in range(p):
             chunk = lax.rem(device + s + 1, jnp.int32(p))
@@ -196,6 +204,73 @@ def matmul_reduce_scatter_kernel(x, w, axis_name, *, config, num_sms: int | None
         out_type=[jax.ShapeDtypeStruct((shard, n), x.dtype),
                   jax.ShapeDtypeStruct((max(p - 1, 1), shard, n), x.dtype)],  # the partial sums received
         grid=(num_sms,), grid_names=("cluster_grid",), num_threads=compute_wgs + 1, thread_name="wg",
+        cluster=(1,), cluster_names=("cluster",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x, w)
+    return out
+
+
+def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = None):
+    """The all-gather ring (module docstring): at step s device d multiplies the rows of chunk (d + s) mod P (its own
+    at step 0, then the chunk device d + 1 stored into its scratch at step s - 1) into those rows of its output,
+    and while the matmul streams that chunk's tiles through shared memory, warpgroup 0 stores each (row, depth) tile
+    once (with the first column of output tiles) into device d - 1's scratch, then signals it. The caller has checked
+    `kernel_condition`; num_sms as in `matmul_reduce_scatter_kernel`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
+
+    p = lax.axis_size(axis_name)
+    shard, k = x.shape
+    n = w.shape[1]
+    num_sms = num_sms or jax.devices()[0].core_count
+    cta_m = config.tile_m * (2 if config.wg_dimension.name == "M" else 1)
+
+    def body(x_ref, w_ref, out_ref, scratch_ref):
+        received = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        sender = lax.axis_index("wg") == 0
+        device = lax.axis_index(axis_name)
+        previous = {axis_name: lax.rem(device + p - 1, jnp.int32(p))}  # mesh coordinates, as in the other kernel
+        previous_scratch = plgpu.remote_ref(scratch_ref, previous)
+
+        def step(s, chunk_ref):
+            forward = sender & (s < p - 1)  # the last chunk goes nowhere: device d - 1 has computed it already
+
+            def store_tile(m_idx, n_idx, k_idx, x_smem, w_smem):
+                del w_smem
+
+                @pl.when(forward & (n_idx == 0))
+                def _store():
+                    tile = (pl.ds(m_idx * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
+                    plgpu.copy_smem_to_gmem(x_smem, previous_scratch.at[s].at[tile])
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the tile's buffer is released one step late
+
+            rows = pl.ds(lax.rem(device + s, jnp.int32(p)) * shard, shard)
+            hopper_matmul_mgpu.kernel(chunk_ref, w_ref, None, out_ref.at[rows], config=config,
+                                      pipeline_callback=store_tile, delay_release=1)
+
+            @pl.when(forward)
+            def _signal():  # this program's stores into device d - 1 have landed
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                pl.semaphore_signal(received, device_id=previous)
+
+            @pl.when(s < p - 1)
+            def _wait():  # every program of device d + 1 has stored chunk (d + s + 1) here
+                pl.semaphore_wait(received, value=(s + 1) * num_sms, decrement=False)
+
+        step(0, x_ref)
+
+        @pl.loop(1, p)
+        def _ring(s):
+            step(s, scratch_ref.at[s - 1])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out, _ = plgpu.kernel(
+        body,
+        out_type=[jax.ShapeDtypeStruct((p * shard, n), x.dtype),
+                  jax.ShapeDtypeStruct((max(p - 1, 1), shard, k), x.dtype)],  # the chunks received
+        grid=(num_sms,), grid_names=("cluster_grid",), num_threads=3, thread_name="wg",
         cluster=(1,), cluster_names=("cluster",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(x, w)

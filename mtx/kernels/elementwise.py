@@ -24,22 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from mtx.parallel.ops import cotangent_like
+
 STATISTICS = "norm_statistics"  # checkpoint name of each row's mean and 1 / std (what `matmuls` recomputation keeps)
 
 
 def _rows(x):
     return tuple(range(x.ndim - 1))
-
-
-def _typed_like(cotangent, primal):
-    """A cotangent of `primal`'s type inside shard_map: summed over the mesh axes it varies over and the primal does not
-    (autodiff's transpose of the implicit cast of an invariant input, e.g. a replicated scale applied to the rows of
-    sequence parallelism), cast to vary over those the primal varies over and it does not."""
-    from mtx.parallel.compat import varying_axes  # here: mtx.parallel's package imports the layers that import this
-    extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
-    cotangent = jax.lax.psum(cotangent, extra) if extra else cotangent
-    missing = tuple(sorted(varying_axes(primal) - varying_axes(cotangent)))
-    return jax.lax.pcast(cotangent, missing, to="varying") if missing else cotangent
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -62,7 +53,7 @@ def _layer_norm_bwd(epsilon, dtype, residuals, dy):
     g = dy32 * scale
     dx = rstd * (g - g.mean(-1, keepdims=True) - x_hat * (g * x_hat).mean(-1, keepdims=True))
     grads = dx.astype(x.dtype), (dy32 * x_hat).sum(_rows(x)), dy32.sum(_rows(x))
-    return tuple(_typed_like(grad, primal) for grad, primal in zip(grads, (x, scale, bias)))
+    return tuple(cotangent_like(grad, primal) for grad, primal in zip(grads, (x, scale, bias)))
 
 
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
@@ -87,7 +78,7 @@ def _rms_norm_bwd(epsilon, dtype, residuals, dy):
     g = dy32 * scale
     dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdims=True))
     grads = dx.astype(x.dtype), (dy32 * x_hat).sum(_rows(x))
-    return tuple(_typed_like(grad, primal) for grad, primal in zip(grads, (x, scale)))
+    return tuple(cotangent_like(grad, primal) for grad, primal in zip(grads, (x, scale)))
 
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)

@@ -45,7 +45,8 @@ class Dense(nnx.Module):
 
 class BERT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
-                 scan_layers: bool = True, sequence_parallel: bool = False, rngs: nnx.Rngs):
+                 scan_layers: bool = True, sequence_parallel: bool = False, tp_comm_overlap: bool = False,
+                 rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
         self.post_layernorm = cfg.layernorm_placement == "post"
         self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, d, std=std,
@@ -56,7 +57,8 @@ class BERT(nnx.Module):
         self.embedding_layernorm = (LayerNorm(d, epsilon=cfg.epsilon, dtype=dtype)
                                     if self.post_layernorm else None)
         self.stack = ParallelTransformer(cfg, dtype=dtype, recompute=recompute, flash=flash, scan_layers=scan_layers,
-                                         sequence_parallel=sequence_parallel, causal=False,
+                                         sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap,
+                                         causal=False,
                                          post_layernorm=self.post_layernorm)
         self.layers = self.stack.build(rngs)  # stacked like GPT's: (L, ...) each, split into pipeline stages
         self.final_layernorm = (None if self.post_layernorm

@@ -83,6 +83,7 @@ class ParallelTransformer:
     causal: GPT's masked attention (False: BERT's bidirectional); post_layernorm: the original BERT block;
     recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity); scan_layers: one lax.scan over the
     stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model";
+    tp_comm_overlap: with it, the linears' all-gathers and reduce-scatters inside their matmuls (--tp-comm-overlap);
     per_layer: set by the training step for its overlapped data-parallel reductions (mtx/parallel/overlap.py), applied
     to each layer's parameters as it runs, outside its recomputation (so a gather there is never repeated);
     prevent_cse: the layers' recomputation behind an optimization barrier (jax.checkpoint's), so XLA cannot merge it
@@ -96,6 +97,7 @@ class ParallelTransformer:
     flash: bool = False
     scan_layers: bool = True
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     causal: bool = True
     post_layernorm: bool = False
     per_layer: Callable | None = None  # training step: (layer's parameters, index) -> what it computes with
@@ -110,7 +112,7 @@ class ParallelTransformer:
             return TransformerLayer(self.cfg, dtype=self.dtype, rngs=rngs,
                                     selective_recompute=self.recompute == "selective", flash=self.flash,
                                     causal=self.causal, post_layernorm=self.post_layernorm,
-                                    sequence_parallel=self.sequence_parallel)
+                                    sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap)
 
         return make_layers(rngs)
 

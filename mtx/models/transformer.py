@@ -200,10 +200,12 @@ class ParallelSelfAttention(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
-                 flash: bool = False, causal: bool = True, sequence_parallel: bool = False):
+                 flash: bool = False, causal: bool = True, sequence_parallel: bool = False,
+                 tp_comm_overlap: bool = False):
         d, h, std = cfg.hidden_size, cfg.head_dim, cfg.init_method_std
         linear = functools.partial(ColumnParallelLinear, std=std, use_bias=not cfg.disable_bias_linear,
-                                   sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+                                   sequence_parallel=sequence_parallel, comm_overlap=tp_comm_overlap, dtype=dtype,
+                                   rngs=rngs)
         self.grouped = cfg.group_query_attention
         if self.grouped:  # query columns (N, H); key and value columns (G, H)
             g = cfg.query_groups
@@ -212,6 +214,7 @@ class ParallelSelfAttention(nnx.Module):
             self.qkv = linear(d, 3 * d)
         self.proj = RowParallelLinear(d, d, std=std / math.sqrt(2 * cfg.num_layers),
                                       use_bias=not cfg.disable_bias_linear, sequence_parallel=sequence_parallel,
+                                      comm_overlap=tp_comm_overlap,
                                       dtype=dtype, rngs=rngs)
         self.head_dim = h
         self.groups, self.heads_per_group = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups
@@ -290,14 +293,17 @@ class ParallelMLP(nnx.Module):
     (D, 2, F), gate then up, split over "model" along F, and one `f` serves both matmuls.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, sequence_parallel: bool = False,
+                 tp_comm_overlap: bool = False):
         d, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_method_std
         bias = not cfg.disable_bias_linear
         self.swiglu = cfg.swiglu
         self.fc1 = ColumnParallelLinear(d, f, std=std, use_bias=bias, parts=2 if cfg.swiglu else 1,
-                                        sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+                                        sequence_parallel=sequence_parallel, comm_overlap=tp_comm_overlap,
+                                        dtype=dtype, rngs=rngs)
         self.fc2 = RowParallelLinear(f, d, std=std / math.sqrt(2 * cfg.num_layers), use_bias=bias,
-                                     sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
+                                     sequence_parallel=sequence_parallel, comm_overlap=tp_comm_overlap, dtype=dtype,
+                                     rngs=rngs)
 
     def __call__(self, x_BSD):
         if self.swiglu:
@@ -317,12 +323,14 @@ class TransformerLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
                  flash: bool = False, causal: bool = True, post_layernorm: bool = False,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False):
         self.ln1 = normalization(cfg, cfg.hidden_size, dtype=dtype)
         self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
-                                               flash=flash, causal=causal, sequence_parallel=sequence_parallel)
+                                               flash=flash, causal=causal, sequence_parallel=sequence_parallel,
+                                               tp_comm_overlap=tp_comm_overlap)
         self.ln2 = normalization(cfg, cfg.hidden_size, dtype=dtype)
-        self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs, sequence_parallel=sequence_parallel)
+        self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs, sequence_parallel=sequence_parallel,
+                               tp_comm_overlap=tp_comm_overlap)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm
         self.sequence_parallel = sequence_parallel

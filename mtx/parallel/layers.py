@@ -9,15 +9,21 @@ shape and `out_sharding` says how the mesh splits it. Inside `jax.shard_map` a l
          row-parallel one.
   True   this rank's rows (B / tp, S, D) in and out; an all-gather before the column-parallel matmul, a
          reduce-scatter after the row-parallel one (mtx/parallel/ops.py). Decoding builds its model with it off.
+`comm_overlap` (--tp-comm-overlap, with sequence parallelism only): those all-gathers and reduce-scatters inside the
+matmuls, `column_parallel_matmul` / `row_parallel_matmul` of mtx/kernels/collective_matmul.py (peer-memory kernels on
+Hopper GPUs; elsewhere the same collectives and matmuls, so the values are those without it).
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtx.kernels.elementwise import layer_norm, rms_norm
+from mtx.kernels import collective_matmul, elementwise  # modules: they import mtx.parallel too
 from mtx.parallel.mesh import MODEL, PIPELINE
 from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequence_parallel, model_rank,
                               reduce_scatter_to_sequence_parallel, scatter_to_model_parallel)
@@ -52,7 +58,7 @@ class ColumnParallelLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, parts: int = 1,
-                 groups: int | None = None, dtype=jnp.float32, rngs: nnx.Rngs):
+                 groups: int | None = None, comm_overlap: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         """parts > 1: `parts` matrices (in, parts, out) whose columns split over ranks alike, so each rank holds the
         matching columns of each (SwiGLU's gate and up; `parts_call`). groups: the columns are this many groups,
         replicated on every rank when the model size does not divide them (grouped-query attention's key/value
@@ -63,6 +69,7 @@ class ColumnParallelLinear(nnx.Module):
         self.bias = param(None, shape[1:], spec[1:], groups=groups) if use_bias else None
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel and not gather_output
         self.dtype = dtype
 
     def __call__(self, x_BSD):
@@ -113,14 +120,29 @@ class ColumnParallelLinear(nnx.Module):
 
     def _matmuls(self, x, kernels, biases):
         spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
-        x = self.enter(x)
+        if self.comm_overlap:
+            ys = self._gathered_matmuls(x, kernels)
+        else:
+            x = self.enter(x)
+            ys = [jnp.einsum(spec, x, kernel) for kernel in kernels]
         outs = []
-        for j, kernel in enumerate(kernels):
-            y = jnp.einsum(spec, x, kernel)
+        for j, y in enumerate(ys):
             if biases is not None:
                 y = y + biases[j]
             outs.append(gather_from_model_parallel(y) if self.gather_output else y)
         return outs
+
+    def _gathered_matmuls(self, x_BSD, kernels):
+        """--tp-comm-overlap: this rank's rows times each kernel's columns for every row, the rows gathered inside
+        one matmul of the kernels side by side (one exchange of the rows for all of them, as one all-gather served
+        them before)."""
+        x = x_BSD.astype(self.dtype)
+        b, s, d = x.shape
+        widths = [math.prod(k.shape[1:]) for k in kernels]
+        w = jnp.concatenate([k.reshape(d, -1) for k in kernels], axis=1)
+        y = collective_matmul.column_parallel_matmul(x.reshape(b * s, d), w)
+        parts = jnp.split(y, list(itertools.accumulate(widths))[:-1], axis=1)
+        return [part.reshape(-1, s, *k.shape[1:]) for part, k in zip(parts, kernels)]
 
 
 class RowParallelLinear(nnx.Module):
@@ -131,12 +153,13 @@ class RowParallelLinear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, comm_overlap: bool = False,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         self.kernel = param(rngs, (in_features, out_features), (MODEL, REPLICATED), std=std)
         self.bias = param(None, (out_features,), (REPLICATED,)) if use_bias else None
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel
         self.dtype = dtype
 
     def __call__(self, x_BSF):
@@ -144,8 +167,14 @@ class RowParallelLinear(nnx.Module):
         or with sequence parallelism this rank's rows (B / tp, S, D) of it."""
         if not self.input_is_parallel:
             x_BSF = scatter_to_model_parallel(x_BSF)
-        y = x_BSF.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
-        y = reduce_scatter_to_sequence_parallel(y) if self.sequence_parallel else g(y)
+        x_BSF, kernel = x_BSF.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        if self.comm_overlap:  # the rows' sums scattered inside the matmul
+            b, s, f_local = x_BSF.shape
+            y = collective_matmul.row_parallel_matmul(x_BSF.reshape(b * s, f_local), kernel)
+            y = y.reshape(-1, s, kernel.shape[1])
+        else:
+            y = x_BSF @ kernel
+            y = reduce_scatter_to_sequence_parallel(y) if self.sequence_parallel else g(y)
         if self.bias is not None:  # replicated, added once after the reduction (to this rank's rows with SP)
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -201,7 +230,7 @@ class LayerNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x):
-        return layer_norm(x, self.scale[...], self.bias[...], self.epsilon, self.dtype)
+        return elementwise.layer_norm(x, self.scale[...], self.bias[...], self.epsilon, self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -215,7 +244,7 @@ class RMSNorm(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.epsilon, self.dtype)
+        return elementwise.rms_norm(x, self.scale[...], self.epsilon, self.dtype)
 
 
 def normalization(cfg, features: int, *, dtype):

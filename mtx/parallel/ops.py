@@ -47,6 +47,15 @@ def vary(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def cotangent_like(cotangent, primal):
+    """A custom_vjp backward's cotangent typed as its primal input inside shard_map: summed over the mesh axes it
+    varies over and the primal does not (autodiff's transpose of the implicit cast of an invariant input, e.g. a
+    replicated scale applied to sequence-parallel rows), cast to vary over those the primal varies over and it does
+    not."""
+    extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
+    return vary(jax.lax.psum(cotangent, extra) if extra else cotangent, varying_axes(primal))
+
+
 def vary_like(x, ref, *, exclude=(MODEL,)):
     """Casts `x` to vary over every mesh axis (but `exclude`) that some leaf of `ref` varies over: a scan carry must
     keep one type, and a layer's output varies wherever its parameters do (except over "model", where g makes the
