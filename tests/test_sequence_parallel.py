@@ -10,7 +10,7 @@ from mtx.config import Config, load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.sharded_model import ShardedModel
 
-from helpers import loss_and_grads
+from helpers import LLAMA_BLOCKS, loss_and_grads
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"))
 
@@ -88,13 +88,13 @@ def test_tp_comm_overlap_is_the_same_math_and_the_same_collectives():
     from mtx import audit
 
     cfg = TINY.replace(hidden_dropout=0.1, attention_dropout=0.1, global_batch_size=16, micro_batch_size=8)
-    reference = loss_and_grads(cfg.replace(tensor_model_parallel_size=1), 1, 1, 1)
-    for (dp, pp, tp), flags in [((2, 1, 4), {}), ((1, 2, 2), {}),
-                                ((1, 1, 2), {"recompute_granularity": "matmuls", "scan_layers": False})]:
+    llama = {**LLAMA_BLOCKS, "num_query_groups": 4}  # SwiGLU's gate and up side by side; GQA keeps its gather
+    run = {"recompute_granularity": "matmuls", "scan_layers": False}  # how the step runs: the same math
+    for (dp, pp, tp), model, how in [((2, 1, 2), {}, run), ((1, 2, 2), {}, {}), ((1, 1, 2), llama, {})]:
         overlap = cfg.replace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
-                              sequence_parallel=True, tp_comm_overlap=True, **flags)
+                              sequence_parallel=True, tp_comm_overlap=True, **model, **how)
         assert overlap.tp_comm_overlap
-        assert_same(loss_and_grads(overlap, dp, pp, tp), reference)
+        assert_same(loss_and_grads(overlap, dp, pp, tp), loss_and_grads(cfg.replace(**model), 1, 1, 1))
     layer = dict(hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=4, tensor_model_parallel_size=2,
                  sequence_parallel=True, recompute_granularity="matmuls")
     plain, overlapped = (audit.audit_layer(audit.audit_config(**layer, tp_comm_overlap=on)) for on in (False, True))
