@@ -100,9 +100,10 @@ def test_a_layers_draws_depend_on_its_global_index_not_on_which_layers_are_drawn
 
 
 def test_dropout_does_not_grow_the_compiled_step_per_layer():
-    """The compiled training step with the paper's dropout is at most 1.4x the instructions of the step without: the
-    masks' hashing is drawn once for the stack, not fused into every layer's uses (it was 2.65x at 24 layers,
-    docs/benchmarks.md 8f)."""
+    """The paper's dropout adds under 1,000 instructions a layer to the compiled training step: the masks' hashing is
+    drawn once for the stack, not fused into every layer's uses (that added ~2,300 a layer at 24 layers,
+    docs/benchmarks.md 8f; now ~550 at 8 layers). Counted per layer, not as a ratio to the step without dropout,
+    whose size other changes move (LayerNorm's written-out backward took 2,200 instructions off it)."""
     from mtx.step import TrainStep
 
     def instructions(rate):
@@ -116,4 +117,4 @@ def test_dropout_does_not_grow_the_compiled_step_per_layer():
         return sum(" = " in line for line in text.splitlines())
 
     off, on = instructions(0.0), instructions(0.1)
-    assert on < 1.4 * off, (on, off)
+    assert on - off < 1000 * 8, (on, off)

@@ -43,6 +43,7 @@ def _layer_norm_fwd(x, scale, bias, epsilon, dtype):
     x32 = x.astype(jnp.float32)
     mean = checkpoint_name(x32.mean(-1, keepdims=True), STATISTICS)
     rstd = checkpoint_name(jax.lax.rsqrt(jnp.square(x32 - mean).mean(-1, keepdims=True) + epsilon), STATISTICS)
+    # scale and bias are kept for their types (`cotangent_like`): D numbers each
     return ((x32 - mean) * rstd * scale + bias).astype(dtype), (x, mean, rstd, scale, bias)
 
 
