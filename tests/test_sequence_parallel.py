@@ -101,6 +101,14 @@ def test_tp_comm_overlap_is_the_same_math_and_the_same_collectives():
     assert overlapped["by_axis"] == plain["by_axis"] and overlapped["elements"] == plain["elements"]
 
 
+def test_tp_comm_overlap_says_which_collectives_run(tmp_path, capsys):
+    from mtx.run import train
+
+    train(TINY.replace(tensor_model_parallel_size=2, data_parallel_size=1, sequence_parallel=True, tp_comm_overlap=True,
+                       train_iters=1, global_batch_size=2, run_dir=str(tmp_path)), progress=False)
+    assert "mtx: --tp-comm-overlap: XLA's collectives (no kernels: needs NVIDIA Hopper GPUs" in capsys.readouterr().out
+
+
 def test_tp_comm_overlap_needs_sequence_parallelism():
     with pytest.raises(ValueError, match="--tp-comm-overlap .* pass it with --sequence-parallel"):
         TINY.replace(tensor_model_parallel_size=2, tp_comm_overlap=True).validate()
