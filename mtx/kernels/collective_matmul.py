@@ -15,7 +15,9 @@ sequence parallelism's two patterns without a NCCL call (Transformer Engine's us
 
 `column_parallel_matmul` and `row_parallel_matmul` are a linear layer's matmul under sequence parallelism with its
 backward written out: each pattern's input gradient is the other pattern (Megatron's conjugate pair), its weight
-gradient a matmul with the operand gathered again.
+gradient a matmul with the rows the all-gather kernel received (kept by the column-parallel forward, as sequence
+parallelism keeps its gathered input; taken from the input gradient's kernel by the row-parallel backward), so no
+NCCL collective is left in either.
 
 Both address their peer by its mesh coordinates (this device's on every other axis), so they run inside the
 training step's (data, pipeline, model) shard_map, where `--tp-comm-overlap` makes the linear layers call
@@ -92,13 +94,24 @@ def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
     return None
 
 
-def all_gather_matmul(x, w, axis_name=MODEL, *, config=None):
+def all_gather_matmul(x, w, axis_name=MODEL, *, config=None, gathered: bool = False):
     """Inside shard_map: this device's rows x (m, k) -> all_gather(x) @ w, (P m, n), through peer memory where the
-    kernel can run, else XLA's all-gather and matmul."""
+    kernel can run, else XLA's all-gather and matmul. gathered: also return all_gather(x), (P m, k) (from the
+    kernel, the rows it received, put in order), for a weight gradient that needs them."""
     config = config or default_config(w.shape[1])
-    if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=True) is not None:
-        return xla_all_gather_matmul(x, w, axis_name)
-    return _typed_like(all_gather_matmul_kernel(x, w, axis_name, config=config), x, w)
+    p = lax.axis_size(axis_name)
+    if kernel_condition(x, w, p, config, rows_split=True) is not None:
+        rows = lax.all_gather(x, axis_name, axis=0, tiled=True)
+        return (rows @ w, rows) if gathered else rows @ w
+    out, received = (_typed_like(a, x, w) for a in all_gather_matmul_kernel(x, w, axis_name, config=config))
+    return (out, rows_in_order(x, received, lax.axis_index(axis_name), p)) if gathered else out
+
+
+def rows_in_order(x, received, device, p: int):
+    """The all-gather kernel's rows in the order of the P devices: this device's x (m, k) and the P - 1 chunks it
+    received, received[s] (m, k) from device (device + s + 1) mod P -> (P m, k)."""
+    chunks = jnp.concatenate([x[None], received[:p - 1]], axis=0)  # chunk j is device (device + j) mod P's
+    return jnp.roll(chunks, device, axis=0).reshape(-1, x.shape[1])
 
 
 def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
@@ -122,20 +135,20 @@ def column_parallel_matmul(x, w, axis_name=MODEL):
     """Sequence parallelism's column-parallel matmul: this device's rows x (m, k) and its columns w (k, n) -> every
     row's product with them, (P m, n): `all_gather_matmul` forward; backward the input gradient by
     `matmul_reduce_scatter` (dy @ w^T, each device's rows of it summed over devices) and the weight gradient from the
-    gathered rows (gathered again, as Megatron's sequence parallelism does, not kept from the forward). Each gradient
-    is typed as its input (`cotangent_like`: summed over the axes it varies over and the input does not)."""
+    gathered rows, kept from the forward's kernel. Each gradient is typed as its input (`cotangent_like`: summed over
+    the axes it varies over and the input does not)."""
     return all_gather_matmul(x, w, axis_name)
 
 
 def _column_forward(x, w, axis_name):
-    return all_gather_matmul(x, w, axis_name), (x, w)
+    out, rows = all_gather_matmul(x, w, axis_name, gathered=True)
+    return out, (rows, w)
 
 
 def _column_backward(axis_name, residuals, dy):
-    x, w = residuals
+    rows, w = residuals  # all rows, typed as x (it varies over the axis already: its rows are split over it)
     dx = matmul_reduce_scatter(dy, w.T.astype(dy.dtype), axis_name)
-    dw = lax.all_gather(x, axis_name, axis=0, tiled=True).T @ dy
-    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
+    return cotangent_like(dx.astype(rows.dtype), rows), cotangent_like((rows.T @ dy).astype(w.dtype), w)
 
 
 column_parallel_matmul.defvjp(_column_forward, _column_backward)
@@ -156,9 +169,8 @@ def _row_forward(x, w, axis_name):
 
 def _row_backward(axis_name, residuals, dy):
     x, w = residuals
-    dx = all_gather_matmul(dy, w.T.astype(dy.dtype), axis_name)
-    dw = x.T @ lax.all_gather(dy, axis_name, axis=0, tiled=True)
-    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dw.astype(w.dtype), w)
+    dx, dy_rows = all_gather_matmul(dy, w.T.astype(dy.dtype), axis_name, gathered=True)
+    return cotangent_like(dx.astype(x.dtype), x), cotangent_like((x.T @ dy_rows).astype(w.dtype), w)
 
 
 row_parallel_matmul.defvjp(_row_forward, _row_backward)
@@ -266,7 +278,7 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out, _ = plgpu.kernel(
+    return plgpu.kernel(
         body,
         out_type=[jax.ShapeDtypeStruct((p * shard, n), x.dtype),
                   jax.ShapeDtypeStruct((max(p - 1, 1), shard, k), x.dtype)],  # the chunks received
@@ -274,4 +286,3 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
         cluster=(1,), cluster_names=("cluster",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(x, w)
-    return out
