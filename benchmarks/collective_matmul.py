@@ -101,7 +101,7 @@ def kernel_once(pattern: str, config):
     if pattern in LAYERS:  # the layer functions take their kernels' default tuning
         return layer_step(cm.column_parallel_matmul if pattern == "column" else cm.row_parallel_matmul)
     if pattern == "ag":
-        return lambda x, w: cm.all_gather_matmul_kernel(x, w, cm.MODEL, config=config)
+        return lambda x, w: cm.all_gather_matmul_kernel(x, w, cm.MODEL, config=config)[0]  # not the rows received
     return lambda x, w: cm.matmul_reduce_scatter_kernel(x, w, cm.MODEL, config=config)
 
 

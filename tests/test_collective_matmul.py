@@ -56,7 +56,7 @@ def test_the_kernels_lower_for_hopper(pattern):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
     config = cm.default_config(1536)
     if pattern == "ag":
-        fn = lambda x, w: cm.all_gather_matmul_kernel(x, w, MODEL, config=config, num_sms=132)
+        fn = lambda x, w: cm.all_gather_matmul_kernel(x, w, MODEL, config=config, num_sms=132)[0]
         shapes, specs = ((1024, 1536), (1536, 2 * 1536)), AG
     else:
         fn = lambda x, w: cm.matmul_reduce_scatter_kernel(x, w, MODEL, config=config, num_sms=132)

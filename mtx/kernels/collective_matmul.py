@@ -226,8 +226,9 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
     """The all-gather ring (module docstring): at step s device d multiplies the rows of chunk (d + s) mod P (its own
     at step 0, then the chunk device d + 1 stored into its scratch at step s - 1) into those rows of its output,
     and while the matmul streams that chunk's tiles through shared memory, warpgroup 0 stores each (row, depth) tile
-    once (with the first column of output tiles) into device d - 1's scratch, then signals it. The caller has checked
-    `kernel_condition`; num_sms as in `matmul_reduce_scatter_kernel`."""
+    once (with the first column of output tiles) into device d - 1's scratch, then signals it. -> [the product
+    (P m, n), the P - 1 chunks received (`rows_in_order`)]. The caller has checked `kernel_condition`; num_sms as in
+    `matmul_reduce_scatter_kernel`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
