@@ -328,11 +328,9 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
           f"{mesh.size} {jax.devices()[0].platform} device(s); {model.num_microbatches} microbatch(es) of "
           f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")
     if cfg.tp_comm_overlap:
-        from mtx.kernels.collective_matmul import device_condition
+        from mtx.kernels.collective_matmul import machine_condition
 
-        tp, reason = mesh.shape["model"], device_condition()
-        if reason is None and tp != jax.device_count():
-            reason = f"the model axis ({tp} devices) must span all {jax.device_count()}"
+        reason = machine_condition(mesh.shape["model"])
         print("mtx: --tp-comm-overlap: " + ("peer-memory kernels in the linears whose shapes divide their tiles"
                                             if reason is None else f"XLA's collectives (no kernels: {reason})"))
     if model.pipeline is not None:

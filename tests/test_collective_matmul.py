@@ -157,7 +157,7 @@ def test_with_tp_comm_overlap_the_training_step_lowers_to_the_kernels(monkeypatc
     from mtx.parallel import make_mesh
     from mtx.step import TrainStep
 
-    monkeypatch.setattr(cm, "device_condition", lambda: None)
+    monkeypatch.setattr(cm, "machine_condition", lambda p: None)
     counts = {}
     for overlap in (False, True):
         cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(

@@ -36,9 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mtx.parallel.compat import varying_axes
 from mtx.parallel.mesh import MODEL
-from mtx.parallel.ops import cotangent_like, vary
+from mtx.parallel.ops import cotangent_like, vary_like
 
 
 def xla_all_gather_matmul(x, w, axis_name=MODEL):
@@ -60,8 +59,8 @@ def default_config(n: int):
                            grid_minor_dim=hm.MatmulDimension.N, grid_tile_width=4, wg_dimension=wg)
 
 
-def device_condition() -> str | None:
-    """Why this machine cannot run the kernels (None: it can)."""
+def machine_condition(p: int) -> str | None:
+    """Why this machine cannot run the kernels over an axis of p devices, whatever the operands (None: it can)."""
     device = jax.devices()[0]
     if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith("9."):
         return "needs NVIDIA Hopper GPUs (compute capability 9.x: wgmma)"
@@ -71,23 +70,29 @@ def device_condition() -> str | None:
         return f"this jax has no Mosaic GPU ({e})"
     if jax.device_count() not in (jax.process_count(), jax.local_device_count()):
         return "needs one process for all GPUs or one process per GPU"
+    if p != jax.device_count():
+        return f"the axis ({p} devices) must span all {jax.device_count()} devices"
     return None
+
+
+def _cta_tile(config) -> tuple[int, int]:
+    """Rows and columns of output one program computes at a time: a warpgroup's tile, doubled along the dimension
+    the two compute warpgroups split."""
+    return (config.tile_m * (2 if config.wg_dimension.name == "M" else 1),
+            config.tile_n * (2 if config.wg_dimension.name == "N" else 1))
 
 
 def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
     """Why the peer-memory kernel cannot run on these per-device operands over an axis of p devices (None: it can).
     rows_split: x's rows are this device's shard (the all-gather kernel) rather than all rows (the reduce-scatter
     kernel, whose output is this device's shard of them)."""
-    if (reason := device_condition()) is not None:
+    if (reason := machine_condition(p)) is not None:
         return reason
-    if p != jax.device_count():
-        return f"the axis ({p} devices) must span all {jax.device_count()} devices"
     if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
         return f"needs bf16 or f16 operands of one dtype, got {x.dtype} and {w.dtype}"
     m, k = x.shape
     n = w.shape[1]
-    cta_m = config.tile_m * (2 if config.wg_dimension.name == "M" else 1)
-    cta_n = config.tile_n * (2 if config.wg_dimension.name == "N" else 1)
+    cta_m, cta_n = _cta_tile(config)
     rows = m if rows_split else m // p
     if (not rows_split and m % p) or rows % cta_m or n % cta_n or k % config.tile_k:
         return f"rows {rows}, columns {n}, depth {k} do not divide the tiles ({cta_m}, {cta_n}, {config.tile_k})"
@@ -124,10 +129,10 @@ def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
     return _typed_like(matmul_reduce_scatter_kernel(x, w, axis_name, config=config), x, w)
 
 
-def _typed_like(out, *operands):
+def _typed_like(out, x, w):
     """A kernel's output typed as varying over the axes its operands vary over (a Pallas call's outputs carry no
     such type inside shard_map; the cast is a type, no data moves)."""
-    return vary(out, set().union(*map(varying_axes, operands)))
+    return vary_like(out, (x, w), exclude=())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -237,7 +242,7 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
     shard, k = x.shape
     n = w.shape[1]
     num_sms = num_sms or jax.devices()[0].core_count
-    cta_m = config.tile_m * (2 if config.wg_dimension.name == "M" else 1)
+    cta_m = _cta_tile(config)[0]
 
     def body(x_ref, w_ref, out_ref, scratch_ref):
         received = pl.get_global(plgpu.SemaphoreType.REGULAR)
