@@ -66,3 +66,16 @@ def test_matmul_recomputation_keeps_the_norms_statistics(norm):
     assert _rsqrts(save_matmul_outputs, norm) == 1
     # the same policy without the statistics recomputes them (what the test would see if the name were dropped)
     assert _rsqrts(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, norm) == 2
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_backward_reads_the_statistics_through_a_barrier(norm):
+    """The backward takes the forward's float32 row statistics as stored values (XLA on GPUs would otherwise fuse
+    their reductions into the backward again and write x^ * dy in float32 for the scale's gradient)."""
+    fn, _, n_params = NORMS[norm]
+    loss = lambda x, *p: fn(x, *p, 1e-5, jnp.bfloat16).astype(jnp.float32).sum()
+    args = (jnp.ones((2, 4, 16), jnp.bfloat16), jnp.ones(16), jnp.zeros(16))[:1 + n_params]
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text()
+    barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
+    assert len(barriers) == 1
+    assert barriers[0].count("tensor<2x4x1xf32>") == (2 if norm == "LayerNorm" else 1)  # mean and rstd, or rstd

@@ -12,8 +12,11 @@ two float32 statistics of each row:
 
 The statistics (two float32 numbers a row, named `STATISTICS` for the recomputation policies) are what the backward
 takes from the forward: with them the scale's and bias's gradients are plain column sums of bf16 inputs, which XLA
-fuses into one pass; recomputed, their row reductions end in a separate float32 pass. Values and gradients are those
-of autodiff up to float32 rounding (tests/test_elementwise.py).
+fuses into one pass; recomputed, their row reductions end in a separate float32 pass. The backward reads them through
+an optimization barrier (`_kept`): without it XLA on GPUs fuses the forward's row reductions into the backward's
+fusions again (their input is read there anyway), and the scale's gradient then writes x^ * dy in float32 before its
+column sum, as autodiff's did. Values and gradients are those of autodiff up to float32 rounding
+(tests/test_elementwise.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ def _rows(x):
     return tuple(range(x.ndim - 1))
 
 
+def _kept(*statistics):
+    """The forward's statistics as stored values: XLA may not recompute them from x inside the backward's fusions."""
+    return jax.lax.optimization_barrier(statistics)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def layer_norm(x, scale, bias, epsilon: float, dtype):
     """(..., D) -> (..., D) in `dtype`: (x - mean) / sqrt(var + epsilon) * scale + bias over the last axis."""
@@ -49,6 +57,7 @@ def _layer_norm_fwd(x, scale, bias, epsilon, dtype):
 
 def _layer_norm_bwd(epsilon, dtype, residuals, dy):
     x, mean, rstd, scale, bias = residuals
+    mean, rstd = _kept(mean, rstd)
     x_hat = (x.astype(jnp.float32) - mean) * rstd
     dy32 = dy.astype(jnp.float32)
     g = dy32 * scale
@@ -74,6 +83,7 @@ def _rms_norm_fwd(x, scale, epsilon, dtype):
 
 def _rms_norm_bwd(epsilon, dtype, residuals, dy):
     x, rstd, scale = residuals
+    (rstd,) = _kept(rstd)
     x_hat = x.astype(jnp.float32) * rstd
     dy32 = dy.astype(jnp.float32)
     g = dy32 * scale
