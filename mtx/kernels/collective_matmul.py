@@ -147,13 +147,14 @@ def column_parallel_matmul(x, w, axis_name=MODEL):
 
 def _column_forward(x, w, axis_name):
     out, rows = all_gather_matmul(x, w, axis_name, gathered=True)
-    return out, (rows, w)
+    return out, (rows, w, x[:0])
 
 
 def _column_backward(axis_name, residuals, dy):
-    rows, w = residuals  # all rows, typed as x (it varies over the axis already: its rows are split over it)
+    # all rows (the kernel's are typed by x and w together), and x's type: an empty slice of it, no bytes kept
+    rows, w, x_type = residuals
     dx = matmul_reduce_scatter(dy, w.T.astype(dy.dtype), axis_name)
-    return cotangent_like(dx.astype(rows.dtype), rows), cotangent_like((rows.T @ dy).astype(w.dtype), w)
+    return cotangent_like(dx.astype(x_type.dtype), x_type), cotangent_like((rows.T @ dy).astype(w.dtype), w)
 
 
 column_parallel_matmul.defvjp(_column_forward, _column_backward)
