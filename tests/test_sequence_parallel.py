@@ -101,12 +101,18 @@ def test_tp_comm_overlap_is_the_same_math_and_the_same_collectives():
     assert overlapped["by_axis"] == plain["by_axis"] and overlapped["elements"] == plain["elements"]
 
 
-def test_tp_comm_overlap_says_which_collectives_run(tmp_path, capsys):
+def test_tp_comm_overlap_says_which_collectives_run_and_its_checkpoint_moves(tmp_path, capsys):
+    """The banner names the path; a checkpoint saved with --tp-comm-overlap at (1, 1, 2) resumes at (4, 1, 2) without
+    it, exactly (the flag changes no parameter)."""
     from mtx.run import train
 
-    train(TINY.replace(tensor_model_parallel_size=2, data_parallel_size=1, sequence_parallel=True, tp_comm_overlap=True,
-                       train_iters=1, global_batch_size=2, run_dir=str(tmp_path)), progress=False)
+    ckpt, base = str(tmp_path / "ckpt"), dict(global_batch_size=8, micro_batch_size=2, train_iters=4, save_interval=2)
+    full = train(TINY.replace(tensor_model_parallel_size=2, data_parallel_size=1, sequence_parallel=True,
+                              tp_comm_overlap=True, save=ckpt, run_dir=str(tmp_path / "full"), **base), progress=False)
     assert "mtx: --tp-comm-overlap: XLA's collectives (no kernels: needs NVIDIA Hopper GPUs" in capsys.readouterr().out
+    resumed = train(TINY.replace(tensor_model_parallel_size=2, data_parallel_size=4, load=ckpt,
+                                 ckpt_step=2, run_dir=str(tmp_path / "resumed"), **base), progress=False)
+    np.testing.assert_allclose([resumed.losses[s] for s in (3, 4)], [full.losses[s] for s in (3, 4)], rtol=1e-5)
 
 
 def test_tp_comm_overlap_needs_sequence_parallelism():

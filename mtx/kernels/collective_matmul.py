@@ -40,8 +40,9 @@ from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import cotangent_like, vary_like
 
 
-def xla_all_gather_matmul(x, w, axis_name=MODEL):
-    return lax.all_gather(x, axis_name, axis=0, tiled=True) @ w
+def xla_all_gather_matmul(x, w, axis_name=MODEL, *, gathered: bool = False):
+    rows = lax.all_gather(x, axis_name, axis=0, tiled=True)
+    return (rows @ w, rows) if gathered else rows @ w
 
 
 def xla_matmul_reduce_scatter(x, w, axis_name=MODEL):
@@ -106,8 +107,7 @@ def all_gather_matmul(x, w, axis_name=MODEL, *, config=None, gathered: bool = Fa
     config = config or default_config(w.shape[1])
     p = lax.axis_size(axis_name)
     if kernel_condition(x, w, p, config, rows_split=True) is not None:
-        rows = lax.all_gather(x, axis_name, axis=0, tiled=True)
-        return (rows @ w, rows) if gathered else rows @ w
+        return xla_all_gather_matmul(x, w, axis_name, gathered=gathered)
     out, received = (_typed_like(a, x, w) for a in all_gather_matmul_kernel(x, w, axis_name, config=config))
     return (out, rows_in_order(x, received, lax.axis_index(axis_name), p)) if gathered else out
 
