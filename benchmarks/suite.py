@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
         "matmuls", "--no-scan-layers"]
 SP = ["--sequence-parallel"]
+# sequence parallelism's gathers and scatters inside the linears' matmuls, through peer memory (Hopper, Mosaic GPU;
+# the model axis spanning every GPU of the row)
+OVERLAP = [*SP, "--tp-comm-overlap"]
 GPIPE, INTERLEAVED = ["--pipeline-schedule", "gpipe"], ["--virtual-pipeline-model-parallel-size", "2"]
 # XLA's collective matmuls for GSPMD-partitioned dots: each all-gather / reduce-scatter + matmul pair as a loop of
 # partial matmuls and peer transfers on separate streams, whatever the size
@@ -93,6 +96,8 @@ ROWS = {
         mtx("2.5B, TP 2 (weak), sequence parallel", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *SP),
         mtx("1.2B, TP 2 (strong)", 2, "gpt_1.2b", 1, 1, 2, 16, 16),
         mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
+        mtx("2.5B, TP 2 (weak), peer-memory matmuls", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *OVERLAP),
+        mtx("1.2B, TP 2 (strong), peer-memory matmuls", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *OVERLAP),
         mtx("1.2B, TP 2 (strong), latency-hiding scheduler", 2, "gpt_1.2b", 1, 1, 2, 16, 16,
             xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),
@@ -123,7 +128,11 @@ ROWS = {
     ],
     "4gpu": [
         mtx("4.2B, TP 4 (weak)", 4, "gpt_4.2b", 1, 1, 4, 16, 16),
+        mtx("4.2B, TP 4 (weak), sequence parallel", 4, "gpt_4.2b", 1, 1, 4, 16, 16, *SP),
+        mtx("4.2B, TP 4 (weak), peer-memory matmuls", 4, "gpt_4.2b", 1, 1, 4, 16, 16, *OVERLAP),
         mtx("1.2B, TP 4 (strong)", 4, "gpt_1.2b", 1, 1, 4, 16, 16),
+        mtx("1.2B, TP 4 (strong), sequence parallel", 4, "gpt_1.2b", 1, 1, 4, 16, 16, *SP),
+        mtx("1.2B, TP 4 (strong), peer-memory matmuls", 4, "gpt_1.2b", 1, 1, 4, 16, 16, *OVERLAP),
         mtx("1.2B, TP 2 x DP 2", 4, "gpt_1.2b", 2, 1, 2, 16, 32),
         mtx("2.5B, TP 2 x PP 2, 8 microbatches, GPipe", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *GPIPE,
             "--recompute-granularity", "full"),
@@ -140,6 +149,7 @@ ROWS = {
         mtx("8.3B, TP 8, 24 heads", 8, "gpt_8.3b", 1, 1, 8, 16, 16, "--num-attention-heads", "24"),
         mtx("8.3B, TP 8, 32 heads", 8, "gpt_8.3b", 1, 1, 8, 16, 16, "--num-attention-heads", "32"),
         mtx("1.2B, TP 8 (strong)", 8, "gpt_1.2b", 1, 1, 8, 16, 16),
+        mtx("1.2B, TP 8 (strong), peer-memory matmuls", 8, "gpt_1.2b", 1, 1, 8, 16, 16, *OVERLAP),
         mtx("1.2B, TP 4 x DP 2", 8, "gpt_1.2b", 2, 1, 4, 16, 32),
         mtx("8.3B, TP 4 x PP 2, 8 microbatches, GPipe", 8, "gpt_8.3b", 1, 2, 4, 4, 32, *GPIPE,
             "--recompute-granularity", "full"),
