@@ -105,6 +105,9 @@ def prepare(args):
         if not 1 <= overlap <= seq:
             raise ValueError(f"--overlapping-eval {overlap} must lie in [1, --seq-length {seq}]; pass a smaller one.")
         tokens, original = ev.read_wikitext(args.data_path, tokenizer, detokenize=not args.no_detokenize)
+        if len(tokens) < 2:  # nothing to predict: a perplexity of 1 would be reported
+            raise ValueError(f"--data-path {args.data_path} holds {len(tokens)} token(s), nothing to score; pass the "
+                             "WikiText file with its text.")
         if args.dry_run:
             counts = {"original_tokens": original, "tokens": len(tokens), "scored_tokens": max(len(tokens) - 1, 0),
                       "windows": ev.num_windows(len(tokens), seq, overlap), "seq_length": seq,
@@ -118,6 +121,10 @@ def prepare(args):
         return load, wikitext
     if args.task == "lambada":
         texts = ev.read_lambada(args.data_path)
+        longest = max(k for _, k in (ev.lambada_tokens(tokenizer, t) for t in texts))
+        if longest > seq:  # the target word must fit the window, or the example cannot be scored
+            raise ValueError(f"--data-path {args.data_path} has a target word of {longest} tokens, more than "
+                             f"--seq-length {seq}; pass a longer --seq-length.")
 
         def lambada(loaded):
             scorer = ev.Scorer(*loaded)

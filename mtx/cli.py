@@ -93,11 +93,13 @@ def _scalar_type(hint):
 def with_negative_values(argv: list[str] | None) -> list[str]:
     """`--flag -1e-3` -> `--flag=-1e-3`: argparse takes a value that starts with "-" for a flag unless it looks like
     a plain negative number, so `--lr -1e-3` would fail to parse (the range check then names the flag:
-    mtx/schema_checks.py)."""
+    mtx/schema_checks.py). Not for --data-path, whose list of weights and paths argparse takes as it is (a negative
+    weight is then refused by the blend's own check)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out, i = [], 0
     while i < len(argv):
-        if argv[i].startswith("--") and "=" not in argv[i] and i + 1 < len(argv) and _is_negative_number(argv[i + 1]):
+        if (argv[i].startswith("--") and "=" not in argv[i] and argv[i] != "--data-path" and i + 1 < len(argv)
+                and _is_negative_number(argv[i + 1])):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:

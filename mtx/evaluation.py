@@ -229,7 +229,17 @@ def read_lambada(path: str | Path) -> list[str]:
 def _read_text(path: str | Path) -> str:
     if not Path(path).is_file():
         raise ValueError(f"--data-path {path}: no such file; pass the path of the evaluation data.")
-    return Path(path).read_bytes().decode("utf-8")
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass the evaluation "
+                         "data as UTF-8 text (WikiText's .tokens file, LAMBADA's .jsonl).") from None
+    except OSError as e:
+        raise ValueError(f"--data-path {path} cannot be read ({e.strerror or e}); pass a readable file.") from None
+    if "\x00" in text:
+        raise ValueError(f"--data-path {path} holds NUL bytes, so it is binary, not text; pass the evaluation data "
+                         "as UTF-8 text (WikiText's .tokens file, LAMBADA's .jsonl).")
+    return text
 
 
 def _exp(x: float) -> float:

@@ -71,7 +71,11 @@ def prepare(cfg: Config) -> Plan:
     load_step, broken_later, saved = resume_point(cfg) if t.load else (None, (), None)
     if saved is not None:  # its seed (RNG state) and, with --use-checkpoint-args, its architecture, before the data
         cfg = from_checkpoint(cfg, saved).validate(num_devices)
-    dataset = build_dataset(cfg)
+    try:
+        dataset = build_dataset(cfg)
+    except OSError as e:  # a data or tokenizer file that exists but cannot be read (permissions, a device, ...)
+        raise ValueError(f"{e.filename or '--data-path'} cannot be read ({e.strerror or e}); pass a readable "
+                         "file.") from None
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
         check_compatible(saved.model, cfg.model, t.load)

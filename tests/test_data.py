@@ -150,7 +150,9 @@ def test_bert_wordpiece_hand_checked_ids(shared_data):
 
 def test_tokenizer_type_choice_and_errors(shared_data, tmp_path):
     vocab = str(shared_data / "bert" / "vocab.txt")
-    assert build_tokenizer(vocab, str(shared_data / "gpt2" / "vocab.bpe"), "byte").name == "byte"
+    assert build_tokenizer(None, None, "byte").name == "byte"
+    with pytest.raises(ValueError, match="--tokenizer-type byte does not read --vocab-file or --merge-file"):
+        build_tokenizer(vocab, str(shared_data / "gpt2" / "vocab.bpe"), "byte")  # once ignored them silently
     with pytest.raises(ValueError, match="--tokenizer-type 'Bert' is unknown; use one of GPT2BPETokenizer"):
         build_tokenizer(vocab, None, "Bert")
     with pytest.raises(ValueError, match="BertWordPieceLowerCase needs --vocab-file"):
@@ -244,7 +246,8 @@ def test_valid_is_sequential_and_wraps():
 
 
 def test_too_small_and_empty_splits():
-    with pytest.raises(ValueError, match="train split holds .* fewer than one sequence of --seq-length 128.*"
+    with pytest.raises(ValueError, match="train split of the token stream holds .* fewer than one sequence of "
+                                         "--seq-length 128.*"
                                          "shorter --seq-length"):
         _arange_dataset(n=100, seq_length=128)
     ds = _arange_dataset(n=1000, seq_length=16, split="1,0,0")
@@ -253,7 +256,7 @@ def test_too_small_and_empty_splits():
         ds.batch("valid", 0, 1)
     # The default 0.1% test share is shorter than one sequence here: allowed until someone reads it.
     ds = _arange_dataset(n=10_000, seq_length=16)
-    with pytest.raises(ValueError, match="test split holds 10 tokens"):
+    with pytest.raises(ValueError, match="test split of the token stream holds 10 tokens"):
         ds.batch("test", 0, 1)
     with pytest.raises(ValueError, match="--split"):
         _arange_dataset(split="1,-1,0")

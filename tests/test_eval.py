@@ -254,10 +254,20 @@ def test_cli_wikitext_and_lambada_json(checkpoint, tmp_path, capsys, shared_data
     (["generate", "--load", "CKPT", "--prompt", ""], "--prompt is empty"),
     (["wikitext", "--load", "NOCKPT", "--data-path", "WIKI"], "holds no checkpoint"),
     (["wikitext", "--load", "CKPT", "--data-path", "WIKI", "--vocab-file", "GPT2"], "--merge-file"),
+    (["wikitext", "--load", "CKPT", "--data-path", "EMPTY"], "nothing to score"),  # was: perplexity 1.0, exit 0
+    (["wikitext", "--load", "CKPT", "--data-path", "LATIN1"], "is not UTF-8 text"),
+    (["lambada", "--load", "CKPT", "--data-path", "NUL"], "binary, not text"),
+    (["lambada", "--load", "CKPT", "--data-path", "LONG", "--seq-length", "4"], "target word of 16 tokens"),
 ])
 def test_cli_errors_are_one_line_with_exit_code_2(checkpoint, tmp_path, capsys, argv, needle):
     (tmp_path / "wiki.txt").write_text(" = A = \n b c . \n")
-    subs = {"CKPT": str(checkpoint), "NOCKPT": str(tmp_path), "WIKI": str(tmp_path / "wiki.txt"), "GPT2": "enc.json"}
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (tmp_path / "nul.jsonl").write_bytes(b'{"text": "a b"}\x00\n')
+    (tmp_path / "long.jsonl").write_text('{"text": "the word extraordinarily"}\n')  # bytes: 16 target tokens
+    subs = {"CKPT": str(checkpoint), "NOCKPT": str(tmp_path), "WIKI": str(tmp_path / "wiki.txt"), "GPT2": "enc.json",
+            **{name: str(tmp_path / f) for name, f in (("EMPTY", "empty.txt"), ("LATIN1", "latin1.txt"),
+                                                        ("NUL", "nul.jsonl"), ("LONG", "long.jsonl"))}}
     rc, _, err = _cli(capsys, *[subs.get(a, a) for a in argv])
     assert rc == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
 

@@ -263,6 +263,10 @@ def sentences_from_indexed(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     from mtx.data.indexed import IndexedDataset
 
     ds = IndexedDataset(prefix)
+    if len(ds.doc_idx) > 1 and (np.diff(ds.doc_idx) <= 1).all():
+        raise ValueError(f"--data-path {prefix}: every document is one sequence, so it was written without "
+                         "--split-sentences; BERT reads documents of sentences: re-run `python -m mtx.data.preprocess` "
+                         "with --split-sentences.")
     return ds.tokens, np.concatenate([[0], np.cumsum(ds.sizes, dtype=np.int64)]), ds.doc_idx
 
 

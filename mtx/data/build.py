@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from mtx.data.bert_dataset import build_bert_dataset
-from mtx.data.blend import BlendedDataset
+from mtx.data.blend import BlendedDataset, parse_weights
 from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
 from mtx.data.documents import FIELDS as DOCUMENT_FLAGS, DocumentBatches
 from mtx.data.indexed import IndexedDataset
@@ -37,9 +37,13 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
     data = cfg.data
     common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed)
     if not data.data_path:
-        return GPTDataset(_tokenize(ByteTokenizer(), builtin_corpus()), tokenizer=ByteTokenizer(), **common)
+        return GPTDataset(_tokenize(ByteTokenizer(), builtin_corpus()), tokenizer=ByteTokenizer(),
+                          source="the built-in corpus", **common)
     tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model)
     weights, paths = parse_data_path(data.data_path)
+    common["in_blend"] = len(paths) > 1  # a blend's members may lack a validation share (`BlendedDataset`)
+    if weights is not None:
+        parse_weights(weights)  # refused before any file is read
     if weights is None:
         prefixes = [p for p in paths if indexed_prefix(p)]
         files = [p for p in paths if not indexed_prefix(p)]
@@ -70,15 +74,24 @@ def _files_dataset(paths: list[str], tokenizer: Tokenizer, **kw) -> GPTDataset:
         if i:
             parts.append(np.array([tokenizer.eod], np.int32))
         parts.append(_load(Path(path), tokenizer))
-    return GPTDataset(np.concatenate(parts), tokenizer=tokenizer, **kw)
+    return GPTDataset(np.concatenate(parts), tokenizer=tokenizer, source=f"--data-path {' '.join(paths)}", **kw)
 
 
 def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     if not path.is_file():
         raise ValueError(f"--data-path {path}: no such file or indexed dataset (PATH.bin + PATH.idx); pass text, "
                          ".npy or indexed-dataset prefixes, or omit --data-path to train on the built-in corpus.")
+    if path.suffix in (".bin", ".idx") and not indexed_prefix(str(path.with_suffix(""))):
+        missing = path.with_suffix(".idx" if path.suffix == ".bin" else ".bin")
+        raise ValueError(f"--data-path {path} is half of an indexed dataset and {missing} does not exist; pass the "
+                         f"prefix {path.with_suffix('')} with both files, or re-run `python -m mtx.data.preprocess`.")
     if path.suffix == ".npy":
-        ids = np.load(path, allow_pickle=False)
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:  # empty, truncated, pickled objects, not a .npy at all
+            reason = "it holds pickled objects or is not a .npy file" if "pickle" in str(e) else str(e).rstrip(".")
+            raise ValueError(f"--data-path {path} is not a readable .npy array of token ids ({reason}); save a 1-D "
+                             "integer array with numpy.save, or pass text or an indexed-dataset prefix.") from None
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"--data-path {path} holds a {ids.dtype} array of shape {ids.shape}; a .npy data "
                              "file must be a 1-D integer array of token ids.")
@@ -89,6 +102,9 @@ def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     except UnicodeDecodeError as e:
         raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass plain "
                          "UTF-8 text, a .npy array of token ids, or an indexed-dataset prefix.") from None
+    if "\x00" in text:  # decodes as UTF-8 but is binary (a .bin of token ids, an archive)
+        raise ValueError(f"--data-path {path} holds NUL bytes, so it is binary, not text; pass plain UTF-8 text, a "
+                         ".npy array of token ids, or an indexed-dataset prefix (PATH for PATH.bin + PATH.idx).")
     return _tokenize(tokenizer, text)
 
 

@@ -70,7 +70,7 @@ class GPTDataset:
 
     def __init__(self, tokens: np.ndarray, *, seq_length: int, split: str = "949,50,1", seed: int,
                  tokenizer: Tokenizer, doc_offsets: np.ndarray | None = None, stream: int = 0,
-                 source: str = "the token stream"):
+                 source: str = "the token stream", in_blend: bool = False):
         tokens = tokens if isinstance(tokens, np.memmap) else np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"the token stream must be a 1-D integer array, got {tokens.dtype} of shape "
@@ -80,6 +80,7 @@ class GPTDataset:
         check_token_ids(tokens, tokenizer.vocab_size, source)
         self.tokens = tokens if isinstance(tokens, np.memmap) else tokens.astype(np.int32, copy=False)
         self.seq_length, self.seed, self.stream, self.tokenizer = seq_length, seed, stream, tokenizer
+        self.source = source
         weights = _parse_split(split)
         if doc_offsets is None:
             bounds = _split_bounds(weights, len(self.tokens))
@@ -91,8 +92,9 @@ class GPTDataset:
         for name in ("train", "valid"):
             # Train must hold a sample, and valid too when it has weight, since evaluation reads it. Test is read
             # by nothing during training and its default 0.1% share is often shorter than one sequence, so an
-            # empty test split is only refused when someone asks it for a batch.
-            if self.num_samples(name) == 0 and (name == "train" or self._weights[name] > 0):
+            # empty test split is only refused when someone asks it for a batch. In a blend, the blend checks that
+            # some member holds validation samples (`BlendedDataset`).
+            if self.num_samples(name) == 0 and (name == "train" or self._weights[name] > 0 and not in_blend):
                 raise ValueError(self._too_small(name))
 
     def num_samples(self, split: str) -> int:
@@ -143,7 +145,7 @@ class GPTDataset:
         if self._weights[split] == 0:
             return (f"the {split} split is empty because its --split weight is 0; give it a weight (e.g. "
                     "--split 949,50,1) to read from it.")
-        return (f"the {split} split holds {self.num_tokens(split)} tokens, fewer than one sequence of "
+        return (f"the {split} split of {self.source} holds {self.num_tokens(split)} tokens, fewer than one sequence of "
                 f"--seq-length {self.seq_length} + 1; use a shorter --seq-length, more data (--data-path), or a "
                 "larger --split share for it.")
 

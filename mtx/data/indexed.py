@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,9 @@ class IndexedDatasetWriter:
             raise ValueError(f"indexed datasets store {', '.join(str(np.dtype(t)) for t in DTYPES.values())}, not "
                              f"{self.dtype}; pass one of those.")
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
-        self._bin = open(f"{self.prefix}.bin.tmp", "wb")
+        self._bin_tmp = _new_temporary(self.prefix, ".bin")
+        self._idx_tmp = None
+        self._bin = open(self._bin_tmp, "wb")
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
 
@@ -89,7 +92,8 @@ class IndexedDatasetWriter:
         sizes = np.asarray(self._sizes, np.int32)
         starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]).astype(np.int64)
         pointers = starts * self.dtype.itemsize  # byte offsets: the sequences lie back to back
-        with open(f"{self.prefix}.idx.tmp", "wb") as f:
+        self._idx_tmp = _new_temporary(self.prefix, ".idx")
+        with open(self._idx_tmp, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", _CODES[self.dtype]))
@@ -98,20 +102,33 @@ class IndexedDatasetWriter:
             f.write(sizes.tobytes(order="C"))
             f.write(pointers[:len(sizes)].tobytes(order="C"))  # [:0] when there are no sequences
             f.write(np.asarray(self._doc_idx, np.int64).tobytes(order="C"))
-        for suffix in (".bin", ".idx"):
-            os.replace(f"{self.prefix}{suffix}.tmp", f"{self.prefix}{suffix}")
+        for tmp, suffix in ((self._bin_tmp, ".bin"), (self._idx_tmp, ".idx")):
+            os.replace(tmp, f"{self.prefix}{suffix}")
 
     def abort(self) -> None:
-        """Drops what was written; files of this prefix from before stay as they were."""
+        """Drops what was written (this writer's own temporary files); files of this prefix from before stay as they
+        were."""
         self._bin.close()
-        for suffix in (".bin.tmp", ".idx.tmp"):
-            Path(f"{self.prefix}{suffix}").unlink(missing_ok=True)
+        for tmp in (self._bin_tmp, self._idx_tmp):
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
 
     def __exit__(self, kind, *exc) -> None:
         self.abort() if kind is not None else self.close()
+
+
+def _new_temporary(prefix: str, suffix: str) -> str:
+    """A file of a name no other file has (created here, exclusively) beside PREFIX + suffix, readable as that file
+    will be: the writer's output takes its place at `close()`, and no file of the user's is ever written or removed."""
+    fd, path = tempfile.mkstemp(prefix=f".{Path(prefix).name}{suffix}.", suffix=".tmp", dir=Path(prefix).parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    return path
 
 
 class IndexedDataset:
@@ -143,6 +160,8 @@ class IndexedDataset:
         if code not in DTYPES:
             raise ValueError(f"{idx_path} has unknown dtype code {code} (known: 1-8); {fix}.")
         self.dtype = np.dtype(DTYPES[code])
+        if self.dtype.kind == "f":  # Megatron's codes include floats; token ids never are
+            raise ValueError(f"{bin_path} holds {self.dtype} values, not token ids; {_RETOKENIZE}.")
         want = _HEADER + 4 * n + 8 * n + 8 * docs
         if len(raw) not in (want, want + n):  # + n: Megatron's multimodal indexes append one mode byte a sequence
             raise ValueError(f"{idx_path} holds {len(raw)} bytes but its header describes {want} ({n} sequences, "
@@ -187,8 +206,6 @@ class IndexedDataset:
         return self.tokens[offsets[first]:offsets[last]]
 
     def _check_vocab(self, vocab_size: int) -> None:
-        if self.dtype.kind == "f":
-            raise ValueError(f"{self.prefix}.bin holds {self.dtype} values, not token ids; {_RETOKENIZE}.")
         info = np.iinfo(self.dtype)
         if info.min >= 0 and info.max < vocab_size or not len(self.tokens):
             return  # every value the dtype can hold is a valid id

@@ -48,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 def _preprocess(args) -> list[str]:
     if bool(args.input) == bool(args.tfds):
         raise ValueError("pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise ValueError(f"--json-keys {' '.join(args.json_keys)} names a key twice; name each key once.")
     level = "sentence" if args.split_sentences else "document"  # Megatron's suffix
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     check_new_files([p + suffix for p in prefixes for suffix in (".bin", ".idx")], "--output-prefix",
@@ -76,6 +78,9 @@ def _preprocess(args) -> list[str]:
                             tokens += len(ids)
                         writer.end_document()
                 count += 1
+        if not tokens:
+            raise ValueError(f"{'--input ' + ' '.join(args.input) if args.input else '--tfds ' + args.tfds} holds no "
+                             f"text under --json-keys {' '.join(args.json_keys)}; pass an input with text.")
     except BaseException:  # a bad input line, an interrupt: no half-written dataset, older outputs untouched
         for writer in writers:
             writer.abort()

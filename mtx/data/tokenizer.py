@@ -209,6 +209,9 @@ class HuggingFaceTokenizer:
             raise ValueError(f"--tokenizer-model {folder}: tokenizer.json does not load ({first_line(e)}); pass a "
                              "tokenizer.json written by the tokenizers package.") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise ValueError(f"--tokenizer-model {folder}: tokenizer.json has an empty vocabulary; pass the directory "
+                             "of a trained tokenizer.")
         self.vocab_size = max(vocab.values()) + 1
         eos = _configured_eos(folder)
         names = [eos] if eos is not None else [t for t in _EOD_CANDIDATES if t in vocab]
@@ -287,6 +290,15 @@ def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_ty
     if (tokenizer_type == "HuggingFaceTokenizer") != (tokenizer_model is not None):
         raise ValueError("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding "
                          "tokenizer.json) go together; pass both or neither.")
+    # files the chosen tokenizer would not read are refused, not ignored (the run would train on another vocabulary)
+    unused = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer": ("--vocab-file", "--merge-file"),
+              "BertWordPieceLowerCase": ("--merge-file",)}.get(tokenizer_type, ())
+    given = [flag for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file))
+             if value is not None and flag in unused]
+    if given:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} does not read {' or '.join(given)}; drop "
+                         f"{'it' if len(given) == 1 else 'them'}, or pick the tokenizer that reads "
+                         f"{'it' if len(given) == 1 else 'them'} (GPT2BPETokenizer: --vocab-file and --merge-file).")
     if tokenizer_model is not None:
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "byte" or (tokenizer_type is None and vocab_file is None and merge_file is None):
