@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -152,7 +151,7 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
     --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
     from mtx.cli import parse_config
-    from mtx.files import check_writable
+    from mtx.files import check_json_lines, check_writable
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--steps", type=int, default=10)
@@ -164,11 +163,8 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
         if own.steps < 1 or own.warmup < 0:
             raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time at least 1 step after >= 0 warm-up "
                              "steps.")
-        if own.json:  # appended to: an existing file is fine
-            json_path = Path(own.json)
-            if json_path.is_dir() or (json_path.exists() and not os.access(json_path, os.W_OK)):
-                raise ValueError(f"--json {own.json} is a directory or not writable; pass a file to append to.")
-            check_writable(json_path.parent, "--json")
+        if own.json:  # appended to: an existing file of results is fine, any other file refused
+            check_json_lines(own.json, "--json")
         if own.profile:
             check_writable(own.profile, "--profile")
         cfg = parse_config(rest)

@@ -191,6 +191,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args(argv)
+    if args.out:
+        from mtx.files import check_json_lines
+
+        try:
+            check_json_lines(args.out, "--out")
+        except ValueError as e:
+            p.error(str(e))
 
     import jax
     import numpy as np

@@ -25,6 +25,7 @@ def main(argv=None) -> int:
 
     from mtx.cli import parse_config
     from mtx.devices import simulate_cpu_devices
+    from mtx.files import check_json_lines
 
     simulate_cpu_devices(8)
 
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         base = parse_config(a.flags)
+        if a.json:
+            check_json_lines(a.json, "--json")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -327,6 +327,10 @@ def main(argv=None) -> int:
         extra_env[key] = value
     try:  # bad input fails here, before any row runs (rows can take hours)
         earlier = _read_records(args.baseline)
+        if args.out:
+            from mtx.files import check_json_lines
+
+            check_json_lines(args.out, "--out")
         if args.plot:
             from mtx.plot import check_png_path, pyplot
 

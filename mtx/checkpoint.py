@@ -107,6 +107,26 @@ class Checkpointer:
         if doomed:
             self._manager.reload()  # orbax's list of steps
 
+    def intact_step(self, wanted: int | None, load: str | Path) -> tuple[int, dict[int, str]]:
+        """(The step to read: `wanted` (--ckpt-step), else the newest intact one; the broken steps passed over, with
+        what is wrong with each). One-line ValueError naming the fix when `wanted` is missing or broken, or when no
+        step is intact. `load` is the directory as the user wrote it."""
+        steps = self.steps()
+        if not steps:
+            raise ValueError(f"--load {load} holds no checkpoint; pass a directory written by --save.")
+        if wanted is not None and wanted not in steps:
+            raise ValueError(f"--load {load} has no step {wanted} (it has {steps}); pass one of those to --ckpt-step.")
+        broken = {}
+        for step in [wanted] if wanted is not None else reversed(steps):
+            if (problem := self.problem(step)) is None:
+                return step, broken
+            broken[step] = problem
+        intact = [s for s in steps if s not in broken and self.problem(s) is None]
+        step, problem = next(iter(broken.items()))
+        raise ValueError(f"--load {load}: step {step} is broken ({problem}); "
+                         + (f"pass --ckpt-step {intact[-1]}, the newest intact step." if intact else
+                            "no step is intact: start a new run."))
+
     def problem(self, step: int) -> str | None:
         """Why `step` cannot be loaded (a file missing, truncated or emptied; an unreadable or incomplete config), in
         a few words; None when it is intact."""
@@ -198,15 +218,28 @@ class Checkpointer:
 
 
 def check_compatible(saved, current, directory) -> None:
-    """Refuses to load a checkpoint of a different architecture, naming the first differing field."""
-    for field in dataclasses.fields(saved):
-        if field.name in ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length",
-                          "init_method_std"):
-            continue  # regularization, training length and init do not shape a parameter
-        a, b = getattr(saved, field.name), getattr(current, field.name)
-        if a != b:
-            raise ValueError(f"--load {directory} was saved with {field.name}={a!r} but this run has {b!r}; "
-                             f"pass --{field.name.replace('_', '-')} {a} or load a matching checkpoint.")
+    """Refuses to load a checkpoint of a different architecture, naming every differing field and the flags that
+    would match it (the model type first: it explains the rest; the vocabulary by the tokenizer, which sets it)."""
+    skipped = ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length", "init_method_std")
+    # regularization, training length and init do not shape a parameter
+    differ = [f.name for f in dataclasses.fields(saved)
+              if f.name not in skipped and getattr(saved, f.name) != getattr(current, f.name)]
+    if not differ:
+        return
+    where = f"--load {directory} was saved with"
+    if "model_type" in differ:
+        raise ValueError(f"{where} model_type={saved.model_type!r} but this run has {current.model_type!r}; pass "
+                         f"--config of a {saved.model_type} preset (or --use-checkpoint-args), or load a "
+                         f"{current.model_type} checkpoint.")
+    if differ == ["vocab_size"]:  # train.py takes it from the tokenizer: --vocab-size would not change it
+        raise ValueError(f"{where} vocab_size={saved.vocab_size} but this run's tokenizer has {current.vocab_size}; "
+                         "pass the tokenizer it was trained with (--vocab-file, --merge-file, --tokenizer-type), or "
+                         "load a matching checkpoint.")
+    saved_values = ", ".join(f"{name}={getattr(saved, name)!r}" for name in differ)
+    flags = " ".join(f"--{name.replace('_', '-')} {getattr(saved, name)}" for name in differ if name != "vocab_size")
+    raise ValueError(f"{where} {saved_values} but this run has "
+                     f"{', '.join(repr(getattr(current, name)) for name in differ)}; pass {flags} (or "
+                     "--use-checkpoint-args), or load a matching checkpoint.")
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:

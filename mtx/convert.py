@@ -25,6 +25,7 @@ import numpy as np
 
 from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
+from mtx.files import check_writable
 from mtx.hf_checks import check as _check, validated
 
 PREFIX = "transformer."
@@ -235,6 +236,7 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     from safetensors.numpy import save_file
 
     from mtx.checkpoint import Checkpointer, is_checkpoint_dir
+    from mtx.evaluation import say_broken
     from mtx.loading import load_model
 
     _check_fresh(hf_dir, "--hf-dir", "model")
@@ -242,14 +244,16 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
            "by from-hf.")
     ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
     try:
-        model_cfg = ckpt.saved_config(ckpt_step if ckpt_step is not None else ckpt.latest_step()).model
+        step, broken = ckpt.intact_step(ckpt_step, load)
+        say_broken(load, broken, step)
+        model_cfg = ckpt.saved_config(step).model
     finally:
         ckpt.close()
     llama = bool(model_cfg.llama_blocks())
     family = _family("llama" if llama else "gpt2")
     if llama:
         family.refuse_unconvertible(model_cfg, load)
-    _, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=ckpt_step)
+    _, params = load_model(str(load), tensor_model_parallel_size=1, data_parallel_size=1, ckpt_step=step)
     flat = {_param_name(path): np.asarray(jax.device_get(leaf))
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     out = Path(hf_dir)
@@ -271,6 +275,7 @@ def _check_fresh(path: str | Path, flag: str, what: str) -> None:
     p = Path(path)
     _check(not (p.exists() and (not p.is_dir() or any(p.iterdir()))),
            f"{flag} {p} already exists and is not empty; choose a new {what} directory.")
+    check_writable(p, flag)  # not through a file, a link to nothing or a read-only place
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -262,13 +263,20 @@ def checkpoint_config(load: str, ckpt_step: int | None = None):
                          "`python -m mtx.convert from-hf`).")
     ckpt = Checkpointer(load)
     try:
-        step = ckpt.latest_step() if ckpt_step is None else ckpt_step
-        if step not in ckpt.steps():
-            raise ValueError(f"--load {load} has no step {step} (it has {ckpt.steps()}); pass one of those to "
-                             "--ckpt-step.")
+        step, broken = ckpt.intact_step(ckpt_step, load)
+        say_broken(load, broken, step)
         return ckpt.saved_config(step)
     finally:
         ckpt.close()
+
+
+def say_broken(load, broken: dict[int, str], step: int) -> None:
+    """One line on stderr per broken step passed over for `step`, the newest intact one (as train.py says it)."""
+    from mtx.distributed import is_main_process
+
+    for s, problem in broken.items() if is_main_process() else ():
+        print(f"mtx: --load {load}: step {s} is broken ({problem}); reading step {step}, the newest intact one.",
+              file=sys.stderr)
 
 
 def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | None = None,

@@ -43,11 +43,33 @@ def check_new_files(paths, flag: str, *, overwrite: bool = False, overwrite_flag
         check_writable(p.parent, flag)
 
 
+def check_json_lines(path: str | Path, flag: str) -> None:
+    """Refuses a results file to append to unless it is new, or JSON lines already (a file of results a benchmark
+    appended before): appending to any other file would change a file mtx did not write."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; pass a file to append the results to.")
+    if path.exists():
+        try:
+            records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except (OSError, ValueError):
+            records = None
+        if records is None or not all(isinstance(r, dict) for r in records):
+            raise ValueError(f"{flag} {path} exists and is not a JSON-lines file of results; mtx appends only to "
+                             "those: choose a new file.")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path} is not writable; choose a file you can write.")
+    check_writable(path.parent, flag)
+
+
 def check_writable(path: str | Path, flag: str) -> None:
     """Refuses a path that runs through a regular file or whose nearest existing ancestor cannot be written."""
     path = Path(path).absolute()
     ancestor = path
     while not ancestor.exists():
+        if ancestor.is_symlink():  # a link to nothing: creating the directory would fail on it
+            raise ValueError(f"{flag} {path}: {ancestor} is a link to {os.readlink(ancestor)}, which does not "
+                             "exist; choose another path (or create the link's target).")
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise ValueError(f"{flag} {path}: {ancestor} is a file, not a directory; choose another path.")
@@ -59,8 +81,9 @@ def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
     if entry.name == "config.json":
         return is_mtx_config(entry)
-    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp", WANDB_ID, WANDB_ID + ".tmp"):  # (a tmp: a resume cut
-        # short while it rewrote the file)
+    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (a tmp: a resume cut short while it rewrote the file)
+        return is_mtx_metrics(entry)
+    if entry.name in (WANDB_ID, WANDB_ID + ".tmp"):
         return entry.is_file()
     if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
                            or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):
@@ -69,7 +92,25 @@ def _written_by_mtx(entry: Path) -> bool:
     if entry.name in ("wandb", "profile") and entry.is_dir():
         return True  # Weights & Biases' files without --wandb-save-dir (mtx/metrics.py); --profile's trace without
         # --tensorboard-dir (mtx/run.py)
+    if entry.is_dir():  # a --tensorboard-dir inside the run directory (README's example): event files and traces only
+        files = [f for f in entry.rglob("*") if not f.is_dir()]
+        return bool(files) and all(_TRACKER_FILE.fullmatch(f.name) for f in files)
     return False
+
+
+# What mtx's TensorBoard writer and --profile's trace put in a --tensorboard-dir
+_TRACKER_FILE = re.compile(r"events\.out\.tfevents\..+|.+\.xplane\.pb|.+\.trace\.json\.gz")
+
+
+def is_mtx_metrics(path: Path) -> bool:
+    """Whether `path` is a metrics.jsonl that mtx wrote: empty, or its first line a JSON record with a step."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        record = json.loads(first) if first.strip() else {"step": 0}
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "step" in record
 
 
 def is_mtx_config(path: Path) -> bool:

@@ -20,10 +20,7 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
     micro_batch_size, bf16). One-line ValueError for a missing checkpoint or a mesh that does not fit."""
     ckpt = Checkpointer(load)
     try:
-        step = ckpt.latest_step() if ckpt_step is None else ckpt_step
-        if step is None or step not in ckpt.steps():
-            raise ValueError(f"--load {load} holds no checkpoint{'' if step is None else f' at step {step}'}; "
-                             "pass a directory written by --save (or by `python -m mtx.convert from-hf`).")
+        step, _ = ckpt.intact_step(ckpt_step, load)  # the newest intact step (callers say which they passed over)
         # Training choices, off: any checkpoint loads on any mesh.
         fields = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
                       num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,

@@ -91,7 +91,7 @@ class MetricsLogger:
         """A run resumed at `step` re-runs the steps after it: their earlier records go (atomically: the file is
         replaced by a complete copy), so each step appears once and a plot of the file is right."""
         lines = self.path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+        kept = [line for line in lines if _step_of(line) <= step]  # a line a kill cut short goes too
         if len(kept) < len(lines):
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(kept))
@@ -227,3 +227,14 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line: 0 for a blank one, infinity for one that is not a whole record."""
+    if not line.strip():
+        return 0
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return float("inf")
+    return record.get("step", 0) if isinstance(record, dict) else float("inf")

@@ -50,20 +50,7 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
     ckpt = Checkpointer(load)
     try:
         steps = ckpt.steps()
-        if t.ckpt_step is not None and t.ckpt_step not in steps:
-            raise ValueError(f"--load {t.load} has no step {t.ckpt_step} (it has {steps}); pass one of those "
-                             "to --ckpt-step.")
-        broken = {}
-        for step in ([t.ckpt_step] if t.ckpt_step is not None else reversed(steps)):
-            if (problem := ckpt.problem(step)) is None:
-                break
-            broken[step] = problem
-        else:
-            intact = [s for s in steps if s not in broken and ckpt.problem(s) is None]
-            step, problem = next(iter(broken.items()))
-            raise ValueError(f"--load {t.load}: step {step} is broken ({problem}); "
-                             + (f"pass --ckpt-step {intact[-1]}, the newest intact step." if intact else
-                                "no step is intact: start a new run."))
+        step, broken = ckpt.intact_step(t.ckpt_step, t.load)
         if broken and is_main_process():
             print("\n".join(f"mtx: --load {t.load}: step {s} is broken ({p}); resuming from step {step}, the newest "
                             "intact one." for s, p in broken.items()))

@@ -92,7 +92,8 @@ def prepare(cfg: Config) -> Plan:
     if t.save and is_checkpoint_dir(t.save) and not (resuming and Path(t.load) == Path(t.save)):
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")
-    if (run_dir / "metrics.jsonl").exists() and not resuming:
+    # A run appends to (and on resuming, trims) only its own metrics: those of the directory it resumes from
+    if (run_dir / "metrics.jsonl").exists() and not (resuming and run_dir.resolve() == Path(t.load).resolve()):
         raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
                          f"--run-dir (or --save), or pass --load {run_dir} to resume it (or restart it, if it "
                          "stopped before its first checkpoint).")

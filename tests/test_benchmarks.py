@@ -310,7 +310,8 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--warmup", "-1"], "at least 1 step"),
     (["--data-parallel-size", "16"], "lower the parallel sizes"),
     (["--json", "/proc/version/out.jsonl"], "choose another path"),
-    (["--json", "/"], "pass a file to append to"),
+    (["--json", "/"], "pass a file to append the results to"),
+    (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
 ])
 def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,

@@ -162,7 +162,8 @@ def test_the_seed_comes_from_the_checkpoint_unless_no_load_rng(base, resumed, tm
 def test_use_checkpoint_args_takes_the_architecture_and_says_what_it_overrode(base, tmp_path, capsys):
     path = str(base[0])
     flags = dict(load=path, num_layers=3, hidden_size=128, seq_length=64, run_dir=str(tmp_path / "r"))
-    with pytest.raises(ValueError, match="saved with num_layers=2 but this run has 3"):
+    with pytest.raises(ValueError, match="saved with num_layers=2, hidden_size=64 but this run has 3, 128; pass "
+                                         "--num-layers 2 --hidden-size 64 \\(or --use-checkpoint-args\\)"):
         prepare(TINY.replace(**flags))
     plan = prepare(TINY.replace(use_checkpoint_args=True, **flags))
     assert plan.cfg.model == base[1].model.cfg.model

@@ -1,0 +1,108 @@
+"""Output paths and checkpoints that are not what they seem: refused in one line, and no file mtx did not write is
+changed (a sweep of such inputs found each case: mtx/files.py, mtx/checkpoint.py `intact_step`)."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from mtx.checkpoint import check_compatible
+from mtx.config import Config, load_preset
+from mtx.evaluation import checkpoint_config
+from mtx.files import check_json_lines, check_run_dir, check_writable
+from mtx.metrics import MetricsLogger
+from mtx.run import prepare, train
+
+TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _refused(match, fn, *args, **kw):
+    with pytest.raises(ValueError, match=match) as e:
+        fn(*args, **kw)
+    assert "\n" not in str(e.value), str(e.value)
+
+
+def test_only_mtxs_own_metrics_and_tracker_files_count_as_a_run_directorys(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "metrics.jsonl").write_text("my notes, not JSON\n")  # once taken for mtx's (by its name), then appended
+    _refused("holds files mtx did not write \\(metrics.jsonl\\)", check_run_dir, user, "--save")
+    ours = tmp_path / "ours"
+    (ours / "tb" / "plugins" / "profile" / "2026").mkdir(parents=True)  # README's --tensorboard-dir ours/tb
+    (ours / "tb" / "events.out.tfevents.1764400000.host.1.0").write_bytes(b"\x00")
+    (ours / "tb" / "plugins" / "profile" / "2026" / "host.xplane.pb").write_bytes(b"\x00")
+    (ours / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    check_run_dir(ours, "--save")
+    (ours / "tb" / "notes.txt").write_text("the user's")
+    _refused("holds files mtx did not write \\(tb\\)", check_run_dir, ours, "--save")
+
+
+def test_a_link_to_nothing_is_refused_before_anything_is_created(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    _refused("dangling is a link to .*gone, which does not exist", check_writable, tmp_path / "dangling" / "x", "--out")
+    _refused("dangling is a link to .*gone, which does not exist", check_run_dir, tmp_path / "dangling", "--save")
+
+
+def test_results_are_appended_only_to_a_json_lines_file(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("two lines\nof the user's\n")
+    _refused("--json .*notes.txt exists and is not a JSON-lines file of results", check_json_lines, notes, "--json")
+    results = tmp_path / "r.jsonl"
+    results.write_text(json.dumps({"step_s": 0.1}) + "\n\n")
+    check_json_lines(results, "--json")
+    check_json_lines(tmp_path / "new.jsonl", "--json")
+    _refused("is a directory", check_json_lines, tmp_path, "--json")
+
+
+def test_a_resume_drops_a_metrics_line_that_a_kill_cut_short(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": 2}) + "\n{\"st")
+    MetricsLogger(tmp_path, resumed_at=1).close()  # a traceback (JSONDecodeError) before
+    assert (tmp_path / "metrics.jsonl").read_text() == json.dumps({"step": 1}) + "\n"
+
+
+def test_a_different_model_names_every_field_and_a_fix_that_works():
+    gpt = dataclasses.replace(TINY.model, vocab_size=257)
+    _refused("saved with num_layers=2, hidden_size=64 but this run has 3, 128; pass --num-layers 2 --hidden-size 64",
+             check_compatible, gpt, dataclasses.replace(gpt, num_layers=3, hidden_size=128), "ck")
+    bert = Config().replace(**load_preset("configs/bert_tiny.toml")).model
+    _refused("saved with model_type='gpt' but this run has 'bert'; pass --config of a gpt preset",
+             check_compatible, gpt, bert, "ck")
+    # train.py sets the vocabulary from the tokenizer, so "pass --vocab-size 257" would have changed nothing
+    _refused("vocab_size=257 but this run's tokenizer has 50257; pass the tokenizer it was trained with",
+             check_compatible, gpt, dataclasses.replace(gpt, vocab_size=50257), "ck")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-step run that saved steps 1 and 2."""
+    path = tmp_path_factory.mktemp("saved") / "run"
+    train(TINY.replace(train_iters=2, save_interval=1, log_interval=1, save=str(path)), progress=False)
+    return path
+
+
+def test_a_run_never_appends_to_another_runs_metrics(saved, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text(json.dumps({"step": 100, "loss": 1.0}) + "\n")  # another run's records
+    before = (other / "metrics.jsonl").read_text()
+    _refused("already holds metrics.jsonl of another run", prepare,
+             TINY.replace(train_iters=4, load=str(saved), save=str(other)))
+    assert (other / "metrics.jsonl").read_text() == before and sorted(p.name for p in other.iterdir()) == [
+        "metrics.jsonl"]
+
+
+def test_eval_and_convert_read_the_newest_intact_step(saved, tmp_path, capsys):
+    from mtx.convert import main as convert
+
+    path = tmp_path / "run"
+    shutil.copytree(saved, path)
+    (path / "2" / "config" / "metadata").write_text("garbage")  # once: "error: Expecting value: line 1 ..."
+    assert checkpoint_config(str(path)).model.num_layers == 2
+    err = capsys.readouterr().err
+    assert "step 2 is broken (config/metadata has 7 bytes" in err and "reading step 1, the newest intact" in err
+    _refused("step 2 is broken .*pass --ckpt-step 1, the newest intact step", checkpoint_config, str(path), 2)
+    assert convert(["to-hf", "--load", str(path), "--hf-dir", str(tmp_path / "hf"), "--ckpt-step", "3"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --load {path} has no step 3 (it has [1, 2]); pass one of "
+                                               "those to --ckpt-step.")
+    assert not (tmp_path / "hf").exists()
