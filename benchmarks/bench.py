@@ -153,16 +153,16 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
     from mtx.cli import parse_config
     from mtx.files import check_json_lines, check_writable
 
-    ap = argparse.ArgumentParser(add_help=False)
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --step is no --steps
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="append the result line to this file")
     ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them")
     own, rest = ap.parse_known_args(argv)
     try:
-        if own.steps < 1 or own.warmup < 0:
-            raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time at least 1 step after >= 0 warm-up "
-                             "steps.")
+        if not (1 <= own.steps <= 10_000 and 0 <= own.warmup <= 10_000):
+            raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time 1 to 10,000 steps after 0 to 10,000 "
+                             "warm-up steps.")
         if own.json:  # appended to: an existing file of results is fine, any other file refused
             check_json_lines(own.json, "--json")
         if own.profile:

@@ -273,7 +273,7 @@ _RECOMPUTE_HELP = ("activations the backward recomputes: none (keep them all), f
 def build_parser():
     """`python -m mtx.audit`'s parser: train.py's model and mesh flags (mtx/cli.py) with the audit's own defaults,
     each shown in --help."""
-    from mtx.cli import OneLineParser, add_config_flags
+    from mtx.cli import OneLineParser, add_config_flags, ranged
 
     ap = OneLineParser(prog="python -m mtx.audit", description=__doc__.split("\n\n")[0],
                        epilog="Example: python -m mtx.audit --tensor-model-parallel-size 4 --data-parallel-size 2 "
@@ -287,7 +287,8 @@ def build_parser():
              "recompute_granularity": _RECOMPUTE_HELP}
     add_config_flags(ap, fields, defaults={"data_parallel_size": 1, "num_layers": None}, helps=helps)
     add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
-    ap.add_argument("--num-microbatches", type=int, metavar="INT", help="per data rank (default: 2 x stages)")
+    ap.add_argument("--num-microbatches", type=ranged(int, ">= 1"), metavar="INT",
+                    help="per data rank (default: 2 x stages)")
     add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce",
                           "overlap_param_gather"), defaults={})
     add_config_flags(ap, BLOCKS, defaults={})

@@ -12,12 +12,13 @@ import argparse
 import dataclasses
 import difflib
 import math
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mtx.config import FIELD_TYPES, SECTIONS, Config, load_preset
-from mtx.schema_checks import field_types, in_range
+from mtx.schema_checks import LIMITS, RANGES, field_types, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -81,7 +82,9 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
         elif name == "data_path":
             parser.add_argument(flag, nargs="+", metavar="PATH", **kw)
         else:
-            parser.add_argument(flag, type=kind, metavar=kind.__name__.upper(), **kw)
+            # the tools' flags (eval.py, the audit) are range-checked here: no Config.validate sees them
+            checked = ranged(kind, RANGES[name]) if defaults is not None and name in RANGES else STRICT.get(kind, kind)
+            parser.add_argument(flag, type=checked, metavar=kind.__name__.upper(), **kw)
 
 
 def _scalar_type(hint):
@@ -120,6 +123,14 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A later flag overrides an earlier one (argparse's rule, which scripts use: base flags, then one changed),
+        but a second --config would drop the whole first preset: refused."""
+        argv = list(sys.argv[1:] if args is None else args)
+        if sum(token.split("=", 1)[0] == "--config" for token in argv) > 1:
+            self.error("--config given twice; pass one preset (and flags to change it).")
+        return super().parse_known_args(argv, namespace)
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
@@ -188,15 +199,31 @@ def _subcommand(parser: argparse.ArgumentParser, argv: Iterable[str]) -> argpars
     return None
 
 
+_NUMBER = {int: re.compile(r"[-+]?[0-9]+"),
+           float: re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|[-+]?(nan|inf|infinity)", re.I)}
+
+
+def _strict(kind: type):
+    """`kind` (int or float) for numbers as written in ASCII digits only: Python's own parsers also take "1_0",
+    full-width digits and, for int, surrounding spaces, which a flag's value should not be."""
+    def parse(text: str):
+        if not _NUMBER[kind].fullmatch(text):
+            raise ValueError(text)
+        return kind(text)
+
+    parse.__name__ = kind.__name__  # argparse's messages name the type
+    return parse
+
+
+STRICT = {int: _strict(int), float: _strict(float)}
+
+
 def ranged(kind: type, valid: str):
     """An argparse `type` for a tool's own numeric flag: parses with `kind` and refuses values outside `valid` (a
     range written as in mtx/schema_checks.py's RANGES), so argparse names the flag in its one-line error."""
     def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not (math.isfinite(value) and in_range(value, valid)):
+        value = STRICT[kind](text)  # a ValueError: argparse's "invalid int value: 'x'", as for any other flag
+        if not (math.isfinite(value) and in_range(value, valid) and abs(value) <= LIMITS[kind]):
             raise argparse.ArgumentTypeError(f"must be {'in ' if valid[0] in '[(' else ''}{valid}, got {text}")
         return value
 

@@ -322,21 +322,30 @@ def _flag(name: str) -> str:
 
 
 def _coerce(key: str, value: Any) -> Any:
-    if key == "data_path" and value is not None:
-        return tuple([value] if isinstance(value, str) else value)
+    if key == "data_path" and value is not None:  # a list (checked item by item later), or one path
+        return tuple(value) if isinstance(value, (list, tuple)) else (value,)
     return value
 
 
 def load_preset(path: str | Path) -> dict[str, Any]:
     """Reads a TOML preset of flat Megatron-named keys (`hidden_size = 1024`); unknown keys are an error."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--config {path} is a directory; pass a preset file such as configs/gpt2_124m.toml.")
     if not path.is_file():
         raise ValueError(f"--config {path}: no such file; pass a preset such as configs/gpt2_124m.toml.")
-    with path.open("rb") as fh:
-        try:
-            values = tomllib.load(fh)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"--config {path} is not valid TOML ({e}); fix the file.") from None
+    try:
+        values = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass a TOML preset."
+                         ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path} is not valid TOML ({e}); fix the file.") from None
+    spelled = {}
+    for key in values:  # hidden-size and hidden_size are one field: set once
+        if (field := key.replace("-", "_")) in spelled:
+            raise ValueError(f"--config {path} sets {field} twice ({spelled[field]} and {key}); keep one.")
+        spelled[field] = key
     values = {k.replace("-", "_"): v for k, v in values.items()}
     unknown = sorted(set(values) - set(FIELD_SECTION))
     if unknown:

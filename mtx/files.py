@@ -18,7 +18,13 @@ WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed r
 
 def check_run_dir(path: str | Path, flag: str) -> None:
     """Refuses a run directory that is a file, sits where nothing can be written, or holds files mtx did not write."""
-    path = Path(path)
+    try:
+        _check_run_dir(Path(path), flag)
+    except OSError as e:  # a name too long, a loop of links: the OS refuses to look
+        raise ValueError(f"{flag} {path}: {e.strerror or e}; choose another path.") from None
+
+
+def _check_run_dir(path: Path, flag: str) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path} is a file, not a directory; pass a directory path.")
     if path.is_dir():
@@ -64,7 +70,13 @@ def check_json_lines(path: str | Path, flag: str) -> None:
 
 def check_writable(path: str | Path, flag: str) -> None:
     """Refuses a path that runs through a regular file or whose nearest existing ancestor cannot be written."""
-    path = Path(path).absolute()
+    try:
+        _check_writable(Path(path).absolute(), flag)
+    except OSError as e:  # a name too long, a loop of links: the OS refuses to look
+        raise ValueError(f"{flag} {path}: {e.strerror or e}; choose another path.") from None
+
+
+def _check_writable(path: Path, flag: str) -> None:
     ancestor = path
     while not ancestor.exists():
         if ancestor.is_symlink():  # a link to nothing: creating the directory would fail on it

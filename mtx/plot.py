@@ -58,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
 
 def plot(run_dirs: Sequence[str], out: str = "plots", x: Sequence[str] = ("steps",)) -> list[Path]:
     """Draws the curves of `run_dirs` against each axis in `x` into the directory `out`; returns the files."""
+    if not str(out).strip():
+        raise ValueError("--out is empty; pass a directory for the figures (default: plots).")
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory; pass a directory for the figures.")

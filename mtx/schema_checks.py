@@ -29,7 +29,7 @@ RANGES = {
     "num_layers": ">= 1", "hidden_size": ">= 1", "num_attention_heads": ">= 1", "ffn_hidden_size": ">= 1",
     "seq_length": ">= 1", "max_position_embeddings": ">= 1", "vocab_size": ">= 1",
     "make_vocab_size_divisible_by": ">= 1", "hidden_dropout": "[0, 1)", "attention_dropout": "[0, 1)",
-    "init_method_std": "> 0", "layernorm_epsilon": "> 0", "label_smoothing": "[0, 1)", "num_tokentypes": ">= 0",
+    "init_method_std": "(0, 10]", "layernorm_epsilon": "> 0", "label_smoothing": "[0, 1)", "num_tokentypes": ">= 0",
     "rotary_base": "> 0", "rotary_percent": "(0, 1]", "norm_epsilon": "> 0", "num_query_groups": ">= 1",
     "rope_scaling_factor": ">= 1", "rope_scaling_low_freq_factor": "> 0", "rope_scaling_high_freq_factor": "> 0",
     "rope_scaling_original_max_position_embeddings": ">= 1",
@@ -40,7 +40,7 @@ RANGES = {
     "num_processes": ">= 1", "process_id": ">= 0", "distributed_timeout": ">= 1",
     "distributed_timeout_minutes": ">= 1",
     # optimizer
-    "lr": ">= 0", "min_lr": ">= 0", "lr_warmup_iters": ">= 0", "lr_decay_iters": ">= 1", "weight_decay": ">= 0",
+    "lr": "[0, 10]", "min_lr": "[0, 10]", "lr_warmup_iters": ">= 0", "lr_decay_iters": ">= 1", "weight_decay": "[0, 10]",
     "clip_grad": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "> 0",
     "lr_warmup_fraction": "[0, 1]", "lr_warmup_samples": ">= 0", "lr_decay_samples": ">= 1",
     # training
@@ -53,6 +53,11 @@ RANGES = {
     # data
     "prefetch_depth": ">= 0", "num_workers": "[0, 256]", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",
 }
+
+
+# Beyond every range: no count, size or seed above a 32-bit integer (the arrays and RNG keys that hold them), no
+# number beyond 1e12 (loss scales reach 2^32; a learning rate of 1e30 is a typo); checked for every numeric field.
+LIMITS = {int: 2**31 - 1, float: 1e12}
 
 
 def in_range(value, valid: str) -> bool:
@@ -89,14 +94,23 @@ def check_field(name: str, hint, value: Any) -> None:
     bad_type = not isinstance(value, admitted) or (isinstance(value, bool) and bool not in kinds)
     if name == "data_path" and not bad_type:
         bad_type = not all(isinstance(v, str) for v in value)
-    if value is None or bad_type:
+    if value is None:  # "none" on the command line, which only optional settings take
+        raise ValueError(f"{flag} has no \"none\" setting; pass one of its values ({flag.lstrip('-')} in train.py "
+                         "--help), or leave it out for its default.")
+    if bad_type:
         raise ValueError(f"{flag} must be {_KIND_WORDS[kinds[0]]}, got {value!r}; fix the flag or the config file's "
                          f"{name}.")
+    if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, tuple) else (value,))):
+        # an empty path once meant "the default" silently (--run-dir '' wrote runs/ into the working directory)
+        raise ValueError(f"{flag} is empty; pass a value, or leave {flag} out for its default.")
     if name not in RANGES:
         return
     valid = RANGES[name]
     if not math.isfinite(value) or not in_range(value, valid):
         raise ValueError(f"{flag} must be {'in ' if valid[0] in '[(' else ''}{valid}, got {value!r}.")
+    limit = LIMITS[int if isinstance(value, int) else float]
+    if abs(value) > limit:
+        raise ValueError(f"{flag} {value!r} is beyond what mtx can use (at most {limit:.4g}); pass a smaller value.")
 
 
 def check_combinations(cfg, num_devices: int | None = None) -> None:

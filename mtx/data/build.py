@@ -36,7 +36,13 @@ def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
 def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
     data = cfg.data
     common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed)
-    if not data.data_path:
+    if not data.data_path:  # the built-in corpus is read byte by byte: tokenizer settings would be ignored
+        given = [flag for flag, value in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file),
+                                          ("--tokenizer-model", data.tokenizer_model)) if value is not None]
+        given += ["--tokenizer-type"] if data.tokenizer_type not in (None, "byte") else []
+        if given:
+            raise ValueError(f"{', '.join(given)} without --data-path: the built-in corpus is read byte by byte; pass "
+                             "--data-path with your data, or leave the tokenizer flags out.")
         return GPTDataset(_tokenize(ByteTokenizer(), builtin_corpus()), tokenizer=ByteTokenizer(),
                           source="the built-in corpus", **common)
     tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model)

@@ -104,7 +104,7 @@ def _parser() -> OneLineParser:
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
     p.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (BERT); plain-text files split into documents at blank lines")
-    p.add_argument("--workers", type=ranged(int, ">= 1"), default=1, help="tokenizing processes")
+    p.add_argument("--workers", type=ranged(int, "[1, 256]"), default=1, help="tokenizing processes")
     p.add_argument("--tfds-data-dir", help="TFDS data_dir (default: TFDS's own)")
     p.add_argument("--overwrite", action="store_true", help="replace output files that exist already")
     return p

@@ -1,0 +1,68 @@
+"""Flags and config files a sweep of bad inputs found accepted, crashing after device work, or refused unclearly:
+each refused in one line naming the flag and the fix (mtx/cli.py, mtx/schema_checks.py, mtx/config.py)."""
+
+import pytest
+
+from mtx.cli import parse_config
+from mtx.config import Config
+from mtx.data import build_dataset
+from mtx.files import check_run_dir
+
+BIG = str(10**20)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hidden-size", BIG], f"--hidden-size {BIG} is beyond what mtx can use"),  # a traceback in init once
+    (["--seed", BIG], f"--seed {BIG} is beyond what mtx can use"),  # an OverflowError once
+    (["--lr-warmup-iters", BIG], "beyond what mtx can use"),  # inside the compiled step once
+    (["--lr", "1e30"], "--lr must be in [0, 10], got 1e+30"),  # trained once
+    (["--init-method-std", "1e30"], "--init-method-std must be in (0, 10]"),
+    (["--lr", "1_0"], "argument --lr: invalid float value: '1_0'"),  # Python's float() reads 10
+    (["--hidden-size", "\uff16\uff14"], "argument --hidden-size: invalid int value"),  # full-width 64
+    (["--run-dir", ""], "--run-dir is empty; pass a value"),  # wrote runs/<time> in the working directory once
+    (["--save", " "], "--save is empty"),
+    (["--config", "configs/tiny.toml", "--config", "configs/tiny.toml"], "--config given twice"),  # dropped one
+    (["--lr-decay-style", "none"], "--lr-decay-style has no \"none\" setting"),  # "must be a string, got None"
+])
+def test_bad_flags_are_one_line_naming_the_flag(argv, message):
+    with pytest.raises(ValueError) as e:
+        parse_config(argv).validate(8)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"data_path = 5\n", "--data-path must be a list of paths, got (5,)"),  # a TypeError traceback once
+    (b"hidden-size = 64\nhidden_size = 32\n", "sets hidden_size twice (hidden-size and hidden_size)"),
+    ("hidden_size = 64\n".encode("utf-16"), "is not UTF-8 text"),  # "'utf-8' codec can't decode" once
+    (b"num_layers = 100000000000000000000\n", "--num-layers 100000000000000000000 is beyond what mtx can use"),
+])
+def test_bad_config_files_are_one_line_naming_the_file_or_field(tmp_path, text, message):
+    (tmp_path / "c.toml").write_bytes(text)
+    with pytest.raises(ValueError) as e:
+        parse_config(["--config", str(tmp_path / "c.toml")]).validate(8)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="is a directory"):
+        parse_config(["--config", str(tmp_path)])
+
+
+def test_tokenizer_flags_without_data_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="--vocab-file, --tokenizer-type without --data-path: the built-in corpus"):
+        build_dataset(Config().replace(vocab_file="/nonexistent", tokenizer_type="GPT2BPETokenizer"))
+
+
+def test_tools_range_check_the_config_flags_they_take(capsys):
+    """eval.py and the audit parse config flags without a Config.validate: the ranges apply at parsing."""
+    import eval as eval_cli
+    from mtx.audit import main as audit
+
+    assert eval_cli.main(["generate", "--load", "x", "--prompt", "hi", "--micro-batch-size", "0"]) == 2
+    assert "argument --micro-batch-size: must be >= 1, got 0" in capsys.readouterr().err
+    assert eval_cli.main(["generate", "--load", "x", "--prompt", "hi", "--seed", BIG]) == 2
+    assert "argument --seed: must be >= 0" in capsys.readouterr().err
+    assert audit(["--num-microbatches", "0"]) == 2
+    assert "argument --num-microbatches: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_path_the_os_will_not_look_at_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="File name too long; choose another path"):
+        check_run_dir(tmp_path / ("x" * 300), "--run-dir")
