@@ -40,8 +40,8 @@ RANGES = {
     "num_processes": ">= 1", "process_id": ">= 0", "distributed_timeout": ">= 1",
     "distributed_timeout_minutes": ">= 1",
     # optimizer
-    "lr": "[0, 10]", "min_lr": "[0, 10]", "lr_warmup_iters": ">= 0", "lr_decay_iters": ">= 1", "weight_decay": "[0, 10]",
-    "clip_grad": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "> 0",
+    "lr": "[0, 10]", "min_lr": "[0, 10]", "lr_warmup_iters": ">= 0", "lr_decay_iters": ">= 1",
+    "weight_decay": "[0, 10]", "clip_grad": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "> 0",
     "lr_warmup_fraction": "[0, 1]", "lr_warmup_samples": ">= 0", "lr_decay_samples": ">= 1",
     # training
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",

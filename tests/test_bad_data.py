@@ -76,6 +76,9 @@ def test_a_blend_member_too_small_for_a_validation_share_still_trains(tmp_path):
     assert ds.num_samples("valid") > 0 and ds.datasets[1].num_samples("train") > 0
     # alone, or in a blend where no member has validation samples, it is refused, naming the file
     _refused("the valid split of --data-path .*small.txt holds", _build, tmp_path / "small.txt", split="90,10,0")
+    # files without weights are one dataset, not a blend: its validation share is checked as one
+    _refused("the valid split of --data-path .*small.txt .*small.txt holds", _build, tmp_path / "small.txt",
+             tmp_path / "small.txt", split="90,10,0")
     _refused("no blended dataset holds a validation sample", _build, "1", tmp_path / "small.txt", "1",
              tmp_path / "small.txt", split="90,10,0")
 

@@ -47,12 +47,13 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
                           source="the built-in corpus", **common)
     tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model)
     weights, paths = parse_data_path(data.data_path)
-    common["in_blend"] = len(paths) > 1  # a blend's members may lack a validation share (`BlendedDataset`)
     if weights is not None:
         parse_weights(weights)  # refused before any file is read
+    prefixes = [p for p in paths if indexed_prefix(p)]
+    files = [p for p in paths if not indexed_prefix(p)]  # without weights: read as one dataset
+    # the members of a blend may lack a validation share (`BlendedDataset` checks that one has it)
+    common["in_blend"] = (len(paths) if weights is not None else len(prefixes) + bool(files)) > 1
     if weights is None:
-        prefixes = [p for p in paths if indexed_prefix(p)]
-        files = [p for p in paths if not indexed_prefix(p)]
         if not prefixes:
             return _files_dataset(files, tokenizer, stream=0, **common)
         datasets = [_indexed_dataset(indexed_prefix(p), tokenizer, stream=i + 1, **common)
