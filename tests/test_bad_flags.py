@@ -45,6 +45,12 @@ def test_bad_config_files_are_one_line_naming_the_file_or_field(tmp_path, text, 
         parse_config(["--config", str(tmp_path)])
 
 
+@pytest.mark.parametrize("split", ["nan,1,1", "inf,1,1", "1,nan"])
+def test_a_split_of_non_finite_weights_names_the_flag(split):  # "cannot convert float NaN to integer" once
+    with pytest.raises(ValueError, match=f"--split '{split}' must be up to three non-negative weights"):
+        build_dataset(Config().replace(split=split, seq_length=16))
+
+
 def test_tokenizer_flags_without_data_are_refused_not_ignored():
     with pytest.raises(ValueError, match="--vocab-file, --tokenizer-type without --data-path: the built-in corpus"):
         build_dataset(Config().replace(vocab_file="/nonexistent", tokenizer_type="GPT2BPETokenizer"))

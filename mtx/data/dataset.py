@@ -156,7 +156,7 @@ def _parse_split(split: str) -> list[float]:
         weights = [float(w) for w in re.split(r"[,/]", split.strip())]
     except ValueError:
         weights = []
-    if not 1 <= len(weights) <= 3 or min(weights) < 0 or sum(weights) <= 0:
+    if not 1 <= len(weights) <= 3 or min(weights) < 0 or not 0 < sum(weights) < float("inf"):  # nan, inf too
         raise ValueError(f"--split {split!r} must be up to three non-negative weights train,valid,test with a "
                          "positive sum, e.g. 949,50,1.")
     weights += [0.0] * (3 - len(weights))
