@@ -258,12 +258,14 @@ def sentences_from_text(texts: list[str], tokenizer) -> tuple[np.ndarray, np.nda
     return tokens, np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]), np.asarray(doc_idx, np.int64)
 
 
-def sentences_from_indexed(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Megatron indexed dataset written with --split-sentences: sequences are sentences, doc_idx the documents."""
+def sentences_from_indexed(prefix: str, pairs: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Megatron indexed dataset written with --split-sentences: sequences are sentences, doc_idx the documents.
+    With `pairs` (the sentence-order head), one that holds a single sequence a document is refused: it was written
+    without --split-sentences, and no sample could be made of it."""
     from mtx.data.indexed import IndexedDataset
 
     ds = IndexedDataset(prefix)
-    if len(ds.doc_idx) > 1 and (np.diff(ds.doc_idx) <= 1).all():
+    if pairs and len(ds.doc_idx) > 1 and (np.diff(ds.doc_idx) <= 1).all():
         raise ValueError(f"--data-path {prefix}: every document is one sequence, so it was written without "
                          "--split-sentences; BERT reads documents of sentences: re-run `python -m mtx.data.preprocess` "
                          "with --split-sentences.")
@@ -287,7 +289,7 @@ def build_bert_dataset(cfg) -> BertDataset:
         parts = []
         for path in paths:
             if indexed_prefix(path):
-                parts.append(sentences_from_indexed(indexed_prefix(path)))
+                parts.append(sentences_from_indexed(indexed_prefix(path), pairs=cfg.model.bert_binary_head))
             elif Path(path).is_file():
                 parts.append(sentences_from_text([_read_text(Path(path))], tokenizer))
             else:
