@@ -56,8 +56,9 @@ RANGES = {
 
 
 # Beyond every range: no count, size or seed above a 32-bit integer (the arrays and RNG keys that hold them), no
-# number beyond 1e12 (loss scales reach 2^32; a learning rate of 1e30 is a typo); checked for every numeric field.
-LIMITS = {int: 2**31 - 1, float: 1e12}
+# number beyond what float32 holds (the step computes in it); checked for every numeric field. Where a large value
+# is surely a typo the field's range says so (a learning rate of at most 10).
+LIMITS = {int: 2**31 - 1, float: 3.4e38}
 
 
 def in_range(value, valid: str) -> bool:
