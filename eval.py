@@ -121,14 +121,16 @@ def prepare(args):
         return load, wikitext
     if args.task == "lambada":
         texts = ev.read_lambada(args.data_path)
-        longest = max(k for _, k in (ev.lambada_tokens(tokenizer, t) for t in texts))
+        examples = [ev.lambada_tokens(tokenizer, t) for t in texts]  # tokenized once, checked before the model
+        longest = max(k for _, k in examples)
         if longest > seq:  # the target word must fit the window, or the example cannot be scored
             raise ValueError(f"--data-path {args.data_path} has a target word of {longest} tokens, more than "
                              f"--seq-length {seq}; pass a longer --seq-length.")
 
         def lambada(loaded):
             scorer = ev.Scorer(*loaded)
-            return ev.lambada_accuracy(scorer, scorer.batch_size, tokenizer, texts, seq_length=seq)
+            return ev.lambada_accuracy(scorer, scorer.batch_size, tokenizer, texts, seq_length=seq,
+                                       examples=examples)
         return load, lambada
     prompts = [tokenizer.encode(p) for p in args.prompt]
     if not all(prompts):

@@ -179,11 +179,12 @@ def lambada_example(ids: Sequence[int], k: int, seq_length: int):
 
 
 def lambada_accuracy(score: ScoreFn, batch_size: int, tokenizer, texts: Sequence[str], *, seq_length: int,
-                     progress: bool = True) -> dict:
+                     progress: bool = True, examples: Sequence[tuple[list[int], int]] | None = None) -> dict:
     """Fraction of examples whose last word is predicted exactly: every one of its subword tokens is the argmax
     under teacher forcing. Rows use the shortest window (a multiple of 8, at most seq_length) that fits them all,
-    the same for every batch, so the scorer compiles once."""
-    examples = [lambada_tokens(tokenizer, t) for t in texts]
+    the same for every batch, so the scorer compiles once. `examples`: the texts' `lambada_tokens`, where the caller
+    has them already (eval.py checks them before loading the model)."""
+    examples = examples if examples is not None else [lambada_tokens(tokenizer, t) for t in texts]
     s = min(seq_length, 8 * math.ceil(max((len(ids) - 1 for ids, _ in examples), default=1) / 8))
     correct, nll_sum, target_tokens = 0, 0.0, 0
     for first in _bar(range(0, len(examples), batch_size), progress, "lambada", unit="batch"):

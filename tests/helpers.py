@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from mtx.parallel.mesh import make_mesh
@@ -35,3 +36,11 @@ def loss_and_grads(cfg, dp, pp, tp, **flags) -> tuple[float, dict[str, np.ndarra
     loss, grads = jax.jit(train_step.loss_and_grads)(params, train_step.model.put_batch(tokens), step)
     return float(loss), {jax.tree_util.keystr(path): np.asarray(g)
                          for path, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads))}
+
+
+def refused_in_one_line(match: str, fn, *args, **kw) -> str:
+    """The ValueError `fn(*args, **kw)` raises, matching `match`, checked to be one line; -> its message."""
+    with pytest.raises(ValueError, match=match) as e:
+        fn(*args, **kw)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)

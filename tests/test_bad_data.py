@@ -11,13 +11,8 @@ from mtx.config import Config
 from mtx.data import IndexedDatasetWriter, build_dataset
 from mtx.data.preprocess import main as preprocess
 from mtx.data.tokenizer import build_tokenizer
+from helpers import refused_in_one_line as _refused
 
-
-def _refused(match, fn, *args, **kw):
-    with pytest.raises(ValueError, match=match) as e:
-        fn(*args, **kw)
-    assert "\n" not in str(e.value), str(e.value)
-    return str(e.value)
 
 
 def _build(*paths, **fields):

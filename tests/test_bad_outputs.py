@@ -13,14 +13,10 @@ from mtx.evaluation import checkpoint_config
 from mtx.files import check_json_lines, check_run_dir, check_writable
 from mtx.metrics import MetricsLogger
 from mtx.run import prepare, train
+from helpers import refused_in_one_line as _refused
 
 TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(hidden_dropout=0.0, attention_dropout=0.0)
 
-
-def _refused(match, fn, *args, **kw):
-    with pytest.raises(ValueError, match=match) as e:
-        fn(*args, **kw)
-    assert "\n" not in str(e.value), str(e.value)
 
 
 def test_only_mtxs_own_metrics_and_tracker_files_count_as_a_run_directorys(tmp_path):
