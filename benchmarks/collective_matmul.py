@@ -22,8 +22,8 @@ One JSON line per (shape, tokens, implementation): the time of one call (the med
 program of `--iters` calls, each call's input tied to the previous output so none overlaps another), the matmul's
 TFLOP/s per device, the moved tensor's size (the gathered rows, or the partial sums scattered) over the time (algbw,
 as if the call were all transfer), and for the kernel its largest deviation from XLA's result relative to that
-result's largest value, and the tuning that ran fastest of a few (those that do not fit in shared memory are
-skipped). Where the kernel cannot run (no Hopper GPU, a jax without Mosaic GPU) its line says why.
+result's largest value, and its tuning (the layers' default; with `--tune` the fastest of a few, those that do not
+fit in shared memory skipped). Where the kernel cannot run (no Hopper GPU, a jax without Mosaic GPU) its line says why.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def timed(once, mesh, x, w, pattern: str, *, iters: int, repeats: int) -> float:
     return time_per_call(program(once, mesh, iters, pattern), (x, w), iters=iters, repeats=repeats)
 
 
-def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int) -> list[dict]:
+def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int, tune: bool = False) -> list[dict]:
     """XLA's collective and matmul and the peer-memory kernel (where it can run) on one shape -> their JSON lines."""
     import jax
     import jax.numpy as jnp
@@ -165,7 +165,9 @@ def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int) -> list[
         return lines + [{**base, "impl": "kernel", "error": reason}]
     reference = np.asarray(program(xla_once(pattern), mesh, 1, pattern)(x, w), np.float32)
     best, errors = None, []
-    for config in (tunings() if pattern not in LAYERS else [None]):
+    from mtx.kernels.collective_matmul import default_config
+
+    for config in ([None] if pattern in LAYERS else tunings() if tune else [default_config(cols)]):
         try:
             out = np.asarray(program(kernel_once(pattern, config), mesh, 1, pattern)(x, w), np.float32)
             t = timed(kernel_once(pattern, config), mesh, x, w, pattern, iters=iters, repeats=repeats)
@@ -190,6 +192,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--tune", action="store_true",
+                   help="try the kernel's tunings (each compiled: minutes a shape) instead of the layers' default one")
     args = p.parse_args(argv)
     if args.out:
         from mtx.files import check_json_lines
@@ -217,7 +221,8 @@ def main(argv=None) -> list[dict]:
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), (MODEL,))
     return emit((r for shape in args.shapes for tokens in args.tokens
-                 for r in measure(shape, tokens, mesh, iters=args.iters, repeats=args.repeats)), args.out)
+                 for r in measure(shape, tokens, mesh, iters=args.iters, repeats=args.repeats,
+                                         tune=args.tune)), args.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, when run as a script from anywhere
 # The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
 # recompute everything but the matmuls, layers unrolled.
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",

@@ -65,7 +65,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  sequence_parallel: bool = False, pipeline_schedule: str = "1f1b",
                  virtual_pipeline_model_parallel_size: int | None = None,
                  use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False, **blocks) -> Config:
+                 overlap_param_gather: bool = False, tp_comm_overlap: bool = False, **blocks) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
     blocks: the fields of Llama's blocks (`BLOCKS`: --swiglu, --group-query-attention, ...), GPT-2's by default.
@@ -83,7 +83,7 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
         ffn_hidden_size=ffn_hidden_size, recompute_granularity=recompute_granularity, vocab_size=vocab_size,
         hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
         use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather, **blocks,
+        overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap, **blocks,
     ).validate(len(jax.devices()) if num_devices is None else num_devices)
 
 
@@ -111,7 +111,7 @@ def audit_layer(cfg: Config) -> dict:
     sp = cfg.sequence_parallel
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
         cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective",
-        sequence_parallel=sp)))
+        sequence_parallel=sp, tp_comm_overlap=cfg.tp_comm_overlap)))
     tp = mesh.shape[MODEL]
     specs = partition_specs(abstract, tp)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -289,7 +289,7 @@ def build_parser():
     add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
     ap.add_argument("--num-microbatches", type=ranged(int, ">= 1"), metavar="INT",
                     help="per data rank (default: 2 x stages)")
-    add_config_flags(ap, ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce",
+    add_config_flags(ap, ("sequence_parallel", "tp_comm_overlap", "use_distributed_optimizer", "overlap_grad_reduce",
                           "overlap_param_gather"), defaults={})
     add_config_flags(ap, BLOCKS, defaults={})
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

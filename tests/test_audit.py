@@ -170,14 +170,17 @@ def test_matmul_recompute_adds_no_communication():
     assert r["forward"] == r["backward"] == _only_all_reduces(2)
 
 
-@pytest.mark.parametrize("tp,dp", [(2, 1), (4, 2)])
-def test_sequence_parallel_layer_gathers_and_scatters_instead_of_all_reducing(tp, dp):
+@pytest.mark.parametrize("tp,dp,overlap", [(2, 1, False), (4, 2, False), (2, 1, True), (4, 2, True)])
+def test_sequence_parallel_layer_gathers_and_scatters_instead_of_all_reducing(tp, dp, overlap):
     """--sequence-parallel: each all-reduce of b*s*h becomes an all-gather and a reduce-scatter of the same bytes,
     and nothing else: the replicated LayerNorm and bias gradients (each rank's from its own rows) are summed over
     "model" once per step with the data-parallel reduction, not per layer. With the `matmuls` policy the gathered
-    inputs are kept, not re-gathered."""
+    inputs are kept, not re-gathered. --tp-comm-overlap moves the same rows (on CPUs through these collectives; on
+    Hopper GPUs inside the peer-memory kernels): its backward takes the weight gradients from the rows its forward
+    gathered, so it adds no all-gather either."""
     b = 2 * tp  # the rows split over "model"
-    r = audit.audit_layer(_cfg(tp, dp, micro_batch_size=b, sequence_parallel=True, recompute_granularity="matmuls"))
+    r = audit.audit_layer(_cfg(tp, dp, micro_batch_size=b, sequence_parallel=True, recompute_granularity="matmuls",
+                               tp_comm_overlap=overlap))
     sp = {"all-gather model": 2, "reduce-scatter model": 2}
     assert r["by_axis"] == {"forward": sp, "backward": sp}, r["ops"]
     assert r["elements"]["forward"] == {"all-gather model": 2 * b * S * D, "reduce-scatter model": 2 * b * S * D // tp}
