@@ -48,18 +48,20 @@ def _lower_for_hopper(program, *args) -> str:
         return program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("ring", ["steps", "tiles"])
 @pytest.mark.parametrize("pattern", ["ag", "rs"])
-def test_the_kernels_lower_for_hopper(pattern):
-    """Traced and lowered for CUDA on the CPU (a Mosaic GPU custom call in the module): catches a kernel written
-    against another jax's Pallas API; whether it computes the right thing is the GPU benchmark's check."""
+def test_the_kernels_lower_for_hopper(pattern, ring, monkeypatch):
+    """Traced and lowered for CUDA on the CPU (a Mosaic GPU custom call in the module), both rings: catches a kernel
+    written against another jax's Pallas API; whether it computes the right thing is the GPU benchmark's check."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    monkeypatch.setattr(cm, "RING", ring)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
     config = cm.default_config(1536)
     if pattern == "ag":
-        fn = lambda x, w: cm.all_gather_matmul_kernel(x, w, MODEL, config=config, num_sms=132)[0]
+        fn = lambda x, w: cm.ring_kernel("all_gather_matmul_kernel")(x, w, MODEL, config=config, num_sms=132)[0]
         shapes, specs = ((1024, 1536), (1536, 2 * 1536)), AG
     else:
-        fn = lambda x, w: cm.matmul_reduce_scatter_kernel(x, w, MODEL, config=config, num_sms=132)
+        fn = lambda x, w: cm.ring_kernel("matmul_reduce_scatter_kernel")(x, w, MODEL, config=config, num_sms=132)
         shapes, specs = ((1024, 2 * 768), (2 * 768, 1536)), RS
     program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=False))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]

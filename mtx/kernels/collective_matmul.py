@@ -40,6 +40,20 @@ from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import cotangent_like, vary_like
 
 
+# Which ring the layers run: "steps" (this module's kernels: each ring step a whole matmul, a grid-wide wait between
+# steps) or "tiles" (mtx/kernels/ring_tiles.py: one loop over all steps' tiles, each waiting only for what it reads).
+RINGS = ("steps", "tiles")
+RING = "steps"
+
+
+def ring_kernel(kernel: str):
+    """The kernel function of that name ("all_gather_matmul_kernel", "matmul_reduce_scatter_kernel") of the ring
+    `RING` selects."""
+    from mtx.kernels import ring_tiles
+
+    return getattr(ring_tiles, kernel) if RING == "tiles" else globals()[kernel]
+
+
 def xla_all_gather_matmul(x, w, axis_name=MODEL, *, gathered: bool = False):
     rows = lax.all_gather(x, axis_name, axis=0, tiled=True)
     return (rows @ w, rows) if gathered else rows @ w
@@ -108,7 +122,8 @@ def all_gather_matmul(x, w, axis_name=MODEL, *, config=None, gathered: bool = Fa
     p = lax.axis_size(axis_name)
     if kernel_condition(x, w, p, config, rows_split=True) is not None:
         return xla_all_gather_matmul(x, w, axis_name, gathered=gathered)
-    out, received = (_typed_like(a, x, w) for a in all_gather_matmul_kernel(x, w, axis_name, config=config))
+    kernel = ring_kernel("all_gather_matmul_kernel")
+    out, received = (_typed_like(a, x, w) for a in kernel(x, w, axis_name, config=config))
     return (out, rows_in_order(x, received, lax.axis_index(axis_name), p)) if gathered else out
 
 
@@ -126,7 +141,7 @@ def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
     config = config or default_config(w.shape[1])
     if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=False) is not None:
         return xla_matmul_reduce_scatter(x, w, axis_name)
-    return _typed_like(matmul_reduce_scatter_kernel(x, w, axis_name, config=config), x, w)
+    return _typed_like(ring_kernel("matmul_reduce_scatter_kernel")(x, w, axis_name, config=config), x, w)
 
 
 def _typed_like(out, x, w):
