@@ -12,6 +12,13 @@ collectives wait on the kernels before them), divided by `--iters`. One dispatch
 launch cost out; each call's time includes the one-element update that ties it to the call before and whatever
 synchronization XLA places between that kernel and the collective (which a layer pays too). Environment variables
 (NCCL_*) and XLA_FLAGS apply as set, so one setting per process. Forward only: a backward moves the same bytes the other way.
+
+`peer_all_gather` and `peer_reduce_scatter` are the same exchanges through mtx's peer-memory kernels
+(mtx/kernels/collective_matmul.py, `--tp-comm-overlap`; Hopper GPUs, the axis spanning every device), in each of their
+rings (`RINGS`), with the thinnest matmul they can carry: the gather multiplies the gathered rows by a (width, 128)
+matrix, the scatter sums (rows, 64) @ (64, width) products, so the time is the exchange plus a matmul of 1/12 (1/24)
+of a layer's at width 1,536. Their small sizes give the fixed cost of a call beside NCCL's. Elsewhere their line
+says why they cannot run.
 """
 
 from __future__ import annotations
@@ -30,11 +37,43 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute", "peer_all_gather", "peer_reduce_scatter")
+PEER_WIDTH = {"peer_all_gather": 128, "peer_reduce_scatter": 64}  # the thin matmul's other dimension
 
 
 def bus_factor(collective: str, n: int) -> float:
     return 1.0 if collective == "ppermute" else 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def peer_fn(collective: str, mesh, iters: int, width: int):
+    """`iters` x a peer-memory kernel over "model" (module docstring), chained as `collective_fn`'s: the gather's
+    input split by rows, (rows, width) in all; the scatter's (rows, 64) whole on each rank, its output (rows / n,
+    width) this rank's rows of the sum."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from mtx.kernels import collective_matmul as cm
+    from mtx.parallel.mesh import MODEL
+
+    thin = PEER_WIDTH[collective]
+    gather = collective == "peer_all_gather"
+    w = jnp.ones((width, thin) if gather else (thin, width), jnp.bfloat16) / thin
+    config = cm.default_config(w.shape[1])
+    if gather:
+        once = lambda x: cm.ring_kernel("all_gather_matmul_kernel")(x, w, MODEL, config=config)[0]
+    else:
+        once = lambda x: cm.ring_kernel("matmul_reduce_scatter_kernel")(x, w, MODEL, config=config)
+
+    def body(x):
+        out = once(x)
+        for _ in range(iters - 1):
+            x = jax.lax.dynamic_update_slice(x, out[:1, :1].astype(x.dtype), (0, 0))
+            out = once(x)
+        return out
+
+    in_spec = P(MODEL) if gather else P(None, MODEL)  # the scatter: each rank its own 64 columns of the depth
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=P(MODEL), check_vma=False))
 
 
 def collective_fn(collective: str, mesh, iters: int = 1):
@@ -105,17 +144,41 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
     from mtx.parallel.mesh import MODEL
 
     n = mesh.shape[MODEL]
-    rows = max(n, size_bytes // (2 * width) // n * n)
-    fn, split = collective_fn(collective, mesh, iters)
-    x = jax.device_put(jnp.ones((rows, width), jnp.bfloat16), NamedSharding(mesh, P(MODEL) if split else P()))
-    t = time_per_call(fn, (x,), iters=iters, repeats=repeats)
-    nbytes = rows * width * 2 // (n if collective == "ppermute" else 1)  # a ring step moves one shard
-    algbw = nbytes / t / 1e9
-    return {"collective": collective, "devices": n, "bytes": nbytes, "time_us": round(t * 1e6, 1),
-            "algbw_GBps": round(algbw, 1), "busbw_GBps": round(algbw * bus_factor(collective, n), 1),
-            "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "platform": jax.devices()[0].platform,
-            "device_kind": jax.devices()[0].device_kind}
+    peer = collective in PEER_WIDTH
+    unit = n * 256 if peer else n  # the kernels' rows a rank: whole tiles of 256 (or of 128)
+    rows = max(unit, size_bytes // (2 * width) // unit * unit)
+    record = {"collective": collective, "devices": n, "bytes": rows * width * 2 // (n if collective == "ppermute" else 1),
+              "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "platform": jax.devices()[0].platform,
+              "device_kind": jax.devices()[0].device_kind}  # a ring ppermute moves one shard
+
+    def timed(fn, x, **extra):
+        t = time_per_call(fn, (x,), iters=iters, repeats=repeats)
+        algbw = record["bytes"] / t / 1e9
+        return {**record, **extra, "time_us": round(t * 1e6, 1), "algbw_GBps": round(algbw, 1),
+                "busbw_GBps": round(algbw * bus_factor(collective.removeprefix("peer_"), n), 1)}
+
+    if not peer:
+        fn, split = collective_fn(collective, mesh, iters)
+        return [timed(fn, jax.device_put(jnp.ones((rows, width), jnp.bfloat16),
+                                         NamedSharding(mesh, P(MODEL) if split else P())))]
+    from mtx.kernels import collective_matmul as cm
+
+    gather, thin = collective == "peer_all_gather", PEER_WIDTH[collective]
+    local = jax.ShapeDtypeStruct((rows // n, width) if gather else (rows, thin), jnp.bfloat16)
+    w_local = jax.ShapeDtypeStruct((width, thin) if gather else (thin, width), jnp.bfloat16)
+    if reason := cm.kernel_condition(local, w_local, n, cm.default_config(w_local.shape[1]), rows_split=gather):
+        return [{**record, "error": reason}]
+    x = jax.device_put(jnp.ones((rows, width) if gather else (rows, thin * n), jnp.bfloat16),
+                       NamedSharding(mesh, P(MODEL) if gather else P(None, MODEL)))
+    ring, lines = cm.RING, []
+    try:
+        for name in cm.RINGS:  # traced (and so taking the ring) at its first call
+            cm.RING = name
+            lines.append(timed(peer_fn(collective, mesh, iters, width), x, ring=name))
+    finally:
+        cm.RING = ring
+    return lines
 
 
 def main(argv=None) -> list[dict]:
@@ -145,8 +208,9 @@ def main(argv=None) -> list[dict]:
     if n < 2 or n > jax.device_count():
         p.error(f"--devices {n}: need 2 to {jax.device_count()} devices (pass --devices within that range)")
     mesh = make_mesh(1, 1, n, devices=jax.devices()[:n])
-    return emit((measure(collective, int(mb * 1e6), mesh, width=args.width, iters=args.iters, repeats=args.repeats)
-                 for collective in args.collectives for mb in args.sizes_mb), args.out)
+    return emit((line for collective in args.collectives for mb in args.sizes_mb
+                 for line in measure(collective, int(mb * 1e6), mesh, width=args.width, iters=args.iters,
+                                     repeats=args.repeats)), args.out)
 
 
 if __name__ == "__main__":

@@ -263,6 +263,9 @@ def test_collectives_benchmark_moves_the_right_data_and_reports_bus_bandwidth():
     results = collectives.main(["--devices", str(n), "--sizes-mb", "0.05", "--iters", "2", "--repeats", "1"])
     assert [r["collective"] for r in results] == list(collectives.COLLECTIVES)
     for r in results:
+        if r["collective"] in collectives.PEER_WIDTH:  # the peer-memory kernels: the line says why they cannot run
+            assert "Hopper" in r["error"], r
+            continue
         assert r["devices"] == n and r["time_us"] > 0
         factor = {"all_gather": 0.75, "reduce_scatter": 0.75, "all_reduce": 1.5, "ppermute": 1.0}[r["collective"]]
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor, abs=0.11)

@@ -68,6 +68,22 @@ def test_the_kernels_lower_for_hopper(pattern, ring, monkeypatch):
     assert "mosaic_gpu" in _lower_for_hopper(program, *args)
 
 
+@pytest.mark.parametrize("ring", ["steps", "tiles"])
+@pytest.mark.parametrize("collective", ["peer_all_gather", "peer_reduce_scatter"])
+def test_the_collectives_benchmarks_peer_rows_lower_for_hopper(collective, ring, monkeypatch):
+    """benchmarks/collectives.py's peer-memory rows (the kernels with a thin matmul, chained 3 times) lower for CUDA
+    to three Mosaic GPU calls and no NCCL collective."""
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from benchmarks import collectives
+
+    monkeypatch.setattr(cm, "RING", ring)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
+    shape = (1024, 1536) if collective == "peer_all_gather" else (1024, 2 * 64)
+    text = _lower_for_hopper(collectives.peer_fn(collective, mesh, 3, 1536), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line and "mosaic_gpu" in line]
+    assert len(calls) == 3 and "all_gather" not in text and "reduce_scatter" not in text
+
+
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_the_linear_layers_matmuls_and_their_gradients_equal_autodiffs(kind):
     """column_parallel_matmul / row_parallel_matmul (custom backward: the other pattern for the input gradient, the
