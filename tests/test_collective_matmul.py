@@ -111,13 +111,16 @@ def test_the_linear_layers_matmuls_and_their_gradients_equal_autodiffs(kind):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ring", ["steps", "tiles"])
 @pytest.mark.parametrize("kind", ["column", "row"])
-def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, monkeypatch):
+def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, ring, monkeypatch):
     """Lowered for CUDA with the kernels' condition met (as on 2 H200s), inside a shard_map that checks which values
-    vary: the forward and the input gradient are the peer-memory kernels (two Mosaic GPU calls), and no NCCL
-    all-gather or reduce-scatter is left (the weight gradient takes the rows the all-gather kernel received)."""
+    vary, with either ring: the forward and the input gradient are the peer-memory kernels (two Mosaic GPU calls),
+    and no NCCL all-gather or reduce-scatter is left (the weight gradient takes the rows the all-gather kernel
+    received)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     monkeypatch.setattr(cm, "kernel_condition", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cm, "RING", ring)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
     if kind == "column":
         fn, specs, shapes = cm.column_parallel_matmul, AG, ((2048, 1536), (1536, 2 * 1536))

@@ -123,8 +123,10 @@ def all_gather_matmul(x, w, axis_name=MODEL, *, config=None, gathered: bool = Fa
     if kernel_condition(x, w, p, config, rows_split=True) is not None:
         return xla_all_gather_matmul(x, w, axis_name, gathered=gathered)
     kernel = ring_kernel("all_gather_matmul_kernel")
-    out, received = (_typed_like(a, x, w) for a in kernel(x, w, axis_name, config=config))
-    return (out, rows_in_order(x, received, lax.axis_index(axis_name), p)) if gathered else out
+    out, rows = (_typed_like(a, x, w) for a in kernel(x, w, axis_name, config=config))
+    if gathered and RING == "steps":  # the step ring returns the chunks it received; the tile ring all rows in order
+        rows = rows_in_order(x, rows, lax.axis_index(axis_name), p)
+    return (out, rows) if gathered else out
 
 
 def rows_in_order(x, received, device, p: int):

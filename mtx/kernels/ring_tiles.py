@@ -143,8 +143,10 @@ def _kernel(body, out_type, num_sms):
 
 def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = None):
     """all_gather(x over rows) @ w as one tile loop over the P steps (module docstring): step s multiplies row chunk
-    (d + s) mod P, its own at step 0, then the chunk device d + 1 stored into `received[s - 1]`, row block by row
-    block as each arrives. -> [the product (P m, n), the P - 1 chunks received] (collective_matmul.rows_in_order)."""
+    (d + s) mod P, its own at step 0, then the chunk device d + 1 stored into this device's copy of the gathered
+    rows, row block by row block as each arrives. -> [the product (P m, n), all_gather(x) (P m, k)]: the rows in
+    the devices' order, as NCCL's all-gather gives them (this device's own chunk stored there by warpgroup 1 at step
+    0, the others by the devices that sent them), for the weight gradients that need them."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -154,39 +156,40 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
     cta_m = config.tile_m * (2 if config.wg_dimension.name == "M" else 1)
     arrived = plgpu.SemaphoreType.REGULAR((max(p - 1, 1), shard // cta_m))
 
-    def body(x_ref, w_ref, out_ref, received_ref):
+    def body(x_ref, w_ref, out_ref, rows_ref):
         rows_here = pl.get_global(arrived)
         device = lax.axis_index(axis_name)
         previous = {axis_name: lax.rem(device + p - 1, jnp.int32(p))}
-        to_previous = plgpu.remote_ref(received_ref, previous)
-        sender = lax.axis_index("wg") == 0
-        chunk_of = lambda s: x_ref if s == 0 else received_ref.at[s - 1]
-        out_of = lambda s: out_ref.at[pl.ds(lax.rem(device + s, jnp.int32(p)) * shard, shard)]
+        to_previous = plgpu.remote_ref(rows_ref, previous)
+        wg = lax.axis_index("wg")
+        chunk = lambda ref, s: ref.at[pl.ds(lax.rem(device + s, jnp.int32(p)) * shard, shard)]  # same on every device
 
         def wait_rows(s, m, n):
             if s > 0:
                 pl.semaphore_wait(rows_here.at[s - 1, m], value=1, decrement=False)
 
-        def send(s, m, n, k_idx, a_smem):
+        def keep_and_send(s, m, n, k_idx, a_smem):
+            tile = (pl.ds(m * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
+            stores = [(1, chunk(rows_ref, s))] if s == 0 else []  # this device's own rows, kept
             if s < p - 1:  # the last chunk goes nowhere: device d - 1 computed it first
-                @pl.when(sender & (n == 0))
+                stores.append((0, chunk(to_previous, s)))
+            for who, target in stores:
+                @pl.when((wg == who) & (n == 0))
                 def _store():
-                    tile = (pl.ds(m * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
-                    plgpu.copy_smem_to_gmem(a_smem, to_previous.at[s].at[tile])
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # released one depth step late
+                    plgpu.copy_smem_to_gmem(a_smem, target.at[tile])
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the tile is released one depth step late
 
         def signal_rows(s, m, n):
             if s < p - 1:
-                @pl.when(sender & (n == 0))
+                @pl.when((wg == 0) & (n == 0))
                 def _signal():  # rows m of this step's chunk have landed in device d - 1
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
                     pl.semaphore_signal(rows_here.at[s, m], device_id=previous)
 
-        tile_loop(p, chunk_of, w_ref, out_of, config, on_k=send, before_tile=wait_rows, after_tile=signal_rows,
-                  delay_release=1)
+        tile_loop(p, lambda s: x_ref if s == 0 else chunk(rows_ref, s), w_ref, lambda s: chunk(out_ref, s), config,
+                  on_k=keep_and_send, before_tile=wait_rows, after_tile=signal_rows, delay_release=1)
 
-    return _kernel(body, [jax.ShapeDtypeStruct((p * shard, n), x.dtype),
-                          jax.ShapeDtypeStruct((max(p - 1, 1), shard, k), x.dtype)],
+    return _kernel(body, [jax.ShapeDtypeStruct((p * shard, n), x.dtype), jax.ShapeDtypeStruct((p * shard, k), x.dtype)],
                    num_sms or jax.devices()[0].core_count)(x, w)
 
 
