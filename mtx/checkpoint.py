@@ -242,6 +242,16 @@ def check_compatible(saved, current, directory) -> None:
                      "--use-checkpoint-args), or load a matching checkpoint.")
 
 
+def say_passed_over(load, broken: dict[int, str], step: int, doing: str = "reading", *, file=None) -> None:
+    """One line per broken step passed over for `step`, the newest intact one (`Checkpointer.intact_step`), from the
+    main process: "step 8 is broken (...); <doing> step 6, the newest intact one." (stderr unless `file`)."""
+    import sys
+
+    for s, problem in broken.items() if is_main_process() else ():
+        print(f"mtx: --load {load}: step {s} is broken ({problem}); {doing} step {step}, the newest intact one.",
+              file=file or sys.stderr)
+
+
 def is_checkpoint_dir(path: str | Path) -> bool:
     """True if `path` holds at least one finished orbax step."""
     path = Path(path)

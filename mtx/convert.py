@@ -235,8 +235,7 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     import jax
     from safetensors.numpy import save_file
 
-    from mtx.checkpoint import Checkpointer, is_checkpoint_dir
-    from mtx.evaluation import say_broken
+    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, say_passed_over
     from mtx.loading import load_model
 
     _check_fresh(hf_dir, "--hf-dir", "model")
@@ -245,7 +244,7 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
     try:
         step, broken = ckpt.intact_step(ckpt_step, load)
-        say_broken(load, broken, step)
+        say_passed_over(load, broken, step)
         model_cfg = ckpt.saved_config(step).model
     finally:
         ckpt.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -257,7 +256,7 @@ def _bar(items: Iterable, enabled: bool, desc: str, **kw):
 # ---- what the checkpoint says ----
 def checkpoint_config(load: str, ckpt_step: int | None = None):
     """The resolved Config saved with a checkpoint (no arrays are read); one-line ValueError if there is none."""
-    from mtx.checkpoint import Checkpointer, is_checkpoint_dir
+    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, say_passed_over
 
     if not is_checkpoint_dir(load):
         raise ValueError(f"--load {load} holds no checkpoint; pass a directory written by --save (or by "
@@ -265,19 +264,10 @@ def checkpoint_config(load: str, ckpt_step: int | None = None):
     ckpt = Checkpointer(load)
     try:
         step, broken = ckpt.intact_step(ckpt_step, load)
-        say_broken(load, broken, step)
+        say_passed_over(load, broken, step)
         return ckpt.saved_config(step)
     finally:
         ckpt.close()
-
-
-def say_broken(load, broken: dict[int, str], step: int) -> None:
-    """One line on stderr per broken step passed over for `step`, the newest intact one (as train.py says it)."""
-    from mtx.distributed import is_main_process
-
-    for s, problem in broken.items() if is_main_process() else ():
-        print(f"mtx: --load {load}: step {s} is broken ({problem}); reading step {step}, the newest intact one.",
-              file=sys.stderr)
 
 
 def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | None = None,

@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from mtx.checkpoint import Checkpointer, is_checkpoint_dir
+from mtx.checkpoint import Checkpointer, is_checkpoint_dir, say_passed_over
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import is_mtx_config
@@ -51,9 +52,7 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
     try:
         steps = ckpt.steps()
         step, broken = ckpt.intact_step(t.ckpt_step, t.load)
-        if broken and is_main_process():
-            print("\n".join(f"mtx: --load {t.load}: step {s} is broken ({p}); resuming from step {step}, the newest "
-                            "intact one." for s, p in broken.items()))
+        say_passed_over(t.load, broken, step, "resuming from", file=sys.stdout)
         later = [s for s in steps if s > step]
         if t.save and Path(t.save) == load and any(s not in broken for s in later):
             raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
