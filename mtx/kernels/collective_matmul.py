@@ -111,6 +111,8 @@ def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
     rows = m if rows_split else m // p
     if (not rows_split and m % p) or rows % cta_m or n % cta_n or k % config.tile_k:
         return f"rows {rows}, columns {n}, depth {k} do not divide the tiles ({cta_m}, {cta_n}, {config.tile_k})"
+    if rows_split and k < 2 * config.tile_k:  # its stores read a tile released one depth step late
+        return f"depth {k}: the all-gather kernel needs at least two depth steps of {config.tile_k}"
     return None
 
 

@@ -10,8 +10,9 @@ tiles of all P steps in one loop (step 0's tiles first), and a tile of step s >=
   s - 1; that device's program that computed the tile (m, 0) stored those rows (while its pipeline streamed them)
   and then signalled the semaphore of (s - 1, m) here.
 - matmul then reduce-scatter: the tile (m, n) of step s adds the partial sum the next device stored for the same
-  tile at its step s - 1; each of its compute warpgroups signals the semaphore of (s - 1, m, n) once its half of the
-  tile has landed here, and this device's epilogue waits for both before it reads them.
+  tile at its step s - 1; each of that device's compute warpgroups signals the semaphore of (s - 1, m, n, its half)
+  once its half has landed here (checked while it computes its next tile), and the warpgroup of this device that
+  adds that half waits for it before its epilogue reads it.
 
 No program waits at step 0, and every program finishes its step-s tiles before its step-s + 1 ones, so the waits
 cannot form a cycle (all programs are resident: one per SM). The tile loop is mtx's own, written on Pallas Mosaic
@@ -30,13 +31,20 @@ COMPUTE_WGS = 2  # compute warpgroups, each owning half of a program's output ti
 
 
 def tile_loop(steps: int, a_of, b_ref, out_of, config, *, c_of=None, on_k=None, before_tile=None,
-              before_epilogue=None, after_tile=None, delay_release: int = 0):
-    """Inside a `plgpu.kernel` of grid (num SMs,), 3 warpgroups named "wg": for every ring step s < steps and output
-    tile (m, n), out_of(s)[tile] = a_of(s)[rows m] @ b_ref[:, columns n] (+ c_of(s)[tile] when c_of(s) is not None).
+              before_epilogue=None, after_tile=None, landed=None, delay_release: int = 0):
+    """Inside a `plgpu.kernel` of grid (programs,) named "cluster_grid", 3 warpgroups named "wg": for every ring step
+    s < steps and output tile (m, n), out_of(s)[tile] = a_of(s)[rows m] @ b_ref[:, columns n] (+ c_of(s)[tile] when
+    c_of(s) is not None). A program walks the tiles index = program, program + programs, ... (step-major).
 
-    a_of, c_of, out_of map a static step to a ref; hooks take (s, m, n) and run on every warpgroup (before_tile,
-    after_tile) or on the compute warpgroups (before_epilogue: before C is read; on_k(s, m, n, k, a_smem): after a
-    depth step's wgmma is issued, with the A tile in shared memory, released `delay_release` steps late)."""
+    a_of, c_of, out_of map a static step to a ref. Hooks take (s, m, n): before_tile and after_tile run on every
+    warpgroup; on the compute warpgroups before_epilogue (before C is read), on_k(s, m, n, k, a_smem) (after a depth
+    step's wgmma is issued, with the A tile in shared memory, released `delay_release` steps late) and landed (once
+    the warpgroup's stores of that tile's output have landed: checked at the start of its next tile's epilogue, or
+    after its last tile, so the store's flight overlaps the next mainloop; s is traced there).
+
+    With delay_release the pipeline leaves a tile's last A slot unguarded (the next tile's loads may refill it while
+    a late wgmma or an on_k store still reads it), so the loading warpgroup waits before each tile until both compute
+    warpgroups have finished the previous tile's mainloop and its stores have read shared memory."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -47,8 +55,13 @@ def tile_loop(steps: int, a_of, b_ref, out_of, config, *, c_of=None, on_k=None, 
     tm, tn, tk = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n = tm * (2 if wide_m else 1), tn * (1 if wide_m else 2)
     m_tiles, n_tiles, k_steps = rows // cta_m, cols // cta_n, depth // tk
-    epi_m, epi_n = config.epi_tile_m or tm, config.epi_tile_n or tn
+    per_step, epi_m, epi_n = m_tiles * n_tiles, config.epi_tile_m or tm, config.epi_tile_n or tn
     slots = min(2, (tm * tn) // (epi_m * epi_n))
+
+    def locate(index):
+        m, n = plgpu.planar_snake(lax.rem(index, per_step), (m_tiles, n_tiles), config.grid_minor_dim,
+                                  config.grid_tile_width)
+        return lax.div(index, per_step), m, n
 
     def swizzled(width, item_dtype):
         swizzle = plgpu.find_swizzle(width * jnp.dtype(item_dtype).itemsize * 8)
@@ -71,26 +84,40 @@ def tile_loop(steps: int, a_of, b_ref, out_of, config, *, c_of=None, on_k=None, 
         allocations=pipeline(ignore, ignore).get_allocations(a0, b_ref),
         out_smem=plgpu.SMEM((COMPUTE_WGS, slots, epi_m, epi_n), out_dtype, transforms=swizzled(epi_n, out_dtype)),
         c_barrier=plgpu.Barrier(num_barriers=COMPUTE_WGS * slots) if any_c else None,
+        mainloop_done=plgpu.Barrier(num_arrivals=COMPUTE_WGS) if delay_release else None,
         collective_axes="wg")
-    def _scope(allocations, out_smem, c_barrier):
+    def _scope(allocations, out_smem, c_barrier, mainloop_done):
         wg = lax.axis_index("wg")
+        computing = wg < COMPUTE_WGS
+        program, programs = lax.axis_index("cluster_grid"), lax.axis_size("cluster_grid")
         wg_rows = pl.ds(wg * tm, tm) if wide_m else slice(None)
         wg_cols = slice(None) if wide_m else pl.ds(wg * tn, tn)
+        if mainloop_done is not None:  # as if a tile before the first had finished
+            pl.when(computing)(lambda: plgpu.barrier_arrive(mainloop_done))
 
-        def tile(s, m, n):
+        def tile(s, m, n, index):
             a_ref, c_ref, out_ref = a_of(s), None if c_of is None else c_of(s), out_of(s)
             here = (pl.ds(m * cta_m, cta_m), pl.ds(n * cta_n, cta_n))
             if before_tile is not None:
                 before_tile(s, m, n)
+            if mainloop_done is not None:
+                pl.when(wg == COMPUTE_WGS)(lambda: plgpu.barrier_wait(mainloop_done))
 
             def context(run):
                 @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, tn), jnp.float32))
                 def _accumulate(acc):
                     run(acc)
-                    value = acc[...].astype(out_dtype)
+                    value = acc[...].astype(out_dtype)  # every wgmma of the tile has completed
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every store has read shared memory
+                    if mainloop_done is not None:
+                        plgpu.barrier_arrive(mainloop_done)
+                    if landed is not None:
+                        @pl.when(index >= programs)
+                        def _previous_landed():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                            landed(*locate(index - programs))
                     if c_ref is not None and before_epilogue is not None:
                         before_epilogue(s, m, n)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for i in range(tm // epi_m):
                         for j in range(tn // epi_n):
                             part = (slice(i * epi_m, (i + 1) * epi_m), slice(j * epi_n, (j + 1) * epi_n))
@@ -118,19 +145,22 @@ def tile_loop(steps: int, a_of, b_ref, out_of, config, *, c_of=None, on_k=None, 
             if after_tile is not None:
                 after_tile(s, m, n)
 
-        per_step = m_tiles * n_tiles
+        total = steps * per_step
 
-        @plgpu.nd_loop((steps * per_step,), collective_axes="cluster_grid")
+        @plgpu.nd_loop((total,), collective_axes="cluster_grid")
         def _tiles(info):
             (index,) = info.index
-            step = lax.div(index, per_step)
-            m, n = plgpu.planar_snake(lax.rem(index, per_step), (m_tiles, n_tiles), config.grid_minor_dim,
-                                      config.grid_tile_width)
+            step, m, n = locate(index)
             for s in range(steps):  # each step's refs are static: one copy of the tile's code a step
-                pl.when(step == s)(functools.partial(tile, s, m, n))
+                pl.when(step == s)(functools.partial(tile, s, m, n, index))
+
+        if landed is not None:
+            @pl.when(computing & (program < total))
+            def _last_landed():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                landed(*locate(program + programs * lax.div(total - 1 - program, programs)))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    return m_tiles, n_tiles
 
 
 def _kernel(body, out_type, num_sms):
@@ -206,29 +236,25 @@ def matmul_reduce_scatter_kernel(x, w, axis_name, *, config, num_sms: int | None
     shard = m // p
     cta_m, cta_n = (config.tile_m * (2 if config.wg_dimension.name == "M" else 1),
                     config.tile_n * (1 if config.wg_dimension.name == "M" else 2))
-    arrived = plgpu.SemaphoreType.REGULAR((max(p - 1, 1), shard // cta_m, n // cta_n))
+    arrived = plgpu.SemaphoreType.REGULAR((max(p - 1, 1), shard // cta_m, n // cta_n, COMPUTE_WGS))
 
     def body(x_ref, w_ref, out_ref, partial_ref):
-        tiles_here = pl.get_global(arrived)
+        halves_here = pl.get_global(arrived)  # (step, m, n, warpgroup): one half of a tile's partial sum
         device = lax.axis_index(axis_name)
         previous = {axis_name: lax.rem(device + p - 1, jnp.int32(p))}
         to_previous = plgpu.remote_ref(partial_ref, previous)
-        computing = lax.axis_index("wg") < COMPUTE_WGS
+        wg = lax.axis_index("wg")
         chunk_of = lambda s: x_ref.at[pl.ds(lax.rem(device + s + 1, jnp.int32(p)) * shard, shard)]
 
-        def wait_partial(s, m_idx, n_idx):  # compute warpgroups, before the epilogue reads C
-            pl.semaphore_wait(tiles_here.at[s - 1, m_idx, n_idx], value=COMPUTE_WGS, decrement=False)
+        def wait_partial(s, m_idx, n_idx):  # each compute warpgroup, before its epilogue reads its half of C
+            pl.semaphore_wait(halves_here.at[s - 1, m_idx, n_idx, wg], value=1, decrement=False)
 
-        def signal_partial(s, m_idx, n_idx):
-            if s < p - 1:
-                @pl.when(computing)
-                def _signal():  # this warpgroup's half of the tile has landed in device d - 1
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    pl.semaphore_signal(tiles_here.at[s, m_idx, n_idx], device_id=previous)
+        def signal_partial(s, m_idx, n_idx):  # this warpgroup's half of the tile has landed in device d - 1
+            pl.when(s < p - 1)(lambda: pl.semaphore_signal(halves_here.at[s, m_idx, n_idx, wg], device_id=previous))
 
         tile_loop(p, chunk_of, w_ref, lambda s: out_ref if s == p - 1 else to_previous.at[s], config,
                   c_of=lambda s: None if s == 0 else partial_ref.at[s - 1], before_epilogue=wait_partial,
-                  after_tile=signal_partial)
+                  landed=signal_partial)
 
     out, _ = _kernel(body, [jax.ShapeDtypeStruct((shard, n), x.dtype),
                             jax.ShapeDtypeStruct((max(p - 1, 1), shard, n), x.dtype)],
