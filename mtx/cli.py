@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mtx.config import FIELD_TYPES, SECTIONS, Config, load_preset
+from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
 from mtx.schema_checks import LIMITS, RANGES, field_types, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
@@ -250,6 +250,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
     values = vars(args)
     preset = values.pop("config", None)
     fields = load_preset(preset) if preset else {}
+    for target, sources in DERIVED.items():  # a count the command line sets replaces the preset's way of setting it
+        if any(name in values for name in (target, *sources)):
+            for name in (target, *sources):
+                fields.pop(name, None)
     fields.update({k: tuple(v) if k == "data_path" else v for k, v in values.items()})
     # "none" turns an optional setting of a preset off, e.g. --recompute-granularity none
     fields = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in fields.items()}

@@ -1,6 +1,8 @@
 """Megatron's everyday flags: sample counts, the warmup fraction, the recompute alias, profiling, the multi-host
 timeout, and the document flags of packed GPT samples (the numbers, and the same losses on two meshes)."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +33,18 @@ def test_sample_counts_and_warmup_fraction_become_steps():
     cfg = parse_config(["--global-batch-size", "8", "--train-iters", "40", "--lr-warmup-samples", "20"])
     assert (cfg.training.train_iters, cfg.optimizer.lr_warmup_iters) == (40, 2)  # rounded down, as Megatron's
     assert parse_config(["--train-iters", "90", "--lr-warmup-fraction", "0.25"]).optimizer.lr_warmup_iters == 22
+
+
+def test_a_count_on_the_command_line_replaces_the_presets_way_of_setting_it():
+    """The 1.2B preset sets train_iters and lr_warmup_iters: --lr-warmup-fraction or --train-samples on the command
+    line replace them (flags override a preset), where both in one place stay refused (below)."""
+    preset = str(Path(__file__).resolve().parent.parent / "configs" / "gpt_1.2b.toml")
+    cfg = parse_config(["--config", preset, "--lr-warmup-fraction", "0.1"])
+    assert cfg.optimizer.lr_warmup_fraction == 0.1 and cfg.optimizer.lr_warmup_iters == 30000  # of 300,000 steps
+    cfg = parse_config(["--config", preset, "--train-samples", "3200", "--global-batch-size", "32"])
+    assert cfg.training.train_iters == 100
+    with pytest.raises(ValueError, match="--lr-warmup-fraction sets --lr-warmup-iters; pass only one"):
+        parse_config(["--config", preset, "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"])
 
 
 @pytest.mark.parametrize("flags, message", [
