@@ -275,11 +275,14 @@ def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | N
     """The tokenizer the flags name (any of them given), else the one the checkpoint was trained with (GPT-2 BPE,
     WordPiece, a Hugging Face tokenizer.json or bytes); refuses one whose vocabulary size differs from the model's."""
     from mtx.data import build_tokenizer
+    from mtx.data.tokenizer import UNREAD_FILES
 
     flags = (vocab_file, merge_file, tokenizer_type, tokenizer_model)
     if all(f is None for f in flags) and cfg is not None:
         d = cfg.data
-        flags = (d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model)
+        unread = UNREAD_FILES.get(d.tokenizer_type, ())  # an older checkpoint may name files its tokenizer ignored
+        flags = (None if "--vocab-file" in unread else d.vocab_file, None if "--merge-file" in unread else d.merge_file,
+                 d.tokenizer_type, d.tokenizer_model)
     tokenizer = build_tokenizer(*flags)
     if cfg is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model has vocab_size "

@@ -186,6 +186,16 @@ def test_lambada_needs_every_subword_of_the_last_word(shared_data):
     assert len(ids) - 1 > 8 and result["correct"] == 1 and result["seq_length"] == 8 and result["truncated"] >= 1
 
 
+def test_an_older_checkpoints_unread_tokenizer_files_are_left_out():
+    """Before tokenizer files the chosen type does not read were refused, a run with --tokenizer-type byte could
+    save them in its config; it trained on bytes, and eval.py reads it so (the files need not exist)."""
+    cfg = Config().replace(tokenizer_type="byte", vocab_file="gone/encoder.json", merge_file="gone/vocab.bpe",
+                           vocab_size=257)
+    assert ev.checkpoint_tokenizer(cfg).vocab_size == 257
+    with pytest.raises(ValueError, match="does not read --vocab-file or --merge-file"):  # given as flags: refused
+        ev.checkpoint_tokenizer(cfg, vocab_file="gone/encoder.json", merge_file="gone/vocab.bpe", tokenizer_type="byte")
+
+
 def test_lambada_file_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine words"}\n{"txt": "x"}\n')

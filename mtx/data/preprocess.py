@@ -70,7 +70,9 @@ def _preprocess(args) -> list[str]:
         if args.workers > 1 else _Serial(tokenizer_args)
     try:
         with pool:
-            for encoded in tqdm(pool.imap(_encode, items, chunksize=16), desc="tokenizing", unit="doc"):
+            # a transient bar, on a terminal only: an error (or the summary) is then the only line left
+            for encoded in tqdm(pool.imap(_encode, items, chunksize=16), desc="tokenizing", unit="doc",
+                                disable=None, leave=False):
                 for writer, sentences in zip(writers, encoded):
                     if sentences:  # a document of one or more sequences
                         for ids in sentences:

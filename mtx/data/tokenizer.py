@@ -278,6 +278,12 @@ def _is_cjk(cp: int) -> bool:
                                              (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)))
 
 
+# The files each tokenizer type does not read (build_tokenizer refuses them; checkpoints saved before it did may name
+# them, and were trained without them).
+UNREAD_FILES = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer": ("--vocab-file", "--merge-file"),
+                "BertWordPieceLowerCase": ("--merge-file",)}
+
+
 def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_type: str | None = None,
                     tokenizer_model: str | None = None) -> Tokenizer:
     """The tokenizer named by `tokenizer_type` (Megatron's --tokenizer-type names, see TOKENIZER_TYPES);
@@ -291,8 +297,7 @@ def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_ty
         raise ValueError("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding "
                          "tokenizer.json) go together; pass both or neither.")
     # files the chosen tokenizer would not read are refused, not ignored (the run would train on another vocabulary)
-    unused = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer": ("--vocab-file", "--merge-file"),
-              "BertWordPieceLowerCase": ("--merge-file",)}.get(tokenizer_type, ())
+    unused = UNREAD_FILES.get(tokenizer_type, ())
     given = [flag for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file))
              if value is not None and flag in unused]
     if given:
