@@ -136,7 +136,10 @@ def emit(records, out: str | None) -> list[dict]:
     return results
 
 
-def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters: int = 50, repeats: int = 5) -> dict:
+def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters: int = 50,
+            repeats: int = 5) -> list[dict]:
+    """One collective at one size -> its JSON records: one, or for a peer-memory row one a ring (or one saying why
+    the kernels cannot run here)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -147,10 +150,11 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
     peer = collective in PEER_WIDTH
     unit = n * 256 if peer else n  # the kernels' rows a rank: whole tiles of 256 (or of 128)
     rows = max(unit, size_bytes // (2 * width) // unit * unit)
-    record = {"collective": collective, "devices": n, "bytes": rows * width * 2 // (n if collective == "ppermute" else 1),
+    nbytes = rows * width * 2 // (n if collective == "ppermute" else 1)  # a ring ppermute moves one shard
+    record = {"collective": collective, "devices": n, "bytes": nbytes,
               "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "platform": jax.devices()[0].platform,
-              "device_kind": jax.devices()[0].device_kind}  # a ring ppermute moves one shard
+              "device_kind": jax.devices()[0].device_kind}
 
     def timed(fn, x, **extra):
         t = time_per_call(fn, (x,), iters=iters, repeats=repeats)

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -245,8 +246,6 @@ def check_compatible(saved, current, directory) -> None:
 def say_passed_over(load, broken: dict[int, str], step: int, doing: str = "reading", *, file=None) -> None:
     """One line per broken step passed over for `step`, the newest intact one (`Checkpointer.intact_step`), from the
     main process: "step 8 is broken (...); <doing> step 6, the newest intact one." (stderr unless `file`)."""
-    import sys
-
     for s, problem in broken.items() if is_main_process() else ():
         print(f"mtx: --load {load}: step {s} is broken ({problem}); {doing} step {step}, the newest intact one.",
               file=file or sys.stderr)

@@ -136,6 +136,21 @@ def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, ring
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line and "mosaic_gpu" in line]
     assert len(calls) == 2, len(calls)
     assert "reduce_scatter" not in text and "all_gather" not in text
+    # the step ring's received chunks are put in order by XLA (rows_in_order); the tile ring's kernel returns them so
+    assert ("stablehlo.concatenate" in text) == (ring == "steps")
+
+
+def test_the_ring_setting_is_checked_and_the_all_gather_kernel_needs_two_depth_steps(monkeypatch):
+    monkeypatch.setattr(cm, "RING", "tile")
+    with pytest.raises(ValueError, match="RING is 'tile'; set one of steps, tiles"):
+        cm.ring_kernel("all_gather_matmul_kernel")
+    monkeypatch.setattr(cm, "machine_condition", lambda p: None)  # as on 2 Hopper GPUs
+    config = cm.default_config(512)
+    x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 512), jnp.bfloat16)
+    assert "at least two depth steps" in cm.kernel_condition(x, w, 2, config, rows_split=True)
+    assert cm.kernel_condition(x, w, 2, config, rows_split=False) is None  # the reduce-scatter releases no tile late
+    x, w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 512), jnp.bfloat16)
+    assert cm.kernel_condition(x, w, 2, config, rows_split=True) is None
 
 
 def test_collective_matmul_benchmark_runs_xla_and_says_why_the_kernel_cannot(tmp_path):

@@ -41,7 +41,8 @@ from mtx.parallel.ops import cotangent_like, vary_like
 
 
 # Which ring the layers run: "steps" (this module's kernels: each ring step a whole matmul, a grid-wide wait between
-# steps) or "tiles" (mtx/kernels/ring_tiles.py: one loop over all steps' tiles, each waiting only for what it reads).
+# steps; measured on 2 GPUs) or "tiles" (mtx/kernels/ring_tiles.py: one loop over all steps' tiles, each waiting only
+# for what it reads; not yet run on 2 GPUs).
 RINGS = ("steps", "tiles")
 RING = "steps"
 
@@ -51,6 +52,8 @@ def ring_kernel(kernel: str):
     `RING` selects."""
     from mtx.kernels import ring_tiles
 
+    if RING not in RINGS:
+        raise ValueError(f"collective_matmul.RING is {RING!r}; set one of {', '.join(RINGS)}.")
     return getattr(ring_tiles, kernel) if RING == "tiles" else globals()[kernel]
 
 
@@ -256,7 +259,8 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
     `matmul_reduce_scatter_kernel`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
+
+    from mtx.kernels.ring_tiles import tile_loop
 
     p = lax.axis_size(axis_name)
     shard, k = x.shape
@@ -274,9 +278,7 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
         def step(s, chunk_ref):
             forward = sender & (s < p - 1)  # the last chunk goes nowhere: device d - 1 has computed it already
 
-            def store_tile(m_idx, n_idx, k_idx, x_smem, w_smem):
-                del w_smem
-
+            def store_tile(_, m_idx, n_idx, k_idx, x_smem):
                 @pl.when(forward & (n_idx == 0))
                 def _store():
                     tile = (pl.ds(m_idx * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
@@ -284,8 +286,10 @@ def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = N
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the tile's buffer is released one step late
 
             rows = pl.ds(lax.rem(device + s, jnp.int32(p)) * shard, shard)
-            hopper_matmul_mgpu.kernel(chunk_ref, w_ref, None, out_ref.at[rows], config=config,
-                                      pipeline_callback=store_tile, delay_release=1)
+            # mtx's tile loop, not jax's Hopper matmul: with a tile released one depth step late, its loader waits
+            # for the previous tile's mainloop before refilling that slot (ring_tiles.tile_loop)
+            tile_loop(1, lambda _: chunk_ref, w_ref, lambda _: out_ref.at[rows], config, on_k=store_tile,
+                      delay_release=1)
 
             @pl.when(forward)
             def _signal():  # this program's stores into device d - 1 have landed
