@@ -37,6 +37,10 @@ def cfg_for(mesh, layout, **extra):
                         **layout, **extra)
 
 
+def _names(meshes) -> list[str]:
+    return [f"{mesh}-{','.join(f'{k}={v}' for k, v in layout.items()) or '1f1b'}" for mesh, layout in meshes]
+
+
 def _first_ten_losses(mesh, layout, run_dir) -> np.ndarray:
     r = train(cfg_for(mesh, layout, train_iters=10, log_interval=5, run_dir=str(run_dir)), progress=False)
     return np.array([r.losses[s] for s in range(1, 11)])
@@ -51,25 +55,31 @@ def unpipelined_losses(tmp_path_factory):
 
 
 # One test a mesh, so that the test processes share them out.
-@pytest.mark.parametrize("mesh, layout", MESHES[1:],
-                         ids=[f"{m}-{','.join(f'{k}={v}' for k, v in f.items()) or '1f1b'}" for m, f in MESHES[1:]])
+@pytest.mark.parametrize("mesh, layout", MESHES[1:], ids=_names(MESHES[1:]))
 def test_pipelined_losses_match_on_every_mesh_and_layout(mesh, layout, unpipelined_losses, tmp_path):
     np.testing.assert_allclose(_first_ten_losses(mesh, layout, tmp_path), unpipelined_losses, rtol=1e-5)
 
 
-def test_gradients_of_every_parameter_match_the_unpipelined_run():
-    cfg = DEEP.replace(vocab_size=257)
-    ref_loss, ref = loss_and_grads(cfg, 1, 1, 1)
-    for mesh, layout in [((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "scan_layers": False}),
-                         ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "pipeline_schedule": "gpipe"}),
-                         ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}), ((1, 8, 1), {}),
-                         ((1, 2, 2), {"num_layers_per_virtual_pipeline_stage": 2, "recompute_granularity": "matmuls"})]:
-        loss, grads = loss_and_grads(cfg, *mesh, **layout)
-        assert loss == pytest.approx(ref_loss, rel=1e-6)
-        assert grads.keys() == ref.keys()
-        for name, g in grads.items():
-            scale = np.abs(ref[name]).max()
-            np.testing.assert_allclose(g, ref[name], rtol=1e-5, atol=1e-5 * scale, err_msg=f"{name} on {mesh}")
+GRADIENT_MESHES = [((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "scan_layers": False}),
+                   ((2, 2, 2), {"num_layers_in_first_pipeline_stage": 3, "pipeline_schedule": "gpipe"}),
+                   ((1, 4, 2), {"pipeline_model_parallel_layout": "Et|ttt|ttt|tL"}), ((1, 8, 1), {}),
+                   ((1, 2, 2), {"num_layers_per_virtual_pipeline_stage": 2, "recompute_granularity": "matmuls"})]
+
+
+@pytest.fixture(scope="module")
+def unpipelined_gradients():
+    return loss_and_grads(DEEP.replace(vocab_size=257), 1, 1, 1)
+
+
+@pytest.mark.parametrize("mesh, layout", GRADIENT_MESHES, ids=_names(GRADIENT_MESHES))
+def test_gradients_of_every_parameter_match_the_unpipelined_run(mesh, layout, unpipelined_gradients):
+    ref_loss, ref = unpipelined_gradients
+    loss, grads = loss_and_grads(DEEP.replace(vocab_size=257), *mesh, **layout)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert grads.keys() == ref.keys()
+    for name, g in grads.items():
+        scale = np.abs(ref[name]).max()
+        np.testing.assert_allclose(g, ref[name], rtol=1e-5, atol=1e-5 * scale, err_msg=f"{name} on {mesh}")
 
 
 def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path):
