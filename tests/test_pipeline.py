@@ -82,19 +82,20 @@ def test_gradients_of_every_parameter_match_the_unpipelined_run(mesh, layout, un
         np.testing.assert_allclose(g, ref[name], rtol=1e-5, atol=1e-5 * scale, err_msg=f"{name} on {mesh}")
 
 
-def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path):
+@pytest.mark.parametrize("src, src_flags, dst, dst_flags", [
+    ((2, 2, 2), {"virtual_pipeline_model_parallel_size": 2}, (1, 1, 8), {}),
+    ((8, 1, 1), {}, (1, 4, 2), {"pipeline_schedule": "gpipe"}),
+], ids=["interleaved-to-unpipelined", "data-parallel-to-gpipe"])
+def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path, src, src_flags, dst, dst_flags):
     """Dropout on: an interleaved (2, 2, 2) checkpoint resumes on (1, 1, 8) and an (8, 1, 1) one on (1, 4, 2) with
     GPipe, exactly."""
     base = dict(hidden_dropout=0.1, attention_dropout=0.1, train_iters=6, save_interval=3)
-    interleaved, gpipe = {"virtual_pipeline_model_parallel_size": 2}, {"pipeline_schedule": "gpipe"}
-    for (src, src_flags), (dst, dst_flags) in [(((2, 2, 2), interleaved), ((1, 1, 8), {})),
-                                               (((8, 1, 1), {}), ((1, 4, 2), gpipe))]:
-        ckpt = str(tmp_path / f"ckpt{src}")
-        full = train(cfg_for(src, src_flags, save=ckpt, **base), progress=False)
-        resumed = train(cfg_for(dst, dst_flags, load=ckpt, ckpt_step=3, run_dir=str(tmp_path / f"resumed{dst}"),
-                                **base), progress=False)
-        np.testing.assert_allclose([resumed.losses[s] for s in (4, 5, 6)], [full.losses[s] for s in (4, 5, 6)],
-                                   rtol=1e-5, err_msg=f"{src} -> {dst}")
+    ckpt = str(tmp_path / "ckpt")
+    full = train(cfg_for(src, src_flags, save=ckpt, **base), progress=False)
+    resumed = train(cfg_for(dst, dst_flags, load=ckpt, ckpt_step=3, run_dir=str(tmp_path / "resumed"), **base),
+                    progress=False)
+    np.testing.assert_allclose([resumed.losses[s] for s in (4, 5, 6)], [full.losses[s] for s in (4, 5, 6)],
+                               rtol=1e-5, err_msg=f"{src} -> {dst}")
 
 
 def stage_argument_bytes(pp):
