@@ -137,6 +137,22 @@ def test_vocab_parallel_cross_entropy(dp, tp, label_smoothing):
     assert_close(grad, np.asarray(vjp(r)[0]))
 
 
+def test_cross_entropy_keeps_the_logits_as_they_came_for_its_backward():
+    """The backward is written out: it keeps the bf16 logits and the per-token log-sum-exps, no float32 array of the
+    logits' size (autodiff kept exp(z) in float32, then built the gradient in float32; issue 24's profile)."""
+    mesh = mesh_of(1, 2)
+    v = 1024
+    fn = jax.shard_map(lambda z, t: vocab_parallel_cross_entropy(z, t, vocab_size=1000), mesh=mesh,
+                       in_specs=(P(None, None, "model"), P()), out_specs=P())
+    logits = jax.device_put(jax.random.normal(jax.random.key(3), (B, S, v), jnp.bfloat16),
+                            NamedSharding(mesh, P(None, None, "model")))
+    targets = jax.device_put(jax.random.randint(jax.random.key(4), (B, S), 0, 1000), NamedSharding(mesh, P()))
+    _, pullback = jax.vjp(lambda z: fn(z, targets).sum(), logits)
+    saved = [(r.shape, r.dtype) for r in jax.tree.leaves(pullback)]  # the residuals the backward reads
+    big = [(shape, dtype) for shape, dtype in saved if np.prod(shape) >= B * S * v // 2]
+    assert big and all(dtype == jnp.bfloat16 for _, dtype in big), saved
+
+
 def loss_sharding(mesh):
     return NamedSharding(mesh, P("data"))
 
