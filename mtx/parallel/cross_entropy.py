@@ -62,13 +62,13 @@ def _forward(logits_BSV, targets_BS, first, axes, label_smoothing, vocab_size):
     loss_BS = log_z_BS - jax.lax.psum(jnp.where(target_V, z, 0.0).sum(-1), axes)
     if label_smoothing:
         # Smoothed target: (1 - eps) on the label, eps spread uniformly over the V real entries.
-        vocab = vocab_size or v_total(z, axes)
+        vocab = vocab_size or _v_total(z, axes)
         mean_z_BS = jax.lax.psum((z if real_V is None else jnp.where(real_V, z, 0.0)).sum(-1), axes) / vocab
         loss_BS = (1.0 - label_smoothing) * loss_BS + label_smoothing * (log_z_BS - mean_z_BS)
     return loss_BS, (logits_BSV, targets_BS, first, log_z_BS)
 
 
-def v_total(z_BSV, axes) -> int:
+def _v_total(z_BSV, axes) -> int:
     """The vocabulary size over every rank's slice (padding included)."""
     return z_BSV.shape[-1] * jax.lax.psum(1, axes)
 
@@ -82,7 +82,7 @@ def _backward(axes, label_smoothing, vocab_size, residuals, g_BS):
         p = jnp.where(real_V, p, 0.0)
     target = (1.0 - label_smoothing) * (ids_V == targets_BS[..., None])
     if label_smoothing:
-        vocab = vocab_size or v_total(z, axes)
+        vocab = vocab_size or _v_total(z, axes)
         target = target + label_smoothing / vocab * (1.0 if real_V is None else real_V)
     grad = ((p - target) * g_BS[..., None]).astype(logits_BSV.dtype)
     return grad, None, None
