@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 
 WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed run logs into it (mtx/metrics.py)
@@ -68,8 +69,12 @@ def check_json_lines(path: str | Path, flag: str) -> None:
     check_writable(path.parent, flag)
 
 
+PROBE = ".mtx-probe-"  # the directory check_writable makes and removes to see that something can be created
+
+
 def check_writable(path: str | Path, flag: str) -> None:
-    """Refuses a path that runs through a regular file or whose nearest existing ancestor cannot be written."""
+    """Refuses a path that runs through a regular file or whose nearest existing ancestor cannot be written: not
+    writable to this user, or nothing can be created there (a probe directory, `PROBE`, made and removed)."""
     try:
         _check_writable(Path(path).absolute(), flag)
     except OSError as e:  # a name too long, a loop of links: the OS refuses to look
@@ -87,12 +92,19 @@ def _check_writable(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {ancestor} is a file, not a directory; choose another path.")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: {ancestor} is not writable; choose a directory you can write.")
+    try:  # what access() cannot tell: a pseudo-filesystem (/proc, /sys) or a mount refusing new files, as root too
+        os.rmdir(tempfile.mkdtemp(prefix=PROBE, dir=ancestor))
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: nothing can be created in {ancestor} ({e.strerror or e}); choose a "
+                         "directory you can write.") from None
 
 
 def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
     if entry.name == "config.json":
         return is_mtx_config(entry)
+    if entry.name.startswith(PROBE):  # another process's check_writable, about to remove it
+        return True
     if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (a tmp: a resume cut short while it rewrote the file)
         return is_mtx_metrics(entry)
     if entry.name in (WANDB_ID, WANDB_ID + ".tmp"):

@@ -4,6 +4,7 @@ changed (a sweep of such inputs found each case: mtx/files.py, mtx/checkpoint.py
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,16 @@ def test_a_link_to_nothing_is_refused_before_anything_is_created(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
     _refused("dangling is a link to .*gone, which does not exist", check_writable, tmp_path / "dangling" / "x", "--out")
     _refused("dangling is a link to .*gone, which does not exist", check_run_dir, tmp_path / "dangling", "--save")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_place_where_nothing_can_be_created_is_refused_even_as_root(tmp_path):
+    """access() says /proc is writable to root; creating a file there fails. A probe directory (made and removed)
+    tells; an ordinary directory is left as it was."""
+    _refused("nothing can be created in /proc|/proc is not writable",  # as root | as anyone else
+             check_writable, "/proc/mtx-run/ckpt", "--save")
+    check_writable(tmp_path / "new" / "ckpt", "--save")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_results_are_appended_only_to_a_json_lines_file(tmp_path):
