@@ -19,9 +19,14 @@ WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed r
 
 def check_run_dir(path: str | Path, flag: str) -> None:
     """Refuses a run directory that is a file, sits where nothing can be written, or holds files mtx did not write."""
+    _in_one_line(_check_run_dir, Path(path), flag)
+
+
+def _in_one_line(check, path: Path, flag: str) -> None:
+    """check(path, flag), with the OS's own refusals to look (a name too long, a loop of links) in one line."""
     try:
-        _check_run_dir(Path(path), flag)
-    except OSError as e:  # a name too long, a loop of links: the OS refuses to look
+        check(path, flag)
+    except OSError as e:
         raise ValueError(f"{flag} {path}: {e.strerror or e}; choose another path.") from None
 
 
@@ -75,10 +80,7 @@ PROBE = ".mtx-probe-"  # the directory check_writable makes and removes to see t
 def check_writable(path: str | Path, flag: str) -> None:
     """Refuses a path that runs through a regular file or whose nearest existing ancestor cannot be written: not
     writable to this user, or nothing can be created there (a probe directory, `PROBE`, made and removed)."""
-    try:
-        _check_writable(Path(path).absolute(), flag)
-    except OSError as e:  # a name too long, a loop of links: the OS refuses to look
-        raise ValueError(f"{flag} {path}: {e.strerror or e}; choose another path.") from None
+    _in_one_line(_check_writable, Path(path).absolute(), flag)
 
 
 def _check_writable(path: Path, flag: str) -> None:
