@@ -316,6 +316,7 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--json", "/proc/version/out.jsonl"], "choose another path"),
     (["--json", "/"], "pass a file to append the results to"),
     (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
+    (["--ring", "circle"], "choose one of steps, tiles"),
 ])
 def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,
@@ -335,6 +336,17 @@ def test_bench_appends_to_an_existing_json_file(tmp_path):
     assert bench.run_cli(lambda cfg, **kw: measured.append(cfg) or {"step_s": 1.0},
                          ["--config", "configs/tiny.toml", "--json", str(out)]) == 0
     assert len(measured) == 1 and out.read_text().splitlines() == ['{"earlier": 1}', '{"step_s": 1.0}']
+
+
+def test_bench_ring_sets_the_kernels_ring_and_says_so(monkeypatch, capsys):
+    """--ring picks the peer-memory kernels' ring for the measured run and is written into the result line."""
+    from mtx.kernels import collective_matmul
+
+    monkeypatch.setattr(collective_matmul, "RING", "steps")
+    seen = []
+    assert bench.run_cli(lambda cfg, **kw: seen.append(collective_matmul.RING) or {"step_s": 1.0},
+                         ["--config", "configs/tiny.toml", "--ring", "tiles"]) == 0
+    assert seen == ["tiles"] and json.loads(capsys.readouterr().out)["ring"] == "tiles"
 
 
 def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, capsys):

@@ -182,12 +182,14 @@ def test_gpu_checks_catch_a_wrong_collective_matmul_backward(monkeypatch, capsys
     assert check["check"] == "collective_matmul" and check["failed"] == ["dw2"]
 
 
-def test_with_tp_comm_overlap_the_training_step_lowers_to_the_kernels(monkeypatch):
+@pytest.mark.parametrize("recompute", [None, "matmuls"])
+def test_with_tp_comm_overlap_the_training_step_lowers_to_the_kernels(recompute, monkeypatch):
     """The model's training step with --sequence-parallel on a (1, 1, 2) mesh, lowered for CUDA as on 2 H200s (the
     machine's condition met, the shapes' still checked), in bf16 at sizes the tiles divide, with and without
     --tp-comm-overlap: with it, each of the layer's four linears runs its forward and its input gradient as Mosaic GPU
     calls (typed inside the step's shard_map that checks which values vary); the layer's four all-gathers and four
-    reduce-scatters are gone (the embedding's collectives stay)."""
+    reduce-scatters are gone (the embedding's collectives stay). With `matmuls` recomputation the kernels' outputs
+    are kept, not recomputed (the policy saw the kernels as `custom_vmap_call`s: 11 calls a layer on 2 H200s)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from mtx.config import Config, load_preset
     from mtx.parallel import make_mesh
@@ -200,7 +202,7 @@ def test_with_tp_comm_overlap_the_training_step_lowers_to_the_kernels(monkeypatc
             num_layers=1, hidden_size=256, num_attention_heads=2, seq_length=256, max_position_embeddings=256,
             vocab_size=1000, micro_batch_size=2, global_batch_size=2, bf16=True, hidden_dropout=0.0,
             attention_dropout=0.0, data_parallel_size=1, tensor_model_parallel_size=2, sequence_parallel=True,
-            tp_comm_overlap=overlap).validate(2)
+            tp_comm_overlap=overlap, recompute_granularity=recompute).validate(2)
         step = TrainStep.build(cfg, make_mesh(1, 1, 2, devices=jax.devices()[:2]))
         tokens = np.zeros((2, cfg.model.seq_length + 1), np.int32)
         lines = _lower_for_hopper(step._step, step.init_state(), step.model.put_batch(tokens)).splitlines()

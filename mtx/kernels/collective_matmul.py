@@ -35,6 +35,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import cotangent_like, vary_like
@@ -45,6 +46,9 @@ from mtx.parallel.ops import cotangent_like, vary_like
 # for what it reads; not yet run on 2 GPUs).
 RINGS = ("steps", "tiles")
 RING = "steps"
+# Checkpoint name of the kernels' outputs, which `--recompute-granularity matmuls` keeps (mtx/models/stack.py): a
+# Mosaic GPU kernel is a `custom_vmap_call` to a remat policy, so without the name each layer recomputed three.
+KERNEL_OUTPUT = "peer_memory_matmul"
 
 
 def ring_kernel(kernel: str):
@@ -128,7 +132,7 @@ def all_gather_matmul(x, w, axis_name=MODEL, *, config=None, gathered: bool = Fa
     if kernel_condition(x, w, p, config, rows_split=True) is not None:
         return xla_all_gather_matmul(x, w, axis_name, gathered=gathered)
     kernel = ring_kernel("all_gather_matmul_kernel")
-    out, rows = (_typed_like(a, x, w) for a in kernel(x, w, axis_name, config=config))
+    out, rows = (checkpoint_name(_typed_like(a, x, w), KERNEL_OUTPUT) for a in kernel(x, w, axis_name, config=config))
     if gathered and RING == "steps":  # the step ring returns the chunks it received; the tile ring all rows in order
         rows = rows_in_order(x, rows, lax.axis_index(axis_name), p)
     return (out, rows) if gathered else out
@@ -148,7 +152,8 @@ def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
     config = config or default_config(w.shape[1])
     if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=False) is not None:
         return xla_matmul_reduce_scatter(x, w, axis_name)
-    return _typed_like(ring_kernel("matmul_reduce_scatter_kernel")(x, w, axis_name, config=config), x, w)
+    out = ring_kernel("matmul_reduce_scatter_kernel")(x, w, axis_name, config=config)
+    return checkpoint_name(_typed_like(out, x, w), KERNEL_OUTPUT)
 
 
 def _typed_like(out, x, w):

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import ModelConfig
+from mtx.kernels.collective_matmul import KERNEL_OUTPUT
 from mtx.kernels.elementwise import STATISTICS
 from mtx.models.transformer import KVCache, TransformerLayer, dropout_draws, local_kv_heads
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
@@ -58,11 +59,12 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     all-reduce recomputed would be communication repeated (a row-parallel output is saved after its psum, so the
     backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers and reduce-scatters (the
     gathered whole-batch inputs of the column-parallel matmuls stay alive for the backward: speed over SP's
-    activation-memory saving, which `full` recomputation keeps). Without cuDNN the attention core's einsums have
-    batch dimensions and are recomputed (as `selective` does).
+    activation-memory saving, which `full` recomputation keeps), and the peer-memory kernels' outputs
+    (`collective_matmul.KERNEL_OUTPUT`: those collectives and matmuls in one). Without cuDNN the attention core's
+    einsums have batch dimensions and are recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith(_SAVED_PRIMITIVES) or params.get("name") == STATISTICS)
+            or prim.name.startswith(_SAVED_PRIMITIVES) or params.get("name") in (STATISTICS, KERNEL_OUTPUT))
 
 
 @jax.custom_vjp
