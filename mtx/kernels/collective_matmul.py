@@ -42,8 +42,8 @@ from mtx.parallel.ops import cotangent_like, vary_like
 
 
 # Which ring the layers run: "steps" (this module's kernels: each ring step a whole matmul, a grid-wide wait between
-# steps; measured on 2 GPUs) or "tiles" (mtx/kernels/ring_tiles.py: one loop over all steps' tiles, each waiting only
-# for what it reads; not yet run on 2 GPUs).
+# steps) or "tiles" (mtx/kernels/ring_tiles.py: one loop over all steps' tiles, each waiting only for what it reads).
+# Both exact on 2 GPUs; neither yet faster in the training step than NCCL (docs/benchmarks.md 3f, 3g).
 RINGS = ("steps", "tiles")
 RING = "steps"
 # Checkpoint name of the kernels' outputs, which `--recompute-granularity matmuls` keeps (mtx/models/stack.py): a
