@@ -34,6 +34,7 @@ from mtx.distributed import is_main_process
 from mtx.errors import first_line
 
 MANIFEST = "mtx_files.json"  # in a finished step: {path relative to the step: size in bytes} of its every file
+STEP_MARKS = (MANIFEST, "_CHECKPOINT_METADATA", "state")  # what a step directory holds, one of them even if damaged
 
 
 class CheckpointError(ValueError):
@@ -236,8 +237,10 @@ def check_compatible(saved, current, directory) -> None:
         raise ValueError(f"{where} vocab_size={saved.vocab_size} but this run's tokenizer has {current.vocab_size}; "
                          "pass the tokenizer it was trained with (--vocab-file, --merge-file, --tokenizer-type), or "
                          "load a matching checkpoint.")
+    from mtx.cli import flag_for  # the flags that set them as saved (train.py's parser; imported where used)
+
     saved_values = ", ".join(f"{name}={getattr(saved, name)!r}" for name in differ)
-    flags = " ".join(f"--{name.replace('_', '-')} {getattr(saved, name)}" for name in differ if name != "vocab_size")
+    flags = " ".join(flag_for(name, getattr(saved, name)) for name in differ if name != "vocab_size")
     raise ValueError(f"{where} {saved_values} but this run has "
                      f"{', '.join(repr(getattr(current, name)) for name in differ)}; pass {flags} (or "
                      "--use-checkpoint-args), or load a matching checkpoint.")
@@ -252,9 +255,11 @@ def say_passed_over(load, broken: dict[int, str], step: int, doing: str = "readi
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
-    """True if `path` holds at least one finished orbax step."""
+    """True if `path` holds at least one finished orbax step: a directory named by its step number that holds what a
+    step holds (mtx's file record, orbax's metadata or the state), even damaged; a user's folder "4" is none."""
     path = Path(path)
-    return path.is_dir() and any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
+    return path.is_dir() and any(p.is_dir() and p.name.isdigit() and any((p / n).exists() for n in STEP_MARKS)
+                                 for p in path.iterdir())
 
 
 def _first_line(error: Exception) -> str:

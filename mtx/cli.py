@@ -84,7 +84,29 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
         else:
             # the tools' flags (eval.py, the audit) are range-checked here: no Config.validate sees them
             checked = ranged(kind, RANGES[name]) if defaults is not None and name in RANGES else STRICT.get(kind, kind)
+            if defaults is None and kind in STRICT and field_types(hint)[1]:  # an optional number: "none" unsets it
+                checked = _or_none(checked)
             parser.add_argument(flag, type=checked, metavar=kind.__name__.upper(), **kw)
+
+
+def flag_for(name: str, value) -> str:
+    """The train.py flag (with its value) that sets field `name` to `value`: "--hidden-size 64", "--swiglu" or
+    "--no-swiglu" for a boolean, "--ffn-hidden-size none" for an optional setting's None."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else _OFF_FLAGS.get(name, "--no-" + name.replace("_", "-"))
+    if value is None:
+        return f"{flag} none"
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, tuple) else value}"
+
+
+def _or_none(parse):
+    """A number parser that also takes "none" (any case), which parse_config turns into None."""
+    def parse_or_none(text: str):
+        return text if text.lower() == "none" else parse(text)
+
+    parse_or_none.__name__ = parse.__name__
+    return parse_or_none
 
 
 def _scalar_type(hint):

@@ -350,4 +350,8 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(values) - set(FIELD_SECTION))
     if unknown:
         raise ValueError(f"--config {path} sets unknown field(s) {', '.join(unknown)}; remove or rename them.")
-    return {k: _coerce(k, v) for k, v in values.items()}
+    values = {k: _coerce(k, v) for k, v in values.items()}
+    for k, v in values.items():  # every value the file sets, also those a flag then replaces
+        if not (isinstance(v, str) and v.lower() == "none"):  # "none": an optional setting off (parse_config)
+            check_field(k, FIELD_TYPES[k], v)
+    return values

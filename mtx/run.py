@@ -22,7 +22,7 @@ import numpy as np
 
 from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
-from mtx.data import build_dataset
+from mtx.data import build_dataset, say_what_data_overrides
 from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, use_compilation_cache
@@ -76,6 +76,7 @@ def prepare(cfg: Config) -> Plan:
     except OSError as e:  # a data or tokenizer file that exists but cannot be read (permissions, a device, ...)
         raise ValueError(f"{e.filename or '--data-path'} cannot be read ({e.strerror or e}); pass a readable "
                          "file.") from None
+    say_what_data_overrides(cfg, dataset)
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
         check_compatible(saved.model, cfg.model, t.load)

@@ -183,7 +183,8 @@ def _check_checkpointing(t) -> None:
     _check(t.keep_checkpoint_every is None or not t.save_interval or t.keep_checkpoint_every % t.save_interval == 0,
            f"--keep-checkpoint-every {t.keep_checkpoint_every} is not a multiple of --save-interval {t.save_interval}, "
            "so most of the steps it names are never saved; use a multiple of the save interval.")
-    for flag, on in (("--finetune", t.finetune), ("--use-checkpoint-args", t.use_checkpoint_args)):
+    for flag, on in (("--finetune", t.finetune), ("--use-checkpoint-args", t.use_checkpoint_args),
+                     ("--ckpt-step", t.ckpt_step is not None)):
         _check(not on or t.load, f"{flag} reads the checkpoint of --load; pass --load DIR with it.")
     _check(not t.finetune or not t.save or not t.load or Path(t.save).absolute() != Path(t.load).absolute(),
            f"--finetune starts again from step 0, so its checkpoints would take the step numbers of --load {t.load}; "

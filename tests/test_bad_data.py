@@ -78,6 +78,24 @@ def test_a_blend_member_too_small_for_a_validation_share_still_trains(tmp_path):
              tmp_path / "small.txt", split="90,10,0")
 
 
+def test_a_run_that_does_not_evaluate_needs_no_validation_split(tmp_path, capsys):
+    """With --eval-interval 0 nothing reads the valid split, so a corpus of one document (an indexed dataset's split
+    falls between documents) trains; evaluating, the refusal names --eval-interval 0 too. Evaluating with no
+    validation share says so (it was silent)."""
+    with IndexedDatasetWriter(tmp_path / "one_text_document", np.uint16) as w:
+        w.add_document(np.arange(1, 300) % 250)
+    one = tmp_path / "one_text_document"
+    _refused(r"the valid split of .* \(or --eval-interval 0: no validation\)", _build, one)
+    assert _build(one, eval_interval=0).num_samples("train") > 0
+    _refused(r"no blended dataset holds a validation sample .*\(or --eval-interval 0", _build, "1", one, "1", one)
+    assert _build("1", one, "1", one, eval_interval=0).num_samples("train") > 0
+    from mtx.data import say_what_data_overrides
+    cfg = Config().replace(split="100,0,0", eval_interval=5, vocab_size=1000)
+    say_what_data_overrides(cfg, build_dataset(cfg))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "replaced by the tokenizer's 257" in err[0] and "evaluates nothing" in err[1], err
+
+
 def test_a_negative_blend_weight_is_named_as_such():
     cfg = parse_config(["--data-path", "-0.5", "a", "1", "b"])  # argparse once read -0.5 as a flag's value
     _refused("blend weights \\[-0.5, 1.0\\] must be non-negative", build_dataset, cfg)

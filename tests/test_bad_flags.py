@@ -23,6 +23,7 @@ BIG = str(10**20)
     (["--save", " "], "--save is empty"),
     (["--config", "configs/tiny.toml", "--config", "configs/tiny.toml"], "--config given twice"),  # dropped one
     (["--lr-decay-style", "none"], "--lr-decay-style has no \"none\" setting"),  # "must be a string, got None"
+    (["--ckpt-step", "2"], "--ckpt-step reads the checkpoint of --load; pass --load DIR"),  # trained from scratch
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, message):
     with pytest.raises(ValueError) as e:
@@ -35,11 +36,13 @@ def test_bad_flags_are_one_line_naming_the_flag(argv, message):
     (b"hidden-size = 64\nhidden_size = 32\n", "sets hidden_size twice (hidden-size and hidden_size)"),
     ("hidden_size = 64\n".encode("utf-16"), "is not UTF-8 text"),  # "'utf-8' codec can't decode" once
     (b"num_layers = 100000000000000000000\n", "--num-layers 100000000000000000000 is beyond what mtx can use"),
+    (b"train_iters = 2.5\n", "--train-iters must be an integer, got 2.5"),  # accepted once a flag replaced it
 ])
 def test_bad_config_files_are_one_line_naming_the_file_or_field(tmp_path, text, message):
+    """Every value the file sets is checked, also one that a flag on the command line then replaces."""
     (tmp_path / "c.toml").write_bytes(text)
     with pytest.raises(ValueError) as e:
-        parse_config(["--config", str(tmp_path / "c.toml")]).validate(8)
+        parse_config(["--config", str(tmp_path / "c.toml"), "--train-iters", "2"]).validate(8)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     with pytest.raises(ValueError, match="is a directory"):
         parse_config(["--config", str(tmp_path)])
@@ -72,3 +75,11 @@ def test_tools_range_check_the_config_flags_they_take(capsys):
 def test_a_path_the_os_will_not_look_at_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="File name too long; choose another path"):
         check_run_dir(tmp_path / ("x" * 300), "--run-dir")
+
+
+def test_an_optional_number_of_a_preset_is_unset_by_none(tmp_path):
+    """--ffn-hidden-size none undoes a preset's setting (the fix a refused resume names for a saved None)."""
+    (tmp_path / "c.toml").write_text("ffn_hidden_size = 128\n")
+    assert parse_config(["--config", str(tmp_path / "c.toml")]).model.ffn_hidden_size == 128
+    unset = parse_config(["--config", str(tmp_path / "c.toml"), "--ffn-hidden-size", "none"])
+    assert unset.model.ffn_hidden_size is None

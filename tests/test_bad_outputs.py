@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mtx.checkpoint import check_compatible
+from mtx.cli import parse_config
 from mtx.config import Config, load_preset
 from mtx.evaluation import checkpoint_config
 from mtx.files import check_json_lines, check_run_dir, check_writable
@@ -78,6 +79,26 @@ def test_a_different_model_names_every_field_and_a_fix_that_works():
     # train.py sets the vocabulary from the tokenizer, so "pass --vocab-size 257" would have changed nothing
     _refused("vocab_size=257 but this run's tokenizer has 50257; pass the tokenizer it was trained with",
              check_compatible, gpt, dataclasses.replace(gpt, vocab_size=50257), "ck")
+    # a boolean and an unset number: the flags that give them (was "pass --swiglu False --ffn-hidden-size None",
+    # which argparse refuses), and they parse back to the saved model
+    with pytest.raises(ValueError) as e:
+        check_compatible(gpt, dataclasses.replace(gpt, swiglu=True, ffn_hidden_size=128), "ck")
+    fix = str(e.value).split("; pass ")[1].split(" (or")[0]
+    assert fix == "--ffn-hidden-size none --no-swiglu", str(e.value)
+    model = parse_config(["--config", "configs/tiny.toml", "--swiglu", "--ffn-hidden-size", "128", *fix.split()]).model
+    assert (model.swiglu, model.ffn_hidden_size) == (gpt.swiglu, gpt.ffn_hidden_size)
+
+
+def test_a_users_folder_named_like_a_step_is_no_checkpoint(tmp_path):
+    """--load of a user's directory with a folder "4": "holds no checkpoint" in one line (was orbax's warning, then
+    "step 4 is broken ...; no step is intact"), nothing of it changed."""
+    from mtx.resume import resume_point
+
+    (tmp_path / "4").mkdir()
+    (tmp_path / "4" / "x").write_text("hi\n")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    _refused("holds no checkpoint; pass a directory written by --save", resume_point, TINY.replace(load=str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["4", "notes.txt", "x"]
 
 
 @pytest.fixture(scope="module")

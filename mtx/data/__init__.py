@@ -3,7 +3,7 @@
 
 from mtx.data.bert_dataset import BertDataset
 from mtx.data.blend import BlendedDataset
-from mtx.data.build import build_dataset
+from mtx.data.build import build_dataset, say_what_data_overrides
 from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
 from mtx.data.indexed import IndexedDataset, IndexedDatasetWriter
 from mtx.data.paths import parse_data_path
@@ -12,4 +12,4 @@ from mtx.data.tokenizer import (TOKENIZER_TYPES, BertWordPieceTokenizer, ByteTok
 
 __all__ = ["BertDataset", "BlendedDataset", "build_dataset", "parse_data_path", "GPTDataset", "builtin_corpus",
            "check_token_ids", "IndexedDataset", "IndexedDatasetWriter", "TOKENIZER_TYPES", "BertWordPieceTokenizer",
-           "ByteTokenizer", "GPT2Tokenizer", "Tokenizer", "build_tokenizer"]
+           "ByteTokenizer", "GPT2Tokenizer", "Tokenizer", "build_tokenizer", "say_what_data_overrides"]

@@ -55,7 +55,8 @@ class BertDataset:
 
     def __init__(self, tokens: np.ndarray, sentence_offsets: np.ndarray, doc_idx: np.ndarray, *, seq_length: int,
                  tokenizer, seed: int, split: str = "949,50,1", mask_prob: float = 0.15,
-                 short_seq_prob: float = 0.1, binary_head: bool = True, source: str = "the BERT corpus"):
+                 short_seq_prob: float = 0.1, binary_head: bool = True, source: str = "the BERT corpus",
+                 evaluated: bool = True):
         check_token_ids(tokens, tokenizer.vocab_size, source)
         self.tokens, self.offsets = tokens, np.asarray(sentence_offsets, np.int64)
         self.doc_idx = np.asarray(doc_idx, np.int64)
@@ -70,10 +71,11 @@ class BertDataset:
         self._maps = {name: self._mapping(bounds[i], bounds[i + 1], i) for i, name in enumerate(SPLITS)}
         self._perm, self._perm_epoch = np.empty(0, np.int64), -1
         for name in ("train", "valid"):
-            if self.num_samples(name) == 0 and (name == "train" or self._weights[name] > 0):
+            if self.num_samples(name) == 0 and (name == "train" or evaluated and self._weights[name] > 0):
                 raise ValueError(f"the {name} split of {source} holds no BERT sample (documents of "
                                  f"{2 if binary_head else 1}+ sentences); use more data (--data-path) or a larger "
-                                 "--split share for it.")
+                                 "--split share for it" + (" (or --eval-interval 0: no validation)." if name == "valid"
+                                                           else "."))
 
     # ---- the sample mapping ----
     def _mapping(self, first_doc: int, last_doc: int, split_index: int) -> np.ndarray:
@@ -300,7 +302,8 @@ def build_bert_dataset(cfg) -> BertDataset:
     tokens, offsets, doc_idx = _concatenate(parts)
     return BertDataset(tokens, offsets, doc_idx, seq_length=cfg.model.seq_length, tokenizer=tokenizer,
                        seed=cfg.training.seed, split=data.split, mask_prob=data.mask_prob,
-                       short_seq_prob=data.short_seq_prob, binary_head=cfg.model.bert_binary_head, source=source)
+                       short_seq_prob=data.short_seq_prob, binary_head=cfg.model.bert_binary_head, source=source,
+                       evaluated=bool(cfg.training.eval_interval))
 
 
 def _shared_vocab() -> str:

@@ -71,9 +71,10 @@ class BlendedDataset:
         if not self._members["train"]:
             raise ValueError("no blended dataset holds a training sample; give a dataset with data a positive "
                              "--data-path weight.")
-        if not self._members["valid"] and first._weights["valid"] > 0:  # evaluation reads it: refused now, not then
+        if not self._members["valid"] and first._weights["valid"] > 0 and first.evaluated:  # refused now, not later
             raise ValueError(f"no blended dataset holds a validation sample of --seq-length {self.seq_length} + 1 "
-                             "tokens; use more data, a shorter --seq-length or a larger --split share for valid.")
+                             "tokens; use more data, a shorter --seq-length or a larger --split share for valid "
+                             "(or --eval-interval 0: no validation).")
 
     def num_samples(self, split: str) -> int:
         """Samples of the split summed over its datasets: one pass over each, roughly (an epoch of the blend)."""

@@ -11,6 +11,7 @@ proportion to their tokens, which reads them like one concatenated corpus.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +34,30 @@ def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
     return DocumentBatches(dataset, cfg.data) if any(getattr(cfg.data, f) for f in DOCUMENT_FLAGS) else dataset
 
 
+def say_what_data_overrides(cfg, dataset) -> None:
+    """One line each (main process, stderr) where the data decides what a setting asked for: the vocabulary is the
+    tokenizer's whatever --vocab-size or the preset says (the schema's default is said by no one), and with no
+    validation share of --split, --eval-interval has nothing to evaluate."""
+    from mtx.config import ModelConfig
+    from mtx.distributed import is_main_process
+
+    if not is_main_process():
+        return
+    vocab, default = cfg.model.vocab_size, ModelConfig().vocab_size
+    if vocab != dataset.tokenizer.vocab_size and vocab != default:
+        print(f"mtx: vocab_size {vocab} (--vocab-size or the preset) is replaced by the tokenizer's "
+              f"{dataset.tokenizer.vocab_size}: the tokenizer sets it.", file=sys.stderr)
+    t = cfg.training
+    if t.eval_interval and not dataset.num_samples("valid"):
+        print(f"mtx: --split {cfg.data.split} gives validation no share, so --eval-interval {t.eval_interval} "
+              "evaluates nothing; pass --eval-interval 0, or give valid a --split share (e.g. 949,50,1).",
+              file=sys.stderr)
+
+
 def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
     data = cfg.data
-    common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed)
+    common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed,
+                  evaluated=bool(cfg.training.eval_interval))
     if not data.data_path:  # the built-in corpus is read byte by byte: tokenizer settings would be ignored
         given = [flag for flag, value in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file),
                                           ("--tokenizer-model", data.tokenizer_model)) if value is not None]

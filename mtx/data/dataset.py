@@ -70,7 +70,7 @@ class GPTDataset:
 
     def __init__(self, tokens: np.ndarray, *, seq_length: int, split: str = "949,50,1", seed: int,
                  tokenizer: Tokenizer, doc_offsets: np.ndarray | None = None, stream: int = 0,
-                 source: str = "the token stream", in_blend: bool = False):
+                 source: str = "the token stream", in_blend: bool = False, evaluated: bool = True):
         tokens = tokens if isinstance(tokens, np.memmap) else np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"the token stream must be a 1-D integer array, got {tokens.dtype} of shape "
@@ -89,12 +89,14 @@ class GPTDataset:
         self._parts = {name: self.tokens[bounds[i]:bounds[i + 1]] for i, name in enumerate(SPLITS)}
         self._weights = dict(zip(SPLITS, weights))
         self._perm, self._perm_epoch = np.empty(0, np.int64), -1  # the last epoch's training order
+        self.evaluated = evaluated  # whether the run reads the valid split (--eval-interval > 0)
         for name in ("train", "valid"):
-            # Train must hold a sample, and valid too when it has weight, since evaluation reads it. Test is read
-            # by nothing during training and its default 0.1% share is often shorter than one sequence, so an
-            # empty test split is only refused when someone asks it for a batch. In a blend, the blend checks that
-            # some member holds validation samples (`BlendedDataset`).
-            if self.num_samples(name) == 0 and (name == "train" or self._weights[name] > 0 and not in_blend):
+            # Train must hold a sample, and valid too when it has weight and the run evaluates, since evaluation
+            # reads it. Test is read by nothing during training and its default 0.1% share is often shorter than one
+            # sequence, so an empty test split is only refused when someone asks it for a batch. In a blend, the
+            # blend checks that some member holds validation samples (`BlendedDataset`).
+            needed = name == "train" or evaluated and self._weights[name] > 0 and not in_blend
+            if self.num_samples(name) == 0 and needed:
                 raise ValueError(self._too_small(name))
 
     def num_samples(self, split: str) -> int:
@@ -147,7 +149,8 @@ class GPTDataset:
                     "--split 949,50,1) to read from it.")
         return (f"the {split} split of {self.source} holds {self.num_tokens(split)} tokens, fewer than one sequence of "
                 f"--seq-length {self.seq_length} + 1; use a shorter --seq-length, more data (--data-path), or a "
-                "larger --split share for it.")
+                "larger --split share for it" + (" (or --eval-interval 0: no validation)." if split == "valid" else
+                                                 "."))
 
 
 def _parse_split(split: str) -> list[float]:
