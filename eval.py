@@ -108,6 +108,9 @@ def prepare(args):
         if len(tokens) < 2:  # nothing to predict: a perplexity of 1 would be reported
             raise ValueError(f"--data-path {args.data_path} holds {len(tokens)} token(s), nothing to score; pass the "
                              "WikiText file with its text.")
+        # no batch larger than the windows there are (--micro-batch-size 100000 allocated 52 GB for 13 once)
+        args.micro_batch_size = args.micro_batch_size and min(args.micro_batch_size,
+                                                              ev.num_windows(len(tokens), seq, overlap))
         if args.dry_run:
             counts = {"original_tokens": original, "tokens": len(tokens), "scored_tokens": max(len(tokens) - 1, 0),
                       "windows": ev.num_windows(len(tokens), seq, overlap), "seq_length": seq,
@@ -126,6 +129,7 @@ def prepare(args):
         if longest > seq:  # the target word must fit the window, or the example cannot be scored
             raise ValueError(f"--data-path {args.data_path} has a target word of {longest} tokens, more than "
                              f"--seq-length {seq}; pass a longer --seq-length.")
+        args.micro_batch_size = args.micro_batch_size and min(args.micro_batch_size, len(examples))
 
         def lambada(loaded):
             scorer = ev.Scorer(*loaded)

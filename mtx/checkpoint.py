@@ -150,7 +150,13 @@ class Checkpointer:
             return f"its config is unreadable ({_first_line(e)})"
         missing = [f.name for f in dataclasses.fields(ModelConfig)
                    if f.name not in saved.get("model", {}) and f.name not in ADDED_FIELDS]
-        return f"its config lacks model.{missing[0]}" if missing else None
+        if missing:
+            return f"its config lacks model.{missing[0]}"
+        try:  # a value no run could have saved (an edited file): named as the step's, not as a flag's fault
+            Config.from_dict(saved).validate()
+        except (ValueError, TypeError) as e:
+            return f"its config has a value mtx refuses: {first_line(e)}"
+        return None
 
     @staticmethod
     def _recorded_problem(path: Path) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
+from mtx.errors import first_line
 from mtx.files import check_writable
 from mtx.hf_checks import check as _check, validated
 
@@ -126,6 +128,9 @@ def params_from_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, 
     for k in ("layers.attention.qkv.kernel", "layers.attention.qkv.bias"):
         out[k] = _qkv_from_hf(out[k], m.num_attention_heads)
     wte = out["embedding.embedding"]
+    _check(wte.shape == (m.vocab_size, m.hidden_size), f"tensor 'transformer.wte.weight' has shape {wte.shape} but "
+           f"config.json implies ({m.vocab_size}, {m.hidden_size}) (vocab_size, n_embd); check config.json against "
+           "the weights.")  # extra rows would land in the padding that to-hf cuts off; missing ones, in it too
     out["embedding.embedding"] = np.concatenate(  # padded rows are zero: no token maps there
         [wte, np.zeros((m.padded_vocab_size - wte.shape[0], wte.shape[1]), np.float32)])
     return out
@@ -164,13 +169,10 @@ def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     _check(isinstance(hf, dict), f"--hf-dir {d}: config.json is not a JSON object; pass a Hugging Face model "
            "directory.")
     index = d / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+    files = (_shards(d, index) if index.is_file()
              else ["model.safetensors"] if (d / "model.safetensors").is_file() else [])
     if files:
-        from safetensors.numpy import load_file
-
-        importlib.import_module("ml_dtypes")  # NumPy reads bfloat16 (most Llama checkpoints) once it is imported
-        tensors = {k: v for f in files for k, v in load_file(d / f).items()}
+        tensors = {k: v for f in files for k, v in _read_safetensors(d, f).items()}
     elif (d / "pytorch_model.bin").is_file():
         try:
             import torch
@@ -182,7 +184,40 @@ def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
     else:
         raise ValueError(f"--hf-dir {d} has neither model.safetensors nor pytorch_model.bin; pass a directory "
                          "written by save_pretrained.")
+    for name, x in tensors.items():  # ints would convert silently; NaN or inf would train and evaluate as NaN
+        _check(x.dtype.kind == "f" or x.dtype.name == "bfloat16", f"--hf-dir {d}: tensor {name!r} holds {x.dtype}, "
+               "not floating-point weights; pass the model as save_pretrained wrote it.")
+        _check(bool(np.isfinite(x.astype(np.float32)).all()), f"--hf-dir {d}: tensor {name!r} holds NaN or inf; "
+               "pass a model with finite weights.")
     return hf, tensors
+
+
+def _shards(d: Path, index: Path) -> list[str]:
+    """The shard files model.safetensors.index.json names: each a file of the directory itself."""
+    try:
+        shards = json.loads(index.read_text())["weight_map"].values()
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--hf-dir {d}: {index.name} is not an index of shards (a JSON object with a weight_map; "
+                         f"{type(e).__name__}: {first_line(e)}); pass the directory as save_pretrained wrote it."
+                         ) from None
+    files = sorted({str(f) for f in shards})
+    for f in files:
+        _check((d / f).resolve().parent == d.resolve(), f"--hf-dir {d}: {index.name} names {f!r}, not a file of "
+               "the directory; pass the directory as save_pretrained wrote it.")
+        _check((d / f).is_file(), f"--hf-dir {d}: {index.name} names {f}, which is missing; copy every shard of "
+               "the model into the directory.")
+    return files
+
+
+def _read_safetensors(d: Path, name: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    importlib.import_module("ml_dtypes")  # NumPy reads bfloat16 (most Llama checkpoints) once it is imported
+    try:
+        return load_file(d / name)
+    except Exception as e:  # safetensors' own errors: a cut, emptied or overwritten file
+        raise ValueError(f"--hf-dir {d}: {name} cannot be read ({type(e).__name__}: {first_line(e)}); pass the "
+                         "model as save_pretrained wrote it.") from None
 
 
 def _state_with_params(model, flat: dict[str, np.ndarray]):
@@ -220,9 +255,10 @@ def from_hf(hf_dir: str | Path, save: str | Path, *, seed: int | None = None) ->
     cfg = family.config_from_hf(hf, seed=seed)
     flat = family.params_from_hf(tensors, cfg.model)
     model = ShardedModel(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    state = _state_with_params(model, flat)  # its shape checks before --save is made: no empty directory left
     ckpt = Checkpointer(save)
     try:
-        ckpt.save(_state_with_params(model, flat), cfg)
+        ckpt.save(state, cfg)
         ckpt.wait()
     finally:
         ckpt.close()
@@ -258,6 +294,9 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     out = Path(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(family.params_to_hf(flat, model_cfg), out / "model.safetensors", metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    (out / "model.safetensors").chmod(0o666 & ~umask)  # readable as config.json is (safetensors writes it 0600)
     (out / "config.json").write_text(json.dumps(family.config_to_hf(model_cfg), indent=2) + "\n")
 
 

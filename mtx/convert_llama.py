@@ -14,6 +14,8 @@ export.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from mtx.config import Config, ModelConfig
@@ -206,3 +208,9 @@ def _take(t: dict, name: str, shape: tuple) -> np.ndarray:
 def _padded(table: np.ndarray, m: ModelConfig) -> np.ndarray:
     """(V, D) -> (V_padded, D) with zero rows: no token maps there, and their logits are 0."""
     return np.concatenate([table, np.zeros((m.padded_vocab_size - table.shape[0], table.shape[1]), np.float32)])
+
+
+if __name__ == "__main__":  # the converter's command line is mtx.convert's: refuse in one line, not silently
+    print("error: mtx.convert_llama is the Llama half of the converter; run python -m mtx.convert from-hf or to-hf "
+          "(it reads the model type from config.json).", file=sys.stderr)
+    sys.exit(2)

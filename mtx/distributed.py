@@ -38,7 +38,14 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     service outlives process 0 when it dies and the others can stop in one line too.
     """
     if coordinator_address is None:
+        if num_processes is not None or process_id is not None:  # ignored without one, once
+            raise ValueError("--num-processes and --process-id join processes through --coordinator-address "
+                             "HOST:PORT (process 0's); pass it too, or leave them out for one process.")
         return
+    host, _, port = coordinator_address.rpartition(":")
+    if coordinator_address != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"--coordinator-address {coordinator_address} is not HOST:PORT (a port 1-65535, e.g. "
+                         "10.0.0.1:1234); pass process 0's address and a free port, or auto under SLURM/MPI/TPU.")
     # CPU collectives across processes go through gloo (XLA's default CPU runtime has none); GPUs and TPUs ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     joining = 60 * timeout_minutes if timeout_minutes else max(heartbeat_timeout, 60)

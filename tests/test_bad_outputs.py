@@ -134,3 +134,28 @@ def test_eval_and_convert_read_the_newest_intact_step(saved, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (f"error: --load {path} has no step 3 (it has [1, 2]); pass one of "
                                                "those to --ckpt-step.")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_saved_config_with_a_value_mtx_refuses_is_the_steps_fault(saved, tmp_path, capsys):
+    """A step whose saved config holds a value no run saves (an edited file, its size kept): that step is broken, said
+    as the step's (once "--num-layers must be >= 1", a flag the user never passed), and the step before is read."""
+    path = tmp_path / "run"
+    shutil.copytree(saved, path)
+    metadata = path / "2" / "config" / "metadata"
+    text = metadata.read_text()
+    assert '"num_layers": 2' in text
+    metadata.write_text(text.replace('"num_layers": 2', '"num_layers": 0'))
+    assert checkpoint_config(str(path)).model.num_layers == 2
+    err = capsys.readouterr().err
+    assert "step 2 is broken (its config has a value mtx refuses: --num-layers must be" in err, err
+
+
+@pytest.mark.parametrize("address, processes, rank, message", [
+    ("localhost", 2, 0, "--coordinator-address localhost is not HOST:PORT"),  # IndexError in jax once
+    ("localhost:abc", 2, 0, "is not HOST:PORT"),  # "did not start on [::]:abc ... is the port free?" once
+    (None, 2, 1, "--num-processes and --process-id join processes through --coordinator-address"),  # ignored once
+])
+def test_multi_process_flags_are_checked_before_joining(address, processes, rank, message):
+    from mtx.distributed import initialize
+
+    _refused(message, initialize, address, processes, rank)

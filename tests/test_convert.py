@@ -137,6 +137,8 @@ def test_round_trip_is_exact(converted):
         {k: v for k, v in original.items() if k != "bos_token_id" and k != "eos_token_id"}
     assert hf["eos_token_id"] == min(50256, vocab - 1) and hf["tie_word_embeddings"] is True
     assert config_from_hf(hf).model == config_from_hf(original).model
+    # the weights as readable as config.json (safetensors wrote them 0600)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
 
 
 def test_names_without_prefix_and_tied_lm_head(tmp_path):
@@ -199,6 +201,43 @@ def test_errors_are_one_line(tmp_path):
             from_hf(tmp_path / name, tmp_path / "c5")
     for e in ("c0", "c1", "c2", "c3", "c4", "c5", "out"):
         assert not (tmp_path / e).exists(), "a refused conversion must not leave a directory behind"
+
+
+def test_damaged_or_mismatched_weights_are_one_line(tmp_path):
+    """Weights that are cut, missing, outside the directory, of the wrong shape or kind: one line each, naming the
+    file or tensor (tracebacks once, or a vocabulary of config.json's size whose other rows to-hf then dropped), and
+    no --save directory left behind."""
+    good = write_hf(tmp_path / "good", 1000)
+    data = (good / "model.safetensors").read_bytes()
+    cases = {"cut": (data[:1000], "model.safetensors cannot be read"), "empty": (b"", "cannot be read"),
+             "noise": (bytes(range(256)) * 20, "cannot be read")}
+    for name, (content, needle) in cases.items():
+        write_hf(tmp_path / name, 1000)
+        (tmp_path / name / "model.safetensors").write_bytes(content)
+        with pytest.raises(ValueError, match=needle):
+            from_hf(tmp_path / name, tmp_path / "c")
+    for name, weight_map, needle in [("shard_missing", {"a": "model-00002-of-00002.safetensors"}, "which is missing"),
+                                     ("shard_outside", {"a": "../good/model.safetensors"}, "not a file of the"),
+                                     ("index_bad", None, "is not an index of shards")]:
+        write_hf(tmp_path / name, 1000)
+        index = tmp_path / name / "model.safetensors.index.json"
+        index.write_text("{bad" if weight_map is None else json.dumps({"weight_map": weight_map}))
+        with pytest.raises(ValueError, match=needle):
+            from_hf(tmp_path / name, tmp_path / "c")
+    tensors = random_hf_tensors(1000)
+    for name, changed, config, needle in [
+            ("vocab_small", {}, {"vocab_size": 100},
+             r"wte.weight. has shape \(1000, 64\) but config.json implies \(100"),
+            ("vocab_big", {"transformer.wte.weight": random_hf_tensors(1200)["transformer.wte.weight"]}, {},
+             r"has shape \(1200, 64\)"),
+            ("flat", {"transformer.wte.weight": tensors["transformer.wte.weight"].reshape(-1)}, {}, "has shape"),
+            ("ints", {"transformer.ln_f.bias": np.zeros(D, np.int32)}, {}, "holds int32, not floating-point"),
+            ("nan", {"transformer.ln_f.bias": np.full(D, np.nan, np.float32)}, {}, "holds NaN or inf"),
+            ("width", {}, {"n_embd": 128}, "has shape")]:
+        write_hf(tmp_path / name, 1000, tensors=tensors | changed, config_changes=config)
+        with pytest.raises(ValueError, match=needle):
+            from_hf(tmp_path / name, tmp_path / "c")
+    assert not (tmp_path / "c").exists(), "a refused conversion must not leave a directory behind"
 
 
 def test_matches_transformers(tmp_path):

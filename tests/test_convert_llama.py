@@ -8,6 +8,9 @@ against the real library where it is installed.
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -298,3 +301,10 @@ def test_matches_transformers(tmp_path):
         assert back.keys() == tensors.keys() and all(np.array_equal(back[k], tensors[k]) for k in tensors)
         reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / case / "back").float().eval()
         np.testing.assert_array_equal(torch_logits(reloaded), expected)
+
+
+def test_run_as_a_script_it_names_the_converter():
+    """`python -m mtx.convert_llama ...` did nothing and exited 0; it names the command that converts."""
+    proc = subprocess.run([sys.executable, "-m", "mtx.convert_llama", "--garbage"], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "python -m mtx.convert from-hf" in proc.stderr
