@@ -245,8 +245,10 @@ def ranged(kind: type, valid: str):
     range written as in mtx/schema_checks.py's RANGES), so argparse names the flag in its one-line error."""
     def parse(text: str):
         value = STRICT[kind](text)  # a ValueError: argparse's "invalid int value: 'x'", as for any other flag
-        if not (math.isfinite(value) and in_range(value, valid) and abs(value) <= LIMITS[kind]):
+        if not (math.isfinite(value) and in_range(value, valid)):
             raise argparse.ArgumentTypeError(f"must be {'in ' if valid[0] in '[(' else ''}{valid}, got {text}")
+        if abs(value) > LIMITS[kind]:  # in range, beyond what mtx can use ("must be >= 0" for 10^20 once)
+            raise argparse.ArgumentTypeError(f"{text} is beyond what mtx can use (at most {LIMITS[kind]:.4g})")
         return value
 
     parse.__name__ = kind.__name__  # argparse's messages name the type

@@ -310,6 +310,7 @@ def _family(model_type):
 
 
 def _check_fresh(path: str | Path, flag: str, what: str) -> None:
+    _check(str(path).strip() != "", f"{flag} is empty; pass a new {what} directory.")  # "." once
     p = Path(path)
     _check(not (p.exists() and (not p.is_dir() or any(p.iterdir()))),
            f"{flag} {p} already exists and is not empty; choose a new {what} directory.")

@@ -205,8 +205,21 @@ def read_wikitext(path: str | Path, tokenizer, *, detokenize: bool = True) -> tu
     from mtx.data.detokenize import count_original_tokens, wikitext_detokenize
 
     text = _read_text(path)
+    if not text.strip():  # a perplexity of whitespace (original_tokens 1 once)
+        raise ValueError(f"--data-path {path} holds only whitespace; pass the WikiText file with its text.")
+    first = text.lstrip().split("\n", 1)[0]
+    if first.startswith("{") and _is_json_text(first):
+        raise ValueError(f"--data-path {path} is JSON lines (LAMBADA's format), not WikiText; run eval.py lambada "
+                         "with it, or pass WikiText's .tokens file.")
     original = count_original_tokens(text)
     return tokenizer.encode(wikitext_detokenize(text) if detokenize else text), original
+
+
+def _is_json_text(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def read_lambada(path: str | Path) -> list[str]:
@@ -228,6 +241,8 @@ def read_lambada(path: str | Path) -> list[str]:
 
 
 def _read_text(path: str | Path) -> str:
+    if Path(path).is_dir():
+        raise ValueError(f"--data-path {path} is a directory; pass the evaluation data file in it.")
     if not Path(path).is_file():
         raise ValueError(f"--data-path {path}: no such file; pass the path of the evaluation data.")
     try:

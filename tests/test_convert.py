@@ -184,6 +184,8 @@ def test_errors_are_one_line(tmp_path):
         to_hf(tmp_path / "c0", tmp_path / "taken")
     with pytest.raises(ValueError, match="holds no checkpoint"):
         to_hf(tmp_path / "c0", tmp_path / "out")
+    with pytest.raises(ValueError, match="--hf-dir is empty; pass a new model directory"):  # ". already exists" once
+        to_hf(tmp_path / "c0", "")
     assert main(["from-hf", "--hf-dir", str(tmp_path / "missing"), "--save", str(tmp_path / "c4")]) == 2
     # config.json itself malformed: not JSON, not an object, a key missing, a value train.py would refuse
     for name, text, needle in [("notjson", "{n_layer: 2", "config.json is not valid JSON"),

@@ -275,9 +275,13 @@ def test_a_batch_larger_than_the_examples_is_cut_to_them(checkpoint, tmp_path, c
     (["lambada", "--load", "CKPT", "--data-path", "WIKI"], "line 1 is not a JSON object"),
     (["generate", "--load", "CKPT", "--prompt", "hi", "--top-p", "0"], "--top-p"),
     (["generate", "--load", "CKPT", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--load", "CKPT", "--prompt", "\udcff\udcfe"], "--prompt is not valid UTF-8"),  # bytes ff fe
     (["wikitext", "--load", "NOCKPT", "--data-path", "WIKI"], "holds no checkpoint"),
     (["wikitext", "--load", "CKPT", "--data-path", "WIKI", "--vocab-file", "GPT2"], "--merge-file"),
-    (["wikitext", "--load", "CKPT", "--data-path", "EMPTY"], "nothing to score"),  # was: perplexity 1.0, exit 0
+    (["wikitext", "--load", "CKPT", "--data-path", "EMPTY"], "holds only whitespace"),  # was: perplexity 1.0, exit 0
+    (["wikitext", "--load", "CKPT", "--data-path", "SPACES"], "holds only whitespace"),  # original_tokens 1 once
+    (["wikitext", "--load", "CKPT", "--data-path", "LONG"], "is JSON lines (LAMBADA's format)"),  # scored once
+    (["wikitext", "--load", "CKPT", "--data-path", "NOCKPT"], "is a directory"),  # "no such file" once
     (["wikitext", "--load", "CKPT", "--data-path", "LATIN1"], "is not UTF-8 text"),
     (["lambada", "--load", "CKPT", "--data-path", "NUL"], "binary, not text"),
     (["lambada", "--load", "CKPT", "--data-path", "LONG", "--seq-length", "4"], "target word of 16 tokens"),
@@ -285,11 +289,13 @@ def test_a_batch_larger_than_the_examples_is_cut_to_them(checkpoint, tmp_path, c
 def test_cli_errors_are_one_line_with_exit_code_2(checkpoint, tmp_path, capsys, argv, needle):
     (tmp_path / "wiki.txt").write_text(" = A = \n b c . \n")
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "spaces.txt").write_text("  \n \t\n")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     (tmp_path / "nul.jsonl").write_bytes(b'{"text": "a b"}\x00\n')
     (tmp_path / "long.jsonl").write_text('{"text": "the word extraordinarily"}\n')  # bytes: 16 target tokens
     subs = {"CKPT": str(checkpoint), "NOCKPT": str(tmp_path), "WIKI": str(tmp_path / "wiki.txt"), "GPT2": "enc.json",
-            **{name: str(tmp_path / f) for name, f in (("EMPTY", "empty.txt"), ("LATIN1", "latin1.txt"),
+            **{name: str(tmp_path / f) for name, f in (("EMPTY", "empty.txt"), ("SPACES", "spaces.txt"),
+                                                        ("LATIN1", "latin1.txt"),
                                                         ("NUL", "nul.jsonl"), ("LONG", "long.jsonl"))}}
     rc, _, err = _cli(capsys, *[subs.get(a, a) for a in argv])
     assert rc == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
