@@ -108,9 +108,6 @@ def prepare(args):
         if len(tokens) < 2:  # nothing to predict: a perplexity of 1 would be reported
             raise ValueError(f"--data-path {args.data_path} holds {len(tokens)} token(s), nothing to score; pass the "
                              "WikiText file with its text.")
-        # no batch larger than the windows there are (--micro-batch-size 100000 allocated 52 GB for 13 once)
-        args.micro_batch_size = args.micro_batch_size and min(args.micro_batch_size,
-                                                              ev.num_windows(len(tokens), seq, overlap))
         if args.dry_run:
             counts = {"original_tokens": original, "tokens": len(tokens), "scored_tokens": max(len(tokens) - 1, 0),
                       "windows": ev.num_windows(len(tokens), seq, overlap), "seq_length": seq,
@@ -118,7 +115,7 @@ def prepare(args):
             return (lambda: None), (lambda _: counts)
 
         def wikitext(loaded):
-            scorer = ev.Scorer(*loaded)
+            scorer = ev.Scorer(*loaded, most=ev.num_windows(len(tokens), seq, overlap))
             return ev.wikitext_perplexity(scorer, scorer.batch_size, tokens, seq_length=seq, overlap=overlap,
                                           original_tokens=original)
         return load, wikitext
@@ -129,10 +126,9 @@ def prepare(args):
         if longest > seq:  # the target word must fit the window, or the example cannot be scored
             raise ValueError(f"--data-path {args.data_path} has a target word of {longest} tokens, more than "
                              f"--seq-length {seq}; pass a longer --seq-length.")
-        args.micro_batch_size = args.micro_batch_size and min(args.micro_batch_size, len(examples))
 
         def lambada(loaded):
-            scorer = ev.Scorer(*loaded)
+            scorer = ev.Scorer(*loaded, most=len(examples))
             return ev.lambada_accuracy(scorer, scorer.batch_size, tokenizer, texts, seq_length=seq,
                                        examples=examples)
         return load, lambada

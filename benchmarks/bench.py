@@ -172,6 +172,9 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
         if own.profile:
             check_writable(own.profile, "--profile")
         cfg = parse_config(rest)
+        if own.ring is not None and not cfg.tp_comm_overlap:  # else the result would name a ring that never ran
+            raise ValueError(f"--ring {own.ring} chooses the peer-memory kernels' ring; pass --tp-comm-overlap and "
+                             "--sequence-parallel with it.")
         if check is not None:
             check(cfg)
     except ValueError as e:

@@ -29,12 +29,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtx.architecture import ADDED_FIELDS
-from mtx.config import Config, ModelConfig
+from mtx.config import FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
+from mtx.files import looks_like_step
+from mtx.schema_checks import check_field
 
 MANIFEST = "mtx_files.json"  # in a finished step: {path relative to the step: size in bytes} of its every file
-STEP_MARKS = (MANIFEST, "_CHECKPOINT_METADATA", "state")  # what a step directory holds, one of them even if damaged
 
 
 class CheckpointError(ValueError):
@@ -152,8 +153,11 @@ class Checkpointer:
                    if f.name not in saved.get("model", {}) and f.name not in ADDED_FIELDS]
         if missing:
             return f"its config lacks model.{missing[0]}"
-        try:  # a value no run could have saved (an edited file): named as the step's, not as a flag's fault
-            Config.from_dict(saved).validate()
+        try:  # a model value no run could have saved (an edited file): the step's fault, not a flag's. Only the
+            # model's fields: a check of training flags added since the step was written must not break it
+            model = Config.from_dict(saved).model
+            for f in dataclasses.fields(model):
+                check_field(f.name, FIELD_TYPES[f.name], getattr(model, f.name))
         except (ValueError, TypeError) as e:
             return f"its config has a value mtx refuses: {first_line(e)}"
         return None
@@ -264,8 +268,7 @@ def is_checkpoint_dir(path: str | Path) -> bool:
     """True if `path` holds at least one finished orbax step: a directory named by its step number that holds what a
     step holds (mtx's file record, orbax's metadata or the state), even damaged; a user's folder "4" is none."""
     path = Path(path)
-    return path.is_dir() and any(p.is_dir() and p.name.isdigit() and any((p / n).exists() for n in STEP_MARKS)
-                                 for p in path.iterdir())
+    return path.is_dir() and any(looks_like_step(p) for p in path.iterdir())
 
 
 def _first_line(error: Exception) -> str:

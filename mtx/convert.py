@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -44,6 +43,9 @@ GLOBAL_MAP = {"wte.weight": "embedding.embedding", "wpe.weight": "position_embed
               "ln_f.weight": "final_layernorm.scale", "ln_f.bias": "final_layernorm.bias"}
 # gelu_pytorch_tanh is the same tanh approximation as gelu_new (and as mtx's jax.nn.gelu(approximate=True)).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+# Saved buffers that are no weights (older transformers saved GPT-2's causal masks as uint8 or bool; Llama's inverse
+# frequencies): not checked as weights, and dropped by the converters.
+BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 # ---- config ----
@@ -112,7 +114,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, 
     """HF state dict (with or without the `transformer.` prefix) -> flat mtx params {dotted name: float32 array}."""
     t = {k.removeprefix(PREFIX): np.asarray(v, np.float32) for k, v in tensors.items()}
     lm_head = t.pop("lm_head.weight", None)
-    for k in [k for k in t if k.endswith((".attn.bias", ".attn.masked_bias"))]:
+    for k in [k for k in t if k.endswith(BUFFERS)]:
         del t[k]  # h.{i}.attn.bias / masked_bias: causal-mask buffers of older HF versions, not weights
     if lm_head is not None and "wte.weight" in t:
         _check(lm_head.shape == t["wte.weight"].shape and np.array_equal(lm_head, t["wte.weight"]),
@@ -185,6 +187,8 @@ def read_hf(hf_dir: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
         raise ValueError(f"--hf-dir {d} has neither model.safetensors nor pytorch_model.bin; pass a directory "
                          "written by save_pretrained.")
     for name, x in tensors.items():  # ints would convert silently; NaN or inf would train and evaluate as NaN
+        if name.endswith(BUFFERS):
+            continue
         _check(x.dtype.kind == "f" or x.dtype.name == "bfloat16", f"--hf-dir {d}: tensor {name!r} holds {x.dtype}, "
                "not floating-point weights; pass the model as save_pretrained wrote it.")
         _check(bool(np.isfinite(x.astype(np.float32)).all()), f"--hf-dir {d}: tensor {name!r} holds NaN or inf; "
@@ -201,9 +205,9 @@ def _shards(d: Path, index: Path) -> list[str]:
                          f"{type(e).__name__}: {first_line(e)}); pass the directory as save_pretrained wrote it."
                          ) from None
     files = sorted({str(f) for f in shards})
-    for f in files:
-        _check((d / f).resolve().parent == d.resolve(), f"--hf-dir {d}: {index.name} names {f!r}, not a file of "
-               "the directory; pass the directory as save_pretrained wrote it.")
+    for f in files:  # a name, no path: the files of a Hugging Face cache snapshot are links, which may point anywhere
+        _check(Path(f).name == f and f not in ("", ".", ".."), f"--hf-dir {d}: {index.name} names {f!r}, not a "
+               "file of the directory; pass the directory as save_pretrained wrote it.")
         _check((d / f).is_file(), f"--hf-dir {d}: {index.name} names {f}, which is missing; copy every shard of "
                "the model into the directory.")
     return files
@@ -294,10 +298,9 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     out = Path(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(family.params_to_hf(flat, model_cfg), out / "model.safetensors", metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    (out / "model.safetensors").chmod(0o666 & ~umask)  # readable as config.json is (safetensors writes it 0600)
     (out / "config.json").write_text(json.dumps(family.config_to_hf(model_cfg), indent=2) + "\n")
+    # readable as config.json is (safetensors writes its files 0600)
+    (out / "model.safetensors").chmod((out / "config.json").stat().st_mode & 0o777)
 
 
 def _family(model_type):

@@ -37,15 +37,9 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     stands in for it. Process 0 hosts JAX's coordination service in a child process (`ServiceProcess`), so that the
     service outlives process 0 when it dies and the others can stop in one line too.
     """
+    check_coordinator(coordinator_address, num_processes, process_id)
     if coordinator_address is None:
-        if num_processes is not None or process_id is not None:  # ignored without one, once
-            raise ValueError("--num-processes and --process-id join processes through --coordinator-address "
-                             "HOST:PORT (process 0's); pass it too, or leave them out for one process.")
         return
-    host, _, port = coordinator_address.rpartition(":")
-    if coordinator_address != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"--coordinator-address {coordinator_address} is not HOST:PORT (a port 1-65535, e.g. "
-                         "10.0.0.1:1234); pass process 0's address and a free port, or auto under SLURM/MPI/TPU.")
     # CPU collectives across processes go through gloo (XLA's default CPU runtime has none); GPUs and TPUs ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     joining = 60 * timeout_minutes if timeout_minutes else max(heartbeat_timeout, 60)
@@ -62,6 +56,21 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     global _watch
     if jax.process_count() > 1:
         _watch = PeerWatch(heartbeat_timeout)
+
+
+def check_coordinator(address: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """The multi-process flags before any joining: a coordinator given as HOST:PORT (or auto), and process counts
+    only with one (they were ignored without it; one process of rank 0 is what no flags mean anyway)."""
+    if address is None:
+        if num_processes not in (None, 1) or process_id not in (None, 0):
+            raise ValueError("--num-processes and --process-id join processes through --coordinator-address "
+                             "HOST:PORT (process 0's); pass it too, or leave them out for one process.")
+        return
+    host, _, port = address.rpartition(":")
+    ipv6_unbracketed = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if address != "auto" and not (host and not ipv6_unbracketed and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"--coordinator-address {address} is not HOST:PORT (a port 1-65535, e.g. 10.0.0.1:1234 or "
+                         "[::1]:1234); pass process 0's address and a free port, or auto under SLURM/MPI/TPU.")
 
 
 def _runtime_library():

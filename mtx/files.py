@@ -101,6 +101,16 @@ def _check_writable(path: Path, flag: str) -> None:
                          "directory you can write.") from None
 
 
+# What an orbax step directory holds, one of them even when damaged: mtx's file record (checkpoint.MANIFEST), orbax's
+# metadata, its items, its commit marker.
+STEP_MARKS = ("mtx_files.json", "_CHECKPOINT_METADATA", "state", "config", "commit_success.txt")
+
+
+def looks_like_step(entry: Path) -> bool:
+    """A directory named by its step number holding what a step holds: a user's folder "4" is none."""
+    return entry.is_dir() and entry.name.isdigit() and any((entry / mark).exists() for mark in STEP_MARKS)
+
+
 def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
     if entry.name == "config.json":
@@ -111,8 +121,8 @@ def _written_by_mtx(entry: Path) -> bool:
         return is_mtx_metrics(entry)
     if entry.name in (WANDB_ID, WANDB_ID + ".tmp"):
         return entry.is_file()
-    if entry.is_dir() and (entry.name.isdigit() or ".orbax-checkpoint-tmp" in entry.name
-                           or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):
+    if looks_like_step(entry) or entry.is_dir() and (".orbax-checkpoint-tmp" in entry.name
+                                                    or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):
         return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix; a
         # broken one that a resumed run set aside, mtx/resume.py; one being deleted, mtx/checkpoint.py `_prune`)
     if entry.name in ("wandb", "profile") and entry.is_dir():

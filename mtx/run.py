@@ -76,7 +76,7 @@ def prepare(cfg: Config) -> Plan:
     except OSError as e:  # a data or tokenizer file that exists but cannot be read (permissions, a device, ...)
         raise ValueError(f"{e.filename or '--data-path'} cannot be read ({e.strerror or e}); pass a readable "
                          "file.") from None
-    say_what_data_overrides(cfg, dataset)
+    configured = cfg
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
         check_compatible(saved.model, cfg.model, t.load)
@@ -98,6 +98,7 @@ def prepare(cfg: Config) -> Plan:
         raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
                          f"--run-dir (or --save), or pass --load {run_dir} to resume it (or restart it, if it "
                          "stopped before its first checkpoint).")
+    say_what_data_overrides(configured, dataset)  # after every refusal: a refused run prints its one line only
     return Plan(cfg, dataset, run_dir, load_step, broken_later)
 
 

@@ -99,6 +99,8 @@ def test_a_users_folder_named_like_a_step_is_no_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("mine\n")
     _refused("holds no checkpoint; pass a directory written by --save", resume_point, TINY.replace(load=str(tmp_path)))
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["4", "notes.txt", "x"]
+    (tmp_path / "notes.txt").unlink()  # as --save: the folder is the user's, not a step of mtx's
+    _refused(r"holds files mtx did not write \(4\)", check_run_dir, tmp_path, "--save")
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,12 @@ def test_a_saved_config_with_a_value_mtx_refuses_is_the_steps_fault(saved, tmp_p
     assert checkpoint_config(str(path)).model.num_layers == 2
     err = capsys.readouterr().err
     assert "step 2 is broken (its config has a value mtx refuses: --num-layers must be" in err, err
+    # only the model's values: a training setting a later check refuses (--ckpt-step without --load) breaks no step
+    metadata = path / "1" / "config" / "metadata"
+    text = metadata.read_text()
+    assert '"ckpt_step": null' in text
+    metadata.write_text(text.replace('"ckpt_step": null', '"ckpt_step": 1   '))
+    assert checkpoint_config(str(path), 1).model.num_layers == 2
 
 
 @pytest.mark.parametrize("address, processes, rank, message", [
@@ -156,6 +164,10 @@ def test_a_saved_config_with_a_value_mtx_refuses_is_the_steps_fault(saved, tmp_p
     (None, 2, 1, "--num-processes and --process-id join processes through --coordinator-address"),  # ignored once
 ])
 def test_multi_process_flags_are_checked_before_joining(address, processes, rank, message):
-    from mtx.distributed import initialize
+    from mtx.distributed import check_coordinator, initialize
 
     _refused(message, initialize, address, processes, rank)
+    for ok in [("auto", None, None), ("10.0.0.1:1234", 2, 1), ("[::1]:1234", 2, 0), ("host:1", 4, 3),
+               (None, 1, 0), (None, None, None)]:
+        check_coordinator(*ok)
+    _refused("is not HOST:PORT", check_coordinator, "::1", 2, 0)  # unbracketed IPv6: host "::", port 1

@@ -323,6 +323,7 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--json", "/"], "pass a file to append the results to"),
     (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
     (["--ring", "circle"], "choose one of steps, tiles"),
+    (["--ring", "tiles"], "pass --tp-comm-overlap and --sequence-parallel with it"),  # tagged a ring never run
 ])
 def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,
@@ -351,7 +352,8 @@ def test_bench_ring_sets_the_kernels_ring_and_says_so(monkeypatch, capsys):
     monkeypatch.setattr(collective_matmul, "RING", "steps")
     seen = []
     assert bench.run_cli(lambda cfg, **kw: seen.append(collective_matmul.RING) or {"step_s": 1.0},
-                         ["--config", "configs/tiny.toml", "--ring", "tiles"]) == 0
+                         ["--config", "configs/tiny.toml", "--ring", "tiles", "--tensor-model-parallel-size", "2",
+                          "--sequence-parallel", "--tp-comm-overlap"]) == 0
     assert seen == ["tiles"] and json.loads(capsys.readouterr().out)["ring"] == "tiles"
 
 

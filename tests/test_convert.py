@@ -7,6 +7,7 @@ is installed (the GPU machine).
 
 import json
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -240,6 +241,16 @@ def test_damaged_or_mismatched_weights_are_one_line(tmp_path):
         with pytest.raises(ValueError, match=needle):
             from_hf(tmp_path / name, tmp_path / "c")
     assert not (tmp_path / "c").exists(), "a refused conversion must not leave a directory behind"
+    # what is fine: a shard that is a link elsewhere (a Hugging Face cache snapshot), an older GPT-2's uint8 masks
+    (tmp_path / "cache").mkdir()
+    shutil.copy(good / "config.json", tmp_path / "cache" / "config.json")
+    (tmp_path / "cache" / "model-00001-of-00001.safetensors").symlink_to(good / "model.safetensors")
+    (tmp_path / "cache" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"wte.weight": "model-00001-of-00001.safetensors"}}))
+    from_hf(tmp_path / "cache", tmp_path / "ok1")
+    masks = {f"transformer.h.{i}.attn.bias": np.ones((1, 1, S_MAX, S_MAX), np.uint8) for i in range(L)}
+    write_hf(tmp_path / "old", 1000, tensors=random_hf_tensors(1000) | masks)
+    from_hf(tmp_path / "old", tmp_path / "ok2")
 
 
 def test_matches_transformers(tmp_path):

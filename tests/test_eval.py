@@ -251,17 +251,14 @@ def test_cli_wikitext_and_lambada_json(checkpoint, tmp_path, capsys, shared_data
     assert result["n"] == 3 and 0.0 <= result["accuracy"] <= 1.0 and result["target_tokens"] == 4 + 4 + 2
 
 
-def test_a_batch_larger_than_the_examples_is_cut_to_them(checkpoint, tmp_path, capsys):
-    """--micro-batch-size beyond the examples there are: the batch is the examples (100,000 rows for 3 allocated
-    52 GB once, after the model loaded), the result the same."""
-    lines = ['{"text": "the cat sat on the mat"}', '{"text": "one"}', '{"text": "a b c d e f g h i j k"}']
-    (tmp_path / "l.jsonl").write_text("\n".join(lines) + "\n")
-    argv = ["lambada", "--load", str(checkpoint), "--data-path", str(tmp_path / "l.jsonl")]
-    rc, small, err = _cli(capsys, *argv, "--micro-batch-size", "1")
-    assert rc == 0, err
-    rc, huge, err = _cli(capsys, *argv, "--micro-batch-size", "100000")
-    assert rc == 0, err
-    assert huge.pop("target_loss") == pytest.approx(small.pop("target_loss"), rel=1e-6) and huge == small
+def test_a_batch_larger_than_the_examples_is_cut_to_them(checkpoint):
+    """--micro-batch-size beyond the rows there are to score: the scorer compiles no batch larger than them (rounded
+    up to the data ranks), where 100,000 rows for 13 windows allocated 52 GB once, after the model loaded."""
+    model, params = load_model(str(checkpoint), micro_batch_size=100_000)
+    dp = model.mesh.shape["data"]
+    assert dp == 8 and ev.Scorer(model, params).batch_size == 100_000 * dp
+    assert ev.Scorer(model, params, most=3).batch_size == dp  # 3 rows, one a rank at most
+    assert ev.Scorer(model, params, most=20).batch_size == 24
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -43,7 +43,8 @@ from mtx.parallel.ops import cotangent_like, vary_like
 
 # Which ring the layers run: "steps" (this module's kernels: each ring step a whole matmul, a grid-wide wait between
 # steps) or "tiles" (mtx/kernels/ring_tiles.py: one loop over all steps' tiles, each waiting only for what it reads).
-# Both exact on 2 GPUs; neither yet faster in the training step than NCCL (docs/benchmarks.md 3f, 3g).
+# The step ring was exact on 2 GPUs before it ran through the tile loop, the tile ring is; neither yet faster in the
+# training step than NCCL (docs/benchmarks.md 3f, 3g).
 RINGS = ("steps", "tiles")
 RING = "steps"
 # Checkpoint name of the kernels' outputs, which `--recompute-granularity matmuls` keeps (mtx/models/stack.py): a
