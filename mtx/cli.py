@@ -256,8 +256,9 @@ def ranged(kind: type, valid: str):
 
 
 def _is_negative_number(token: str) -> bool:
+    """A negative number, or a list that starts with one (`--split -1,2,3`, refused by its own check then)."""
     try:
-        float(token)
+        float(token.split(",")[0].split("/")[0])
     except ValueError:
         return False
     return token.startswith("-")

@@ -48,6 +48,13 @@ def test_bad_config_files_are_one_line_naming_the_file_or_field(tmp_path, text, 
         parse_config(["--config", str(tmp_path)])
 
 
+def test_a_negative_split_reaches_its_own_check():  # argparse's "expected one argument" once
+    cfg = parse_config(["--split", "-1,2,3", "--lr", "-1e-3"])
+    assert cfg.data.split == "-1,2,3"
+    with pytest.raises(ValueError, match="--split '-1,2,3' must be up to three non-negative weights"):
+        build_dataset(cfg.replace(seq_length=16))
+
+
 @pytest.mark.parametrize("split", ["nan,1,1", "inf,1,1", "1,nan"])
 def test_a_split_of_non_finite_weights_names_the_flag(split):  # "cannot convert float NaN to integer" once
     with pytest.raises(ValueError, match=f"--split '{split}' must be up to three non-negative weights"):
