@@ -77,7 +77,7 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
         kind = _scalar_type(hint)
         if kind is bool:  # --name turns it on (the field's help), the off flag turns it off
             parser.add_argument(flag, action="store_true", **kw)
-            parser.add_argument(_OFF_FLAGS.get(name, "--no-" + name.replace("_", "-")), action="store_false",
+            parser.add_argument(_off_flag(name), action="store_false",
                                 dest=name, default=default, help=f"turn {flag} off")
         elif name == "data_path":
             parser.add_argument(flag, nargs="+", metavar="PATH", **kw)
@@ -94,10 +94,15 @@ def flag_for(name: str, value) -> str:
     "--no-swiglu" for a boolean, "--ffn-hidden-size none" for an optional setting's None."""
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
-        return flag if value else _OFF_FLAGS.get(name, "--no-" + name.replace("_", "-"))
+        return flag if value else _off_flag(name)
     if value is None:
         return f"{flag} none"
     return f"{flag} {' '.join(map(str, value)) if isinstance(value, tuple) else value}"
+
+
+def _off_flag(name: str) -> str:
+    """A boolean field's off flag: --no-name, or Megatron's spelling where it has one."""
+    return _OFF_FLAGS.get(name, "--no-" + name.replace("_", "-"))
 
 
 def _or_none(parse):

@@ -27,7 +27,7 @@ from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
 from mtx.errors import first_line
 from mtx.files import check_writable
-from mtx.hf_checks import check as _check, validated
+from mtx.hf_checks import BUFFERS, check as _check, validated
 
 PREFIX = "transformer."
 # HF name inside block h.{i} -> mtx name under `layers` (stacked over L).
@@ -43,9 +43,6 @@ GLOBAL_MAP = {"wte.weight": "embedding.embedding", "wpe.weight": "position_embed
               "ln_f.weight": "final_layernorm.scale", "ln_f.bias": "final_layernorm.bias"}
 # gelu_pytorch_tanh is the same tanh approximation as gelu_new (and as mtx's jax.nn.gelu(approximate=True)).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
-# Saved buffers that are no weights (older transformers saved GPT-2's causal masks as uint8 or bool; Llama's inverse
-# frequencies): not checked as weights, and dropped by the converters.
-BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 # ---- config ----

@@ -19,11 +19,9 @@ import sys
 import numpy as np
 
 from mtx.config import Config, ModelConfig
-from mtx.hf_checks import check as _check, validated
+from mtx.hf_checks import BUFFERS, check as _check, validated
 
 PREFIX = "model."
-# Older HF versions saved each layer's rotary frequencies as a buffer; they follow from rope_theta.
-BUFFERS = ("rotary_emb.inv_freq",)
 _HF_KEYS = {"--num-layers": "num_hidden_layers", "--hidden-size": "hidden_size",
             "--num-attention-heads": "num_attention_heads", "--ffn-hidden-size": "intermediate_size",
             "--max-position-embeddings": "max_position_embeddings", "--seq-length": "max_position_embeddings",

@@ -45,9 +45,6 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     joining = 60 * timeout_minutes if timeout_minutes else max(heartbeat_timeout, 60)
     timeouts = dict(initialization_timeout=joining, heartbeat_timeout_seconds=2 * heartbeat_timeout + 10,
                     shutdown_timeout_seconds=max(heartbeat_timeout, 10))
-    if coordinator_address != "auto" and (num_processes is None or process_id is None):
-        raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
-                         "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
     with _service_in_child_process(linger=heartbeat_timeout + 10):
         if coordinator_address == "auto":
             jax.distributed.initialize(**timeouts)
@@ -59,18 +56,24 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
 
 
 def check_coordinator(address: str | None, num_processes: int | None, process_id: int | None) -> None:
-    """The multi-process flags before any joining: a coordinator given as HOST:PORT (or auto), and process counts
-    only with one (they were ignored without it; one process of rank 0 is what no flags mean anyway)."""
+    """The multi-process flags before any joining: a coordinator given as HOST:PORT with the process count and rank
+    (or auto, where the launcher gives them), and a count or rank only with a coordinator (they were ignored without
+    one; one process of rank 0 is what no flags mean anyway)."""
     if address is None:
         if num_processes not in (None, 1) or process_id not in (None, 0):
             raise ValueError("--num-processes and --process-id join processes through --coordinator-address "
                              "HOST:PORT (process 0's); pass it too, or leave them out for one process.")
         return
+    if address == "auto":
+        return
     host, _, port = address.rpartition(":")
     ipv6_unbracketed = ":" in host and not (host.startswith("[") and host.endswith("]"))
-    if address != "auto" and not (host and not ipv6_unbracketed and port.isdigit() and 0 < int(port) < 65536):
+    if not (host and not ipv6_unbracketed and port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"--coordinator-address {address} is not HOST:PORT (a port 1-65535, e.g. 10.0.0.1:1234 or "
                          "[::1]:1234); pass process 0's address and a free port, or auto under SLURM/MPI/TPU.")
+    if num_processes is None or process_id is None:
+        raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
+                         "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
 
 
 def _runtime_library():

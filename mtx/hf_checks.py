@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from mtx.config import Config
 
+# Tensors saved beside the weights that are no weights, dropped by both converters: older transformers' GPT-2 causal
+# masks (uint8 or bool) and Llama's rotary frequencies (they follow from rope_theta).
+BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
 
 def check(ok: bool, message: str) -> None:
     """Refuses with `message` (one line naming the key or flag and the fix) unless `ok`."""

@@ -162,6 +162,7 @@ def test_a_saved_config_with_a_value_mtx_refuses_is_the_steps_fault(saved, tmp_p
     ("localhost", 2, 0, "--coordinator-address localhost is not HOST:PORT"),  # IndexError in jax once
     ("localhost:abc", 2, 0, "is not HOST:PORT"),  # "did not start on [::]:abc ... is the port free?" once
     (None, 2, 1, "--num-processes and --process-id join processes through --coordinator-address"),  # ignored once
+    ("localhost:1234", None, 0, "--coordinator-address needs --num-processes and --process-id"),
 ])
 def test_multi_process_flags_are_checked_before_joining(address, processes, rank, message):
     from mtx.distributed import check_coordinator, initialize

@@ -139,7 +139,7 @@ def test_vocab_parallel_cross_entropy(dp, tp, label_smoothing):
 
 def test_cross_entropy_ignores_padding_columns_even_a_whole_slice_of_them():
     """With vocab_size the padding columns take no probability; at TP 4 with 40 real of 64 columns the last rank's
-    slice is padding alone (its one-pass max is -inf: the sum it reports must not turn into NaN)."""
+    slice is padding alone (its local max is -inf, which must not turn the global sum into NaN)."""
     mesh = mesh_of(1, 4)
     v, real = 64, 40
     logits = 3.0 * jax.random.normal(jax.random.key(3), (B, S, v), jnp.float32)
