@@ -158,46 +158,28 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None, help="append the result line to this file")
     ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them")
-    ap.add_argument("--ring", default=None, help="the peer-memory kernels' ring with --tp-comm-overlap: "
-                    "steps (default) or tiles (mtx/kernels/collective_matmul.py's RING)")
     own, rest = ap.parse_known_args(argv)
     try:
         if not (1 <= own.steps <= 10_000 and 0 <= own.warmup <= 10_000):
             raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time 1 to 10,000 steps after 0 to 10,000 "
                              "warm-up steps.")
-        if own.ring is not None:
-            choose_ring(own.ring)
         if own.json:  # appended to: an existing file of results is fine, any other file refused
             check_json_lines(own.json, "--json")
         if own.profile:
             check_writable(own.profile, "--profile")
         cfg = parse_config(rest)
-        if own.ring is not None and not cfg.tp_comm_overlap:  # else the result would name a ring that never ran
-            raise ValueError(f"--ring {own.ring} chooses the peer-memory kernels' ring; pass --tp-comm-overlap and "
-                             "--sequence-parallel with it.")
         if check is not None:
             check(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = measure_fn(cfg, steps=own.steps, warmup=own.warmup, profile=own.profile)
-    if own.ring is not None:
-        result["ring"] = own.ring
     line = json.dumps(result)
     print(line, flush=True)
     if own.json:
         with open(own.json, "a") as fh:
             fh.write(line + "\n")
     return 0
-
-
-def choose_ring(ring: str) -> None:
-    """Set the peer-memory kernels' ring (`collective_matmul.RING`) for this process, or refuse an unknown one."""
-    from mtx.kernels import collective_matmul
-
-    if ring not in collective_matmul.RINGS:
-        raise ValueError(f"--ring {ring}: choose one of {', '.join(collective_matmul.RINGS)}.")
-    collective_matmul.RING = ring
 
 
 def check_mesh(cfg) -> None:

@@ -1,8 +1,7 @@
 """Sequence parallelism's two communicating matmuls, XLA's way (NCCL collective + cuBLAS matmul) against the
 peer-memory kernels of mtx/kernels/collective_matmul.py (Mosaic GPU: operands or partial sums stored into the next
 device's memory over NVLink beside the matmul; no multicast), over a "model" axis that spans every device (the
-kernels' condition), each kernel in both of its rings (`RINGS`: "steps", a whole matmul a ring step, and "tiles",
-mtx/kernels/ring_tiles.py's one loop over every step's tiles):
+kernels' condition):
 
 - `ag`, all-gather then matmul: the column-parallel linears' forward (QKV, MLP up) and the row-parallel linears'
   input gradient;
@@ -98,12 +97,13 @@ def xla_once(pattern: str):
 
 def kernel_once(pattern: str, config):
     from mtx.kernels import collective_matmul as cm
+    from mtx.kernels import ring_tiles
 
     if pattern in LAYERS:  # the layer functions take their kernels' default tuning
         return layer_step(cm.column_parallel_matmul if pattern == "column" else cm.row_parallel_matmul)
-    if pattern == "ag":  # not the rows received
-        return lambda x, w: cm.ring_kernel("all_gather_matmul_kernel")(x, w, cm.MODEL, config=config)[0]
-    return lambda x, w: cm.ring_kernel("matmul_reduce_scatter_kernel")(x, w, cm.MODEL, config=config)
+    if pattern == "ag":  # not the rows gathered
+        return lambda x, w: ring_tiles.all_gather_matmul_kernel(x, w, cm.MODEL, config=config)[0]
+    return lambda x, w: ring_tiles.matmul_reduce_scatter_kernel(x, w, cm.MODEL, config=config)
 
 
 def specs(pattern: str):
@@ -169,30 +169,21 @@ def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int, tune: bo
     if reason := kernel_condition(local_x, local_w, n, first, rows_split=geometry == "ag"):
         return lines + [{**base, "impl": "kernel", "error": reason}]
     reference = np.asarray(program(xla_once(pattern), mesh, 1, pattern)(x, w), np.float32)
-    ring = cm.RING
-    try:
-        for name in cm.RINGS:  # each program is traced (and so takes the ring) when it is first called
-            cm.RING = name
-            best, errors = None, []
-            for config in configs:
-                try:
-                    out = np.asarray(program(kernel_once(pattern, config), mesh, 1, pattern)(x, w), np.float32)
-                    t = timed(kernel_once(pattern, config), mesh, x, w, pattern, iters=iters, repeats=repeats)
-                except Exception as e:  # a tuning that does not fit (shared memory) or does not divide the shape
-                    errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                    continue
-                deviation = float(np.abs(out - reference).max() / np.abs(reference).max())
-                if best is None or t < best[0]:
-                    best = (t, deviation, config)
-            if best is None:
-                lines.append({**base, "impl": "kernel", "ring": cm.RING,
-                              "error": errors[0] if errors else "no tuning ran"})
-                continue
-            t, deviation, config = best
-            lines.append(line("kernel", t, ring=cm.RING, rel_deviation=round(deviation, 5), config=repr(config),
-                              tunings_skipped=len(errors)))
-    finally:
-        cm.RING = ring
+    best, errors = None, []
+    for config in configs:
+        try:
+            out = np.asarray(program(kernel_once(pattern, config), mesh, 1, pattern)(x, w), np.float32)
+            t = timed(kernel_once(pattern, config), mesh, x, w, pattern, iters=iters, repeats=repeats)
+        except Exception as e:  # a tuning that does not fit (shared memory) or does not divide the shape
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            continue
+        deviation = float(np.abs(out - reference).max() / np.abs(reference).max())
+        if best is None or t < best[0]:
+            best = (t, deviation, config)
+    if best is None:
+        return lines + [{**base, "impl": "kernel", "error": errors[0] if errors else "no tuning ran"}]
+    t, deviation, config = best
+    lines.append(line("kernel", t, rel_deviation=round(deviation, 5), config=repr(config), tunings_skipped=len(errors)))
     return lines
 
 

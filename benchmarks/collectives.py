@@ -14,8 +14,8 @@ synchronization XLA places between that kernel and the collective (which a layer
 (NCCL_*) and XLA_FLAGS apply as set, so one setting per process. Forward only: a backward moves the same bytes the other way.
 
 `peer_all_gather` and `peer_reduce_scatter` are the same exchanges through mtx's peer-memory kernels
-(mtx/kernels/collective_matmul.py, `--tp-comm-overlap`; Hopper GPUs, the axis spanning every device), in each of their
-rings (`RINGS`), with the thinnest matmul they can carry: the gather multiplies the gathered rows by a (width, 128)
+(mtx/kernels/collective_matmul.py, `--tp-comm-overlap`; Hopper GPUs, the axis spanning every device), with the
+thinnest matmul they can carry: the gather multiplies the gathered rows by a (width, 128)
 matrix, the scatter sums (rows, 64) @ (64, width) products, so the time is the exchange plus a matmul of 1/12 (1/24)
 of a layer's at width 1,536. Their small sizes give the fixed cost of a call beside NCCL's. Elsewhere their line
 says why they cannot run.
@@ -54,6 +54,7 @@ def peer_fn(collective: str, mesh, iters: int, width: int):
     from jax.sharding import PartitionSpec as P
 
     from mtx.kernels import collective_matmul as cm
+    from mtx.kernels import ring_tiles
     from mtx.parallel.mesh import MODEL
 
     thin = PEER_WIDTH[collective]
@@ -61,9 +62,9 @@ def peer_fn(collective: str, mesh, iters: int, width: int):
     w = jnp.ones((width, thin) if gather else (thin, width), jnp.bfloat16) / thin
     config = cm.default_config(w.shape[1])
     if gather:
-        once = lambda x: cm.ring_kernel("all_gather_matmul_kernel")(x, w, MODEL, config=config)[0]
+        once = lambda x: ring_tiles.all_gather_matmul_kernel(x, w, MODEL, config=config)[0]
     else:
-        once = lambda x: cm.ring_kernel("matmul_reduce_scatter_kernel")(x, w, MODEL, config=config)
+        once = lambda x: ring_tiles.matmul_reduce_scatter_kernel(x, w, MODEL, config=config)
 
     def body(x):
         out = once(x)
@@ -138,8 +139,8 @@ def emit(records, out: str | None) -> list[dict]:
 
 def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters: int = 50,
             repeats: int = 5) -> list[dict]:
-    """One collective at one size -> its JSON records: one, or for a peer-memory row one a ring (or one saying why
-    the kernels cannot run here)."""
+    """One collective at one size -> its JSON record (in a list), for a peer-memory row one saying why the kernels
+    cannot run where they cannot."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -156,10 +157,10 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "platform": jax.devices()[0].platform,
               "device_kind": jax.devices()[0].device_kind}
 
-    def timed(fn, x, **extra):
+    def timed(fn, x):
         t = time_per_call(fn, (x,), iters=iters, repeats=repeats)
         algbw = record["bytes"] / t / 1e9
-        return {**record, **extra, "time_us": round(t * 1e6, 1), "algbw_GBps": round(algbw, 1),
+        return {**record, "time_us": round(t * 1e6, 1), "algbw_GBps": round(algbw, 1),
                 "busbw_GBps": round(algbw * bus_factor(collective.removeprefix("peer_"), n), 1)}
 
     if not peer:
@@ -175,14 +176,7 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
         return [{**record, "error": reason}]
     x = jax.device_put(jnp.ones((rows, width) if gather else (rows, thin * n), jnp.bfloat16),
                        NamedSharding(mesh, P(MODEL) if gather else P(None, MODEL)))
-    ring, lines = cm.RING, []
-    try:
-        for name in cm.RINGS:  # traced (and so taking the ring) at its first call
-            cm.RING = name
-            lines.append(timed(peer_fn(collective, mesh, iters, width), x, ring=name))
-    finally:
-        cm.RING = ring
-    return lines
+    return [timed(peer_fn(collective, mesh, iters, width), x)]
 
 
 def main(argv=None) -> list[dict]:

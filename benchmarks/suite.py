@@ -34,7 +34,6 @@ SP = ["--sequence-parallel"]
 # sequence parallelism's gathers and scatters inside the linears' matmuls, through peer memory (Hopper, Mosaic GPU;
 # the model axis spanning every GPU of the row)
 OVERLAP = [*SP, "--tp-comm-overlap"]
-TILES = ["--ring", "tiles"]  # bench.py's: the kernels' tile-synchronized ring (mtx/kernels/ring_tiles.py)
 GPIPE, INTERLEAVED = ["--pipeline-schedule", "gpipe"], ["--virtual-pipeline-model-parallel-size", "2"]
 # XLA's collective matmuls for GSPMD-partitioned dots: each all-gather / reduce-scatter + matmul pair as a loop of
 # partial matmuls and peer transfers on separate streams, whatever the size
@@ -100,8 +99,6 @@ ROWS = {
         mtx("1.2B, TP 2 (strong), sequence parallel", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *SP),
         mtx("2.5B, TP 2 (weak), peer-memory matmuls", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *OVERLAP),
         mtx("1.2B, TP 2 (strong), peer-memory matmuls", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *OVERLAP),
-        mtx("2.5B, TP 2 (weak), peer-memory matmuls, tile ring", 2, "gpt_2.5b", 1, 1, 2, 16, 16, *OVERLAP, *TILES),
-        mtx("1.2B, TP 2 (strong), peer-memory matmuls, tile ring", 2, "gpt_1.2b", 1, 1, 2, 16, 16, *OVERLAP, *TILES),
         mtx("1.2B, TP 2 (strong), latency-hiding scheduler", 2, "gpt_1.2b", 1, 1, 2, 16, 16,
             xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),

@@ -218,16 +218,11 @@ def test_every_suite_row_is_a_valid_run_on_its_gpu_count(group):
     """Each row's flags parse and validate for exactly its GPU count (the 8-GPU rows wait for an 8-GPU host)."""
     from benchmarks import suite
     from mtx.cli import parse_config
-    from mtx.kernels import collective_matmul
 
     for row in suite.ROWS[group]:
         if row["script"].startswith("benchmarks/torch_"):  # torch_gpt.py, torch_llama.py: flags of their own
             continue
         args = [a for a in row["args"] if a != "--gspmd"]  # plain_gpt's own flag
-        if "--ring" in args:  # bench.py's own flag and its value
-            at = args.index("--ring")
-            assert args[at + 1] in collective_matmul.RINGS, row["name"]
-            del args[at:at + 2]
         cfg = parse_config(args).validate(row["gpus"])
         p = cfg.parallel
         dp = cfg.data_parallel_size(row["gpus"])
@@ -322,8 +317,6 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--json", "/proc/version/out.jsonl"], "choose another path"),
     (["--json", "/"], "pass a file to append the results to"),
     (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
-    (["--ring", "circle"], "choose one of steps, tiles"),
-    (["--ring", "tiles"], "pass --tp-comm-overlap and --sequence-parallel with it"),  # tagged a ring never run
 ])
 def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,
@@ -343,18 +336,6 @@ def test_bench_appends_to_an_existing_json_file(tmp_path):
     assert bench.run_cli(lambda cfg, **kw: measured.append(cfg) or {"step_s": 1.0},
                          ["--config", "configs/tiny.toml", "--json", str(out)]) == 0
     assert len(measured) == 1 and out.read_text().splitlines() == ['{"earlier": 1}', '{"step_s": 1.0}']
-
-
-def test_bench_ring_sets_the_kernels_ring_and_says_so(monkeypatch, capsys):
-    """--ring picks the peer-memory kernels' ring for the measured run and is written into the result line."""
-    from mtx.kernels import collective_matmul
-
-    monkeypatch.setattr(collective_matmul, "RING", "steps")
-    seen = []
-    assert bench.run_cli(lambda cfg, **kw: seen.append(collective_matmul.RING) or {"step_s": 1.0},
-                         ["--config", "configs/tiny.toml", "--ring", "tiles", "--tensor-model-parallel-size", "2",
-                          "--sequence-parallel", "--tp-comm-overlap"]) == 0
-    assert seen == ["tiles"] and json.loads(capsys.readouterr().out)["ring"] == "tiles"
 
 
 def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, capsys):

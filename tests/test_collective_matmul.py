@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mtx.kernels import collective_matmul as cm
+from mtx.kernels import collective_matmul as cm, ring_tiles
 from mtx.parallel.mesh import MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,35 +48,31 @@ def _lower_for_hopper(program, *args) -> str:
         return program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("ring", ["steps", "tiles"])
 @pytest.mark.parametrize("pattern", ["ag", "rs"])
-def test_the_kernels_lower_for_hopper(pattern, ring, monkeypatch):
-    """Traced and lowered for CUDA on the CPU (a Mosaic GPU custom call in the module), both rings: catches a kernel
-    written against another jax's Pallas API; whether it computes the right thing is the GPU benchmark's check."""
+def test_the_kernels_lower_for_hopper(pattern):
+    """Traced and lowered for CUDA on the CPU (a Mosaic GPU custom call in the module): catches a kernel written
+    against another jax's Pallas API; whether it computes the right thing is the GPU benchmark's check."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    monkeypatch.setattr(cm, "RING", ring)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
     config = cm.default_config(1536)
     if pattern == "ag":
-        fn = lambda x, w: cm.ring_kernel("all_gather_matmul_kernel")(x, w, MODEL, config=config, num_sms=132)[0]
+        fn = lambda x, w: ring_tiles.all_gather_matmul_kernel(x, w, MODEL, config=config, num_sms=132)[0]
         shapes, specs = ((1024, 1536), (1536, 2 * 1536)), AG
     else:
-        fn = lambda x, w: cm.ring_kernel("matmul_reduce_scatter_kernel")(x, w, MODEL, config=config, num_sms=132)
+        fn = lambda x, w: ring_tiles.matmul_reduce_scatter_kernel(x, w, MODEL, config=config, num_sms=132)
         shapes, specs = ((1024, 2 * 768), (2 * 768, 1536)), RS
     program = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=False))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     assert "mosaic_gpu" in _lower_for_hopper(program, *args)
 
 
-@pytest.mark.parametrize("ring", ["steps", "tiles"])
 @pytest.mark.parametrize("collective", ["peer_all_gather", "peer_reduce_scatter"])
-def test_the_collectives_benchmarks_peer_rows_lower_for_hopper(collective, ring, monkeypatch):
+def test_the_collectives_benchmarks_peer_rows_lower_for_hopper(collective):
     """benchmarks/collectives.py's peer-memory rows (the kernels with a thin matmul, chained 3 times) lower for CUDA
     to three Mosaic GPU calls and no NCCL collective."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from benchmarks import collectives
 
-    monkeypatch.setattr(cm, "RING", ring)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
     shape = (1024, 1536) if collective == "peer_all_gather" else (1024, 2 * 64)
     text = _lower_for_hopper(collectives.peer_fn(collective, mesh, 3, 1536), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
@@ -111,16 +107,14 @@ def test_the_linear_layers_matmuls_and_their_gradients_equal_autodiffs(kind):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("ring", ["steps", "tiles"])
 @pytest.mark.parametrize("kind", ["column", "row"])
-def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, ring, monkeypatch):
+def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, monkeypatch):
     """Lowered for CUDA with the kernels' condition met (as on 2 H200s), inside a shard_map that checks which values
-    vary, with either ring: the forward and the input gradient are the peer-memory kernels (two Mosaic GPU calls),
+    vary: the forward and the input gradient are the peer-memory kernels (two Mosaic GPU calls),
     and no NCCL all-gather or reduce-scatter is left (the weight gradient takes the rows the all-gather kernel
     received)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     monkeypatch.setattr(cm, "kernel_condition", lambda *args, **kwargs: None)
-    monkeypatch.setattr(cm, "RING", ring)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (MODEL,))
     if kind == "column":
         fn, specs, shapes = cm.column_parallel_matmul, AG, ((2048, 1536), (1536, 2 * 1536))
@@ -136,14 +130,11 @@ def test_on_hopper_the_layers_matmuls_and_input_gradients_are_kernels(kind, ring
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line and "mosaic_gpu" in line]
     assert len(calls) == 2, len(calls)
     assert "reduce_scatter" not in text and "all_gather" not in text
-    # the step ring's received chunks are put in order by XLA (rows_in_order); the tile ring's kernel returns them so
-    assert ("stablehlo.concatenate" in text) == (ring == "steps")
+    # the all-gather kernel returns the gathered rows in the devices' order: XLA puts nothing together
+    assert "stablehlo.concatenate" not in text
 
 
-def test_the_ring_setting_is_checked_and_the_all_gather_kernel_needs_two_depth_steps(monkeypatch):
-    monkeypatch.setattr(cm, "RING", "tile")
-    with pytest.raises(ValueError, match="RING is 'tile'; set one of steps, tiles"):
-        cm.ring_kernel("all_gather_matmul_kernel")
+def test_the_all_gather_kernel_needs_two_depth_steps(monkeypatch):
     monkeypatch.setattr(cm, "machine_condition", lambda p: None)  # as on 2 Hopper GPUs
     config = cm.default_config(512)
     x, w = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((64, 512), jnp.bfloat16)
@@ -214,14 +205,3 @@ def test_with_tp_comm_overlap_the_training_step_lowers_to_the_kernels(recompute,
     assert overlapped["stablehlo.reduce_scatter"] == plain["stablehlo.reduce_scatter"] - 4
     assert overlapped["stablehlo.all_gather"] == plain["stablehlo.all_gather"] - 4
     assert overlapped["stablehlo.all_reduce"] == plain["stablehlo.all_reduce"]
-
-
-def test_the_all_gather_kernels_rows_are_put_in_device_order():
-    """What device d's all-gather kernel holds after its ring (its own chunk and the P - 1 it received, chunk
-    (d + s + 1) mod P in slot s) -> the gathered rows of every device, for the weight gradients."""
-    p, m, k = 4, 3, 2
-    chunks = np.arange(p * m * k, dtype=np.float32).reshape(p, m, k)
-    for d in range(p):
-        received = np.stack([chunks[(d + s + 1) % p] for s in range(p - 1)])
-        for device in (d, jnp.int32(d)):  # as a number and as the traced axis index
-            np.testing.assert_array_equal(cm.rows_in_order(chunks[d], received, device, p), chunks.reshape(p * m, k))

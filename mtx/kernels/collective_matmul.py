@@ -9,9 +9,14 @@ sequence parallelism's two patterns without a NCCL call (Transformer Engine's us
 - `matmul_reduce_scatter(x, w)`: psum_scatter(x @ w over rows), the row-parallel linears' forward (attention out,
   MLP down) and the column-parallel linears' input gradient. On GPUs the same mechanism reversed: a ring of P
   steps; at step s device d computes the rows of chunk (d + s + 1) mod P, adds the partial sum that device d + 1
-  stored into its memory at step s - 1 (the Hopper matmul's C operand) and stores the result into device d - 1's
-  memory, then signals it; at the last step the chunk is d's own and the sum is its output. Partial sums travel in
-  the output dtype, as NCCL's bf16 reduce-scatter sums in bf16.
+  stored into its memory at step s - 1 (the matmul's C operand) and stores the result into device d - 1's memory;
+  at the last step the chunk is d's own and the sum is its output. Partial sums travel in the output dtype, as
+  NCCL's bf16 reduce-scatter sums in bf16.
+
+Both kernels are mtx/kernels/ring_tiles.py's: one loop over every output tile of every ring step, each tile waiting
+only for the rows or partial sum it reads. (A first ring ran each step as a whole Hopper matmul behind a grid-wide
+wait; it was slower in the training step and never completed a step on two GPUs once rebuilt, so it was removed:
+docs/benchmarks.md 3f-3h.)
 
 `column_parallel_matmul` and `row_parallel_matmul` are a linear layer's matmul under sequence parallelism with its
 backward written out: each pattern's input gradient is the other pattern (Megatron's conjugate pair), its weight
@@ -37,29 +42,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from mtx.kernels import ring_tiles
 from mtx.parallel.mesh import MODEL
 from mtx.parallel.ops import cotangent_like, vary_like
 
 
-# Which ring the layers run: "steps" (this module's kernels: each ring step a whole matmul, a grid-wide wait between
-# steps) or "tiles" (mtx/kernels/ring_tiles.py: one loop over all steps' tiles, each waiting only for what it reads).
-# The step ring was exact on 2 GPUs before it ran through the tile loop, the tile ring is; neither yet faster in the
-# training step than NCCL (docs/benchmarks.md 3f, 3g).
-RINGS = ("steps", "tiles")
-RING = "steps"
 # Checkpoint name of the kernels' outputs, which `--recompute-granularity matmuls` keeps (mtx/models/stack.py): a
 # Mosaic GPU kernel is a `custom_vmap_call` to a remat policy, so without the name each layer recomputed three.
 KERNEL_OUTPUT = "peer_memory_matmul"
-
-
-def ring_kernel(kernel: str):
-    """The kernel function of that name ("all_gather_matmul_kernel", "matmul_reduce_scatter_kernel") of the ring
-    `RING` selects."""
-    from mtx.kernels import ring_tiles
-
-    if RING not in RINGS:
-        raise ValueError(f"collective_matmul.RING is {RING!r}; set one of {', '.join(RINGS)}.")
-    return getattr(ring_tiles, kernel) if RING == "tiles" else globals()[kernel]
 
 
 def xla_all_gather_matmul(x, w, axis_name=MODEL, *, gathered: bool = False):
@@ -132,18 +122,9 @@ def all_gather_matmul(x, w, axis_name=MODEL, *, config=None, gathered: bool = Fa
     p = lax.axis_size(axis_name)
     if kernel_condition(x, w, p, config, rows_split=True) is not None:
         return xla_all_gather_matmul(x, w, axis_name, gathered=gathered)
-    kernel = ring_kernel("all_gather_matmul_kernel")
+    kernel = ring_tiles.all_gather_matmul_kernel
     out, rows = (checkpoint_name(_typed_like(a, x, w), KERNEL_OUTPUT) for a in kernel(x, w, axis_name, config=config))
-    if gathered and RING == "steps":  # the step ring returns the chunks it received; the tile ring all rows in order
-        rows = rows_in_order(x, rows, lax.axis_index(axis_name), p)
     return (out, rows) if gathered else out
-
-
-def rows_in_order(x, received, device, p: int):
-    """The all-gather kernel's rows in the order of the P devices: this device's x (m, k) and the P - 1 chunks it
-    received, received[s] (m, k) from device (device + s + 1) mod P -> (P m, k)."""
-    chunks = jnp.concatenate([x[None], received[:p - 1]], axis=0)  # chunk j is device (device + j) mod P's
-    return jnp.roll(chunks, device, axis=0).reshape(-1, x.shape[1])
 
 
 def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
@@ -153,7 +134,7 @@ def matmul_reduce_scatter(x, w, axis_name=MODEL, *, config=None):
     config = config or default_config(w.shape[1])
     if kernel_condition(x, w, lax.axis_size(axis_name), config, rows_split=False) is not None:
         return xla_matmul_reduce_scatter(x, w, axis_name)
-    out = ring_kernel("matmul_reduce_scatter_kernel")(x, w, axis_name, config=config)
+    out = ring_tiles.matmul_reduce_scatter_kernel(x, w, axis_name, config=config)
     return checkpoint_name(_typed_like(out, x, w), KERNEL_OUTPUT)
 
 
@@ -208,117 +189,3 @@ def _row_backward(axis_name, residuals, dy):
 
 
 row_parallel_matmul.defvjp(_row_forward, _row_backward)
-
-
-def matmul_reduce_scatter_kernel(x, w, axis_name, *, config, num_sms: int | None = None):
-    """The ring kernel (module docstring); the caller has checked `kernel_condition`. num_sms: the GPU's streaming
-    multiprocessors (one program each; default: the device's count)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu
-
-    p = lax.axis_size(axis_name)
-    m, _ = x.shape
-    n = w.shape[1]
-    shard = m // p
-    num_sms = num_sms or jax.devices()[0].core_count
-    compute_wgs = 2  # hopper_matmul_mgpu's compute warpgroups, each storing its own output tiles; the third loads
-
-    def body(x_ref, w_ref, out_ref, scratch_ref):
-        received = pl.get_global(plgpu.SemaphoreType.REGULAR)
-        wg = lax.axis_index("wg")
-        device = lax.axis_index(axis_name)
-        # device d - 1 of the axis, addressed by its mesh coordinates (this device's on every other mesh axis)
-        previous = {axis_name: lax.rem(device + p - 1, jnp.int32(p))}
-        previous_scratch = plgpu.remote_ref(scratch_ref, previous)
-        for s in range(p):
-            chunk = lax.rem(device + s + 1, jnp.int32(p))
-            if s > 0:  # every program of device d + 1 has stored its tiles of step s - 1's partial sum here
-                pl.semaphore_wait(received, value=s * compute_wgs * num_sms, decrement=False)
-            hopper_matmul_mgpu.kernel(x_ref.at[pl.ds(chunk * shard, shard)], w_ref,
-                                      None if s == 0 else scratch_ref.at[s - 1],
-                                      out_ref if s == p - 1 else previous_scratch.at[s], config=config)
-            if s < p - 1:
-                @pl.when(wg < compute_wgs)
-                def _signal():  # this warpgroup's stores into device d - 1 have landed
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    pl.semaphore_signal(received, device_id=previous)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    out, _ = plgpu.kernel(
-        body,
-        out_type=[jax.ShapeDtypeStruct((shard, n), x.dtype),
-                  jax.ShapeDtypeStruct((max(p - 1, 1), shard, n), x.dtype)],  # the partial sums received
-        grid=(num_sms,), grid_names=("cluster_grid",), num_threads=compute_wgs + 1, thread_name="wg",
-        cluster=(1,), cluster_names=("cluster",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(x, w)
-    return out
-
-
-def all_gather_matmul_kernel(x, w, axis_name, *, config, num_sms: int | None = None):
-    """The all-gather ring (module docstring): at step s device d multiplies the rows of chunk (d + s) mod P (its own
-    at step 0, then the chunk device d + 1 stored into its scratch at step s - 1) into those rows of its output,
-    and while the matmul streams that chunk's tiles through shared memory, warpgroup 0 stores each (row, depth) tile
-    once (with the first column of output tiles) into device d - 1's scratch, then signals it. -> [the product
-    (P m, n), the P - 1 chunks received (`rows_in_order`)]. The caller has checked `kernel_condition`; num_sms as in
-    `matmul_reduce_scatter_kernel`."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from mtx.kernels.ring_tiles import tile_loop
-
-    p = lax.axis_size(axis_name)
-    shard, k = x.shape
-    n = w.shape[1]
-    num_sms = num_sms or jax.devices()[0].core_count
-    cta_m = _cta_tile(config)[0]
-
-    def body(x_ref, w_ref, out_ref, scratch_ref):
-        received = pl.get_global(plgpu.SemaphoreType.REGULAR)
-        sender = lax.axis_index("wg") == 0
-        device = lax.axis_index(axis_name)
-        previous = {axis_name: lax.rem(device + p - 1, jnp.int32(p))}  # mesh coordinates, as in the other kernel
-        previous_scratch = plgpu.remote_ref(scratch_ref, previous)
-
-        def step(s, chunk_ref):
-            forward = sender & (s < p - 1)  # the last chunk goes nowhere: device d - 1 has computed it already
-
-            def store_tile(_, m_idx, n_idx, k_idx, x_smem):
-                @pl.when(forward & (n_idx == 0))
-                def _store():
-                    tile = (pl.ds(m_idx * cta_m, cta_m), pl.ds(k_idx * config.tile_k, config.tile_k))
-                    plgpu.copy_smem_to_gmem(x_smem, previous_scratch.at[s].at[tile])
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the tile's buffer is released one step late
-
-            rows = pl.ds(lax.rem(device + s, jnp.int32(p)) * shard, shard)
-            # mtx's tile loop, not jax's Hopper matmul: with a tile released one depth step late, its loader waits
-            # for the previous tile's mainloop before refilling that slot (ring_tiles.tile_loop)
-            tile_loop(1, lambda _: chunk_ref, w_ref, lambda _: out_ref.at[rows], config, on_k=store_tile,
-                      delay_release=1)
-
-            @pl.when(forward)
-            def _signal():  # this program's stores into device d - 1 have landed
-                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                pl.semaphore_signal(received, device_id=previous)
-
-            @pl.when(s < p - 1)
-            def _wait():  # every program of device d + 1 has stored chunk (d + s + 1) here
-                pl.semaphore_wait(received, value=(s + 1) * num_sms, decrement=False)
-
-        step(0, x_ref)
-
-        @pl.loop(1, p)
-        def _ring(s):
-            step(s, scratch_ref.at[s - 1])
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    return plgpu.kernel(
-        body,
-        out_type=[jax.ShapeDtypeStruct((p * shard, n), x.dtype),
-                  jax.ShapeDtypeStruct((max(p - 1, 1), shard, k), x.dtype)],  # the chunks received
-        grid=(num_sms,), grid_names=("cluster_grid",), num_threads=3, thread_name="wg",
-        cluster=(1,), cluster_names=("cluster",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(x, w)

@@ -1,7 +1,8 @@
-"""The peer-memory ring kernels with one loop over every output tile of every ring step, synchronized tile by tile.
+"""The peer-memory ring kernels of mtx/kernels/collective_matmul.py: one loop over every output tile of every ring
+step, synchronized tile by tile.
 
-mtx/kernels/collective_matmul.py's first kernels run each ring step as a whole Hopper matmul and start step s only
-once every program of the sending device has signalled the end of its step s - 1: a grid-wide barrier between steps,
+A ring that runs each step as a whole Hopper matmul starts step s only once every program of the sending device
+has signalled the end of its step s - 1: a grid-wide barrier between steps,
 so each step pays its last wave's tail (at TP 2 of the 1.2B model, 4.4 waves of output tiles a step become 5) and
 nothing of step s starts while the last tiles of step s - 1 are still being sent. Here each program walks the
 tiles of all P steps in one loop (step 0's tiles first), and a tile of step s >= 1 waits only for what it reads:
