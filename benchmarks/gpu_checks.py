@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script from anywhere
+TINY = os.path.join(ROOT, "configs", "tiny.toml")  # the training checks' model, whatever the working directory
 from mtx.kernels import flash_attention as flash  # noqa: E402
 from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
 from mtx.parallel.random import attention_dropout_hashes  # noqa: E402
@@ -115,7 +117,7 @@ def _loss_curves(steps: int, tp: int, **variants) -> dict:
     from mtx.config import Config, load_preset
     from mtx.run import train
 
-    cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+    cfg = Config().replace(**load_preset(TINY)).replace(
         num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=256, max_position_embeddings=256,
         micro_batch_size=8, global_batch_size=8, data_parallel_size=1, tensor_model_parallel_size=tp,
         train_iters=steps, bf16=True, hidden_dropout=0.1, attention_dropout=0.1, log_interval=steps, lr=3e-4)

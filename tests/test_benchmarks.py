@@ -379,3 +379,18 @@ def test_compile_probe_splits_the_start_of_a_step(tmp_path):
     assert all(s > 0 and n >= 1 for _, s, n in r["events"])
     assert compile_probe.main([str(tmp_path / "t2"), "--top", "0", "--config", "configs/tiny.toml"]) == 2
     assert compile_probe.main([str(tmp_path / "t2"), "--config", "configs/tiny.toml", "--global-batch-size", "3"]) == 2
+
+
+def test_gpu_checks_training_curves_run_from_any_directory(monkeypatch, tmp_path):
+    """The loss-curve checks read their model from the repository's configs/ wherever they are started (run from
+    benchmarks/, they once looked for configs/tiny.toml there)."""
+    from types import SimpleNamespace
+
+    from benchmarks import gpu_checks
+    from mtx import run
+
+    seen = []
+    monkeypatch.setattr(run, "train", lambda cfg, **kw: seen.append(cfg) or SimpleNamespace(losses={1: 2.0, 2: 1.0}))
+    monkeypatch.chdir(tmp_path)
+    assert gpu_checks._loss_curves(2, 1, plain={}) == {"plain": [2.0, 1.0]}
+    assert seen[0].model.num_layers == 4 and seen[0].training.train_iters == 2
