@@ -24,6 +24,9 @@ TFLOP/s per device, the moved tensor's size (the gathered rows, or the partial s
 as if the call were all transfer), and for the kernel its largest deviation from XLA's result relative to that
 result's largest value, and its tuning (the layers' default; with `--tune` the fastest of a few, those that do not
 fit in shared memory skipped). Where the kernel cannot run (no Hopper GPU, a jax without Mosaic GPU) its line says why.
+
+On two H200s the kernels' times here were 1.2-3.8x their durations inside the training step's profile (docs/
+benchmarks.md 3h; the cause is not known): for what the step pays, profile the step (bench.py --profile).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ synchronization XLA places between that kernel and the collective (which a layer
 (mtx/kernels/collective_matmul.py, `--tp-comm-overlap`; Hopper GPUs, the axis spanning every device), with the
 thinnest matmul they can carry: the gather multiplies the gathered rows by a (width, 128)
 matrix, the scatter sums (rows, 64) @ (64, width) products, so the time is the exchange plus a matmul of 1/12 (1/24)
-of a layer's at width 1,536. Their small sizes give the fixed cost of a call beside NCCL's. Elsewhere their line
-says why they cannot run.
+of a layer's at width 1,536. Their small sizes give the fixed cost of a call beside NCCL's (chained calls, which on
+two H200s cost more than the kernels do inside the training step: docs/benchmarks.md 3h). Elsewhere their line says
+why they cannot run.
 """
 
 from __future__ import annotations
