@@ -156,7 +156,8 @@ class DataConfig:
     merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges")
     tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; "
                                           "None: by the files given")
-    tokenizer_model: str | None = _f(None, "HuggingFaceTokenizer: a local directory holding tokenizer.json")
+    tokenizer_model: str | None = _f(None, "HuggingFaceTokenizer: a local directory holding tokenizer.json, or "
+                                           "that file")
     split: str = _f("949,50,1", "train,valid,test weights of the token stream, as in Megatron")
     prefetch_depth: int = _f(2, "training batches prepared ahead on a background thread; 0 prepares each at its step")
     num_workers: int = _f(0, "processes that build training batches (each builds the dataset from these flags, then "

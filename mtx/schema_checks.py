@@ -210,8 +210,8 @@ def _check_megatron_flags(cfg) -> None:
            "are sentence pairs: drop it for --model-type bert.")
     hf = d.tokenizer_type == "HuggingFaceTokenizer"
     _check(hf == (d.tokenizer_model is not None),
-           "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding tokenizer.json) go "
-           "together; pass both or neither.")
+           "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding tokenizer.json, or "
+           "the file) go together; pass both or neither.")
 
 
 def _check_model_type(cfg) -> None:

@@ -71,12 +71,16 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
     (tmp_path / "no_config").mkdir()
     (tmp_path / "no_config" / "tokenizer.json").write_bytes((tmp_path / "hf" / "tokenizer.json").read_bytes())
     assert HuggingFaceTokenizer(tmp_path / "no_config").eod == 0  # <|endoftext|> found in the vocabulary
+    # the tokenizer.json itself (tokenizer_config.json beside it still read: its eos_token is the end of document)
+    assert HuggingFaceTokenizer(tmp_path / "hf" / "tokenizer.json").encode("the lazy dog") == tok.encode("the lazy dog")
+    assert HuggingFaceTokenizer(_hf_tokenizer(tmp_path / "pad_eos", eos="<pad>") / "tokenizer.json").eod == 1
 
 
 @pytest.mark.parametrize("setup, message", [
-    (lambda d: None, "no such directory"),
+    (lambda d: None, "no such file or directory"),
     (lambda d: d.mkdir(), "holds no tokenizer.json"),
-    (lambda d: (d.mkdir(), (d / "tokenizer.json").write_text("{}")), "tokenizer.json does not load"),
+    (lambda d: (d.mkdir(), (d / "tokenizer.json").write_text("{}")), "does not load as a tokenizer.json"),
+    (lambda d: (d.mkdir(), (d / "tokenizer.json").write_bytes(b"\xff\xfe")), "does not load as a tokenizer.json"),
     (lambda d: _hf_tokenizer(d, eos="</s>"), "eos_token '</s>' is not in the vocabulary"),
 ])
 def test_hugging_face_tokenizer_errors_are_one_line(tmp_path, setup, message):

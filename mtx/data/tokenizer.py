@@ -180,8 +180,8 @@ def _rust_wordpiece(vocab: dict[str, int], max_word_chars: int):
 
 
 class HuggingFaceTokenizer:
-    """Any local Hugging Face tokenizer (Megatron's HuggingFaceTokenizer): DIR/tokenizer.json, loaded with
-    `tokenizers.Tokenizer.from_file` (no download, no transformers).
+    """Any local Hugging Face tokenizer (Megatron's HuggingFaceTokenizer): DIR/tokenizer.json (or that file given
+    itself), loaded with `tokenizers.Tokenizer.from_file` (no download, no transformers).
 
     Text is encoded without the tokenizer's special-token template (no BOS/EOS added: documents are separated by
     `eod`). `eod` is DIR/tokenizer_config.json's eos_token where it names one, else the first of _EOD_CANDIDATES in
@@ -191,11 +191,13 @@ class HuggingFaceTokenizer:
     name = "huggingface"
 
     def __init__(self, directory: str | Path):
-        folder = Path(directory)
-        if not folder.is_dir():
-            raise ValueError(f"--tokenizer-model {folder}: no such directory; pass a local directory holding a "
-                             "Hugging Face tokenizer.json.")
-        if not (folder / "tokenizer.json").is_file():
+        folder, file = Path(directory), Path(directory) / "tokenizer.json"
+        if folder.is_file():  # the tokenizer.json itself: its directory holds any tokenizer_config.json
+            folder, file = folder.parent, folder
+        elif not folder.is_dir():
+            raise ValueError(f"--tokenizer-model {folder}: no such file or directory; pass a local directory holding "
+                             "a Hugging Face tokenizer.json, or that file.")
+        elif not file.is_file():
             raise ValueError(f"--tokenizer-model {folder} holds no tokenizer.json; pass the directory a Hugging Face "
                              "tokenizer was saved to (tokenizer.save_pretrained(DIR)).")
         try:
@@ -204,9 +206,9 @@ class HuggingFaceTokenizer:
             raise ValueError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package: pip install "
                              "'mtx[tokenizers]'.") from None
         try:
-            self._tok = RustTokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as e:  # the Rust loader raises plain Exceptions
-            raise ValueError(f"--tokenizer-model {folder}: tokenizer.json does not load ({first_line(e)}); pass a "
+            self._tok = RustTokenizer.from_file(str(file))
+        except Exception as e:  # the Rust loader raises plain Exceptions (and a file of other bytes a decode error)
+            raise ValueError(f"--tokenizer-model {file}: does not load as a tokenizer.json ({first_line(e)}); pass a "
                              "tokenizer.json written by the tokenizers package.") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         if not vocab:
