@@ -6,11 +6,11 @@ Each prints one JSON object on stdout (progress bars go to stderr); bad input fa
 code 2 before any device work. Without an accelerator it runs on 8 simulated CPU devices.
 """
 
-import json
 import sys
 
 from mtx.cli import OneLineParser, add_config_flags, ranged, with_negative_values
 from mtx.devices import simulate_cpu_devices
+from mtx.files import json_line
 
 simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
 
@@ -29,7 +29,8 @@ _COMMON_HELPS = {
     "merge_file": "GPT-2 vocab.bpe; None: the checkpoint's tokenizer",
     "tokenizer_type": "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; None: by the files "
                       "given, or the checkpoint's tokenizer",
-    "tokenizer_model": "HuggingFaceTokenizer: a local directory holding tokenizer.json; None: the checkpoint's",
+    "tokenizer_model": "HuggingFaceTokenizer: a local directory holding tokenizer.json, or that file; None: the "
+                       "checkpoint's",
     "micro_batch_size": "sequences per data-parallel rank and batch; None: the checkpoint's",
 }
 
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
     if peers:
         peers.finish()
     if is_main_process():  # and one prints it
-        print(json.dumps(result))
+        print(json_line(result))  # a non-finite loss or perplexity as null
     return 0
 
 

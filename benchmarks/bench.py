@@ -12,7 +12,6 @@ synthetic batch, made once (`synthetic_batch`: random tokens for GPT, BERT's rea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -151,7 +150,7 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
     --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
     from mtx.cli import parse_config
-    from mtx.files import check_json_lines, check_writable
+    from mtx.files import check_json_lines, check_writable, json_line
 
     ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --step is no --steps
     ap.add_argument("--steps", type=int, default=10)
@@ -174,7 +173,7 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = measure_fn(cfg, steps=own.steps, warmup=own.warmup, profile=own.profile)
-    line = json.dumps(result)
+    line = json_line(result)
     print(line, flush=True)
     if own.json:
         with open(own.json, "a") as fh:

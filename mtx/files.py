@@ -9,6 +9,7 @@ Paths whose parent cannot be written, or that run through a regular file, are re
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -170,3 +171,16 @@ def run_files(cfg, run_dir) -> str:
     if t.wandb_project:
         line += f"; Weights & Biases files in {folder(t.wandb_save_dir or run_dir)}"
     return line
+
+
+def json_line(record) -> str:
+    """record as one line of strict JSON: a float that is not finite (a diverged loss, its perplexity) written as
+    null, which every JSON reader takes (Python's NaN and Infinity are not JSON)."""
+    def finite(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+    return json.dumps(finite(record), allow_nan=False)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from mtx.errors import first_line
-from mtx.files import WANDB_ID
+from mtx.files import WANDB_ID, json_line
 
 # Dense bf16 peak FLOP/s per device (H100/H200 SXM: 989 TFLOP/s).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -80,7 +80,7 @@ class MetricsLogger:
         if not self.enabled:
             return record
         with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json_line(record) + "\n")  # a diverged loss as null
         scalars = {k: v for k, v in record.items()
                    if k not in ("step", "wall_time") and isinstance(v, (int, float)) and v is not None}
         for tracker in self._trackers:

@@ -167,3 +167,21 @@ def test_wandb_that_will_not_start_is_one_line(tmp_path, capsys, monkeypatch):
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert err == ["error: --wandb-project p: W&B did not start (UsageError: api_key not configured (no-tty)); run "
                    "`wandb login`, or set WANDB_MODE=offline to keep the run on disk."]
+
+
+def test_a_diverged_loss_is_written_as_strict_json(tmp_path):
+    """A NaN or infinite loss (a run that diverged) goes into metrics.jsonl, and eval's and bench's result lines,
+    as null: Python's NaN is not JSON, and strict readers (jq, JavaScript) refused the file."""
+    from mtx.files import json_line
+    from mtx.metrics import MetricsLogger
+
+    def strict(line):
+        return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} written"))
+
+    nan, inf = float("nan"), float("inf")
+    assert strict(json_line({"loss": nan, "ppl": [inf, 1.5, (-inf,)], "n": 3, "s": "nan"})) == {
+        "loss": None, "ppl": [None, 1.5, [None]], "n": 3, "s": "nan"}
+    logger = MetricsLogger(tmp_path, tokens_per_step=4)
+    returned = logger.log({"step": 1, "loss": nan})["loss"]
+    assert returned != returned  # the record returned keeps its NaN (the console line, the trackers)
+    assert strict((tmp_path / "metrics.jsonl").read_text())["loss"] is None
