@@ -184,3 +184,12 @@ def json_line(record) -> str:
         return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
 
     return json.dumps(finite(record), allow_nan=False)
+
+
+def forget_new_run_dir(path: Path) -> None:
+    """Takes back a run directory this run created and never trained in: its config.json and (empty) metrics go,
+    then the directory if nothing else is in it (a W&B folder, say, stays)."""
+    for name in ("config.json", "metrics.jsonl"):
+        (path / name).unlink(missing_ok=True)
+    if not any(path.iterdir()):
+        path.rmdir()

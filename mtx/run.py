@@ -20,14 +20,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
+from mtx.checkpoint import CheckpointError, Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
 from mtx.data import build_dataset, say_what_data_overrides
 from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
-from mtx.files import check_run_dir, check_writable
+from mtx.files import check_run_dir, check_writable, forget_new_run_dir
 from mtx.metrics import MetricsLogger, Progress, check_trackers, seconds_since_process_start, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
@@ -113,6 +113,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     train_step = TrainStep(model)
     main = is_main_process()
     barrier("mtx: every process checked its input")  # so no process sees files another one just wrote
+    created = main and not run_dir.exists()  # this run's own: taken back if its checkpoint does not load
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
@@ -132,7 +133,12 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                              keep_every=t.keep_checkpoint_every) if t.save else None
         if plan.load_step is not None:
             loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
-            state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
+            try:
+                state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
+            except CheckpointError:  # one line from train.py; no new run directory left behind
+                if created:
+                    forget_new_run_dir(run_dir)
+                raise
             if loader is not saver:
                 loader.close()
         else:

@@ -85,6 +85,7 @@ def test_no_intact_step_and_unreadable_arrays_are_one_line_errors(saved, tmp_pat
     with pytest.raises(CheckpointError, match=r"step 4 could not be read \(.*\); pass --ckpt-step 2") as error:
         train(plan, progress=False)
     assert "\n" not in str(error.value)
+    assert not (tmp_path / "b").exists()  # the run directory it made for itself taken back
 
 
 def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
