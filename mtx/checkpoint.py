@@ -17,8 +17,10 @@ With `keep_last` (--keep-last-n-checkpoints) `wait` then deletes the older steps
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -42,6 +44,18 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read, found while loading it (after the checks of mtx.run.prepare)."""
 
 
+@contextlib.contextmanager
+def _orbax_quiet():
+    """orbax's warnings (absl) off while it scans steps: a broken step gets mtx's own one line instead."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
 class Checkpointer:
     """The orbax checkpoints of one directory: save (sync or async), record, prune, check and restore steps."""
 
@@ -50,8 +64,9 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.async_save, self.keep_last, self.keep_every = async_save, keep_last, keep_every
         self._unrecorded: list[int] = []  # steps saved here whose files are not recorded yet
-        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            create=True, max_to_keep=None, enable_async_checkpointing=async_save))
+        with _orbax_quiet():  # its warning about a step it cannot read: `problem` says what is wrong, in its line
+            self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+                create=True, max_to_keep=None, enable_async_checkpointing=async_save))
 
     def steps(self) -> list[int]:
         return list(self._manager.all_steps())

@@ -2,6 +2,7 @@
 line, and never a dead end (mtx/checkpoint.py `problem`, mtx/resume.py `resume_point`)."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -38,6 +39,7 @@ DAMAGE = {  # what was done to step 4 -> what the message says
     "deleted": (lambda d: _data_file(d).unlink(), "is missing"),
     "emptied config": (lambda d: (d / "config" / "metadata").write_text(""), "config/metadata has 0 bytes"),
     "config item missing": (_drop_model_key, "its config lacks model.hidden_size"),
+    "orbax's metadata deleted": (lambda d: (d / "_CHECKPOINT_METADATA").unlink(), "_CHECKPOINT_METADATA is missing"),
     "emptied metadata, no record": (lambda d: ((d / MANIFEST).unlink(), (d / "state" / "_METADATA").write_text("")),
                                     "state/_METADATA is empty"),
 }
@@ -51,10 +53,12 @@ def _damaged(saved, tmp_path, how):
 
 
 @pytest.mark.parametrize("how", DAMAGE)
-def test_a_broken_step_falls_back_to_the_newest_intact_one(saved, tmp_path, capsys, how):
+def test_a_broken_step_falls_back_to_the_newest_intact_one(saved, tmp_path, capsys, caplog, how):
     path = _damaged(saved, tmp_path, how)
     plan = prepare(TINY.replace(train_iters=6, load=str(path), save=str(path)))
     out = capsys.readouterr().out
+    # orbax's own warning about the step (absl's logger) is not printed beside mtx's line
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING], caplog.text
     assert plan.load_step == 2 and plan.set_aside == (path / "4",)
     assert "step 4 is broken (" in out and DAMAGE[how][1] in out and "resuming from step 2" in out, out
     with pytest.raises(ValueError, match=r"step 4 is broken .*; pass --ckpt-step 2, the newest intact step"):
