@@ -11,6 +11,11 @@ busy / step time shows how much of a step the device is idle (host overhead, wai
 exposed" is the time a collective runs with no other kernel beside it (communication the step waits for). With several
 GPUs in the trace one is counted (--device, default the first).
 
+    python benchmarks/profile_summary.py TRACE_DIR --calls mosaic --cycle 4 --segments 2 [--steps 2]
+
+--calls: the kernels whose name matches, one step's in launch order, by their place in a cycle (a layer's four
+peer-memory kernels forward, four backward): how long each call of a layer takes in the step itself.
+
     python benchmarks/profile_summary.py TRACE_DIR --ticks [--devices 0 1]
 
 A pipelined step is a loop of ticks, each ending in its shifts (collective-permutes) to the neighbouring stages.
@@ -29,6 +34,7 @@ import functools
 import gzip
 import json
 import re
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -183,6 +189,26 @@ def format_ticks(s: dict) -> str:
     return "\n".join(lines)
 
 
+def calls(trace_dir: str | Path, pattern: str, *, cycle: int, segments: int = 1, steps: int = 1,
+          device: int = 0) -> list[dict]:
+    """The kernels whose name matches `pattern`, one step's calls in launch order (the trace's first `steps`-th),
+    cut into `segments` equal runs (a step's forward and backward: 2) and each run into cycles of `cycle` calls (a
+    layer's) -> per (segment, place in the cycle) the calls' count and median, least and largest microseconds."""
+    found = re.compile(pattern)
+    events = sorted((e for e in device_events(find_trace(trace_dir), device) if found.search(e["name"])),
+                    key=lambda e: e["ts"])
+    step = events[:len(events) // steps]
+    run = len(step) // segments
+    rows = []
+    for seg in range(segments):
+        for place in range(cycle):
+            d = sorted(e["dur"] for e in step[seg * run:(seg + 1) * run][place::cycle])
+            if d:
+                rows.append({"segment": seg, "place": place, "calls": len(d), "median_us": statistics.median(d),
+                             "min_us": d[0], "max_us": d[-1], "ms_per_step": sum(d) / 1000})
+    return rows
+
+
 def capture(run_step, trace_dir: str | Path, *, steps: int = 2, top: int = 40) -> dict:
     """Profiles `steps` calls of run_step() (each must block until its step is done) and summarizes them."""
     import jax
@@ -214,7 +240,17 @@ def main(argv=None) -> int:
     ap.add_argument("--device", type=int, default=0, help="which device of the trace (e.g. a later pipeline stage)")
     ap.add_argument("--ticks", action="store_true", help="a pipelined step's ticks, lined up over --devices")
     ap.add_argument("--devices", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--calls", metavar="REGEX", help="the matching kernels' durations by their place in a cycle of "
+                    "--cycle calls (e.g. 'mosaic' --cycle 4 --segments 2: each peer-memory kernel of a layer)")
+    ap.add_argument("--cycle", type=int, default=1)
+    ap.add_argument("--segments", type=int, default=1, help="equal runs of a step's calls (forward, backward: 2)")
     args = ap.parse_args(argv)
+    if args.calls:
+        for r in calls(args.trace_dir, args.calls, cycle=args.cycle, segments=args.segments, steps=args.steps,
+                       device=args.device):
+            print(f"  segment {r['segment']} place {r['place']}: {r['calls']} calls, median {r['median_us']:.1f} us "
+                  f"(least {r['min_us']:.1f}, most {r['max_us']:.1f}), {r['ms_per_step']:.2f} ms a step")
+        return 0
     if args.ticks:
         print(format_ticks(tick_summary(args.trace_dir, args.devices, steps=args.steps, top=args.top)))
         return 0

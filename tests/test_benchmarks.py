@@ -1,6 +1,5 @@
 """The benchmark scripts run on CPU (so CI keeps them working), and the plain-JAX baseline is the same model as mtx."""
 
-import gzip
 import json
 import re
 import subprocess
@@ -18,7 +17,7 @@ from mtx.parallel.mesh import make_mesh
 from mtx.step import TrainStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import bench, compile_probe, plain_gpt, profile_summary  # noqa: E402
+from benchmarks import bench, compile_probe, plain_gpt  # noqa: E402
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"), hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -119,68 +118,6 @@ def test_bench_and_plain_baseline_run_on_cpu(tmp_path):
     assert mtx["mesh"] == {"data": 4, "pipeline": 1, "model": 2} and mtx["microbatches"] == 1
     # both start from N(0, 0.02) weights on random tokens: the loss is ~ln(V) after a few small steps
     assert abs(mtx["loss"] - plain["loss"]) < 0.5
-
-
-def _write_trace(path: Path, events):
-    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
-    path.mkdir(parents=True)
-    with gzip.open(path / "perfetto_trace.json.gz", "wt") as fh:
-        json.dump({"traceEvents": meta + events}, fh)
-
-
-def test_profile_summary_classes_and_busy_time(tmp_path):
-    x = lambda name, ts, dur, pid=1, tid=1: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
-    _write_trace(tmp_path / "t" / "plugins", [
-        x("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 600), x("nvjet_hsh_128x256", 600, 200),
-        x("cudnn_generated_fort_native_sdpa_sm90", 800, 300), x("loop_add_fusion", 1100, 100),
-        x("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 900, 400, tid=2),  # overlaps on another stream
-        x("PjitFunction(step)", 0, 5000, pid=2),  # host event: not device time
-    ])
-    s = profile_summary.summarize(tmp_path / "t", steps=2)
-    assert s["by_class_ms"] == pytest.approx({"matmul": 0.4, "collective": 0.2, "attention": 0.15, "fusion": 0.05})
-    assert s["busy_ms"] == pytest.approx(1.3 / 2)  # union of [0, 1200] and [900, 1300] us, per step
-    assert s["top_kernels"][0]["class"] == "matmul" and s["events"] == 5
-    with pytest.raises(FileNotFoundError, match="create_perfetto_trace"):
-        profile_summary.summarize(tmp_path / "empty")
-
-
-def test_profile_ticks_line_up_the_devices_shifts(tmp_path):
-    x = lambda name, ts, dur, pid, tid=1: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
-    shift = "ncclDevKernel_SendRecv"
-    # Device 0 computes 100 then 300 us a tick, device 1 200 then 100: each shift lasts until the slower is done.
-    _write_trace(tmp_path / "t", [
-        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:1"}},
-        x("gemm", 0, 100, 1), x(shift, 100, 100, 1, tid=2), x(shift, 200, 10, 1, tid=2),  # one shift, two kernels
-        x("fusion", 210, 300, 1), x("ncclDevKernel_AllReduce", 510, 20, 1, tid=2), x(shift, 530, 50, 1, tid=2),
-        x("gemm", 0, 200, 3), x(shift, 200, 10, 3, tid=2),
-        x("fusion", 210, 100, 3), x(shift, 310, 270, 3, tid=2), x("gemm", 580, 50, 3),  # after the last shift
-    ])
-    s = profile_summary.tick_summary(tmp_path / "t", (0, 1))
-    assert s["ticks"] == {0: 2, 1: 2} and s["lined_up"] == 2
-    assert s["per_device_ms"][0] == pytest.approx({"compute": 0.4, "collective": 0.02, "shift": 0.16, "skew": 0.1})
-    assert s["per_device_ms"][1] == pytest.approx({"compute": 0.3, "collective": 0.0, "shift": 0.28, "skew": 0.2})
-    assert [w["tick"] for w in s["widest"]] == [1, 0] and s["widest"][0]["compute_ms"] == pytest.approx([0.3, 0.1])
-    assert "skew 0.2" in profile_summary.format_ticks(s)
-
-
-def test_profile_ticks_cut_at_the_tick_loops_shifts_only(tmp_path):
-    """The head's sends (another op, at some ticks only) are shift time of their tick, not a cut: the devices' pieces
-    still line up one a tick."""
-    x = lambda op, ts, dur, pid, tid=1: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur,
-                                         "args": {"hlo_op": op},
-                                         "name": "ncclDevKernel_SendRecv" if "permute" in op else "gemm"}
-    _write_trace(tmp_path / "t", [
-        {"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:1"}},
-        x("dot.1", 0, 100, 1), x("ppermute.7", 100, 20, 1, tid=2), x("dot.1", 120, 50, 1),  # a head send in tick 0
-        x("ppermute.3", 170, 10, 1, tid=2), x("dot.1", 180, 100, 1), x("ppermute.3", 280, 10, 1, tid=2),
-        x("dot.1", 0, 150, 3), x("ppermute.3", 170, 10, 3, tid=2), x("dot.1", 180, 80, 3),
-        x("ppermute.3", 280, 10, 3, tid=2),
-    ])
-    s = profile_summary.tick_summary(tmp_path / "t", (0, 1))
-    assert s["ticks"] == {0: 2, 1: 2} and s["lined_up"] == 2
-    assert s["per_device_ms"][0] == pytest.approx({"compute": 0.25, "collective": 0.0, "shift": 0.04, "skew": 0.0})
-    assert s["per_device_ms"][1] == pytest.approx({"compute": 0.23, "collective": 0.0, "shift": 0.02, "skew": 0.02})
 
 
 def test_suite_runs_rows_and_tabulates_scaling(tmp_path):
