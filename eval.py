@@ -85,6 +85,9 @@ def prepare(args):
     if not args.load and not getattr(args, "dry_run", False):
         raise ValueError(f"{args.task} needs --load; pass a checkpoint directory written by train.py --save.")
     cfg = ev.checkpoint_config(args.load, args.ckpt_step) if args.load else None
+    if cfg is not None and cfg.model.is_bert:  # its masked-LM head scores no next token; nor is there a KV cache
+        raise ValueError(f"--load {args.load} holds a BERT model; eval.py scores and samples causal language models "
+                         "(GPT, Llama): pass a checkpoint trained with --model-type gpt.")
     tokenizer = ev.checkpoint_tokenizer(cfg, args.vocab_file, args.merge_file, args.tokenizer_type,
                                         args.tokenizer_model)
     max_positions = cfg.model.max_positions if cfg else None

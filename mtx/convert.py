@@ -285,6 +285,8 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
         model_cfg = ckpt.saved_config(step).model
     finally:
         ckpt.close()
+    _check(not model_cfg.is_bert, f"--load {load} holds a BERT model; to-hf writes causal language models only "
+           "(GPT2LMHeadModel, LlamaForCausalLM).")
     llama = bool(model_cfg.llama_blocks())
     family = _family("llama" if llama else "gpt2")
     if llama:
