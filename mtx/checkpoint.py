@@ -56,6 +56,28 @@ def _orbax_quiet():
         absl.setLevel(level)
 
 
+def config_problem(saved) -> str | None:
+    """What is wrong with a config as mtx saved it (a step's, or a run directory's config.json), None if nothing:
+    another shape, an unknown field, a model field missing, or a model value (or the seed, which a resumed run takes)
+    that no run could have saved (an edited file): the file's fault, not a flag's. Only those fields: a check of
+    training flags added since the file was written must not break it."""
+    try:
+        cfg = Config.from_dict(saved)
+    except (ValueError, TypeError) as e:
+        return f"its config {first_line(e)}"
+    missing = [f.name for f in dataclasses.fields(ModelConfig)
+               if f.name not in saved.get("model", {}) and f.name not in ADDED_FIELDS]
+    if missing:
+        return f"its config lacks model.{missing[0]}"
+    try:
+        for f in dataclasses.fields(cfg.model):
+            check_field(f.name, FIELD_TYPES[f.name], getattr(cfg.model, f.name))
+        check_field("seed", FIELD_TYPES["seed"], cfg.training.seed)
+    except (ValueError, TypeError) as e:
+        return f"its config has a value mtx refuses: {first_line(e)}"
+    return None
+
+
 class Checkpointer:
     """The orbax checkpoints of one directory: save (sync or async), record, prune, check and restore steps."""
 
@@ -164,18 +186,7 @@ class Checkpointer:
             saved = self._saved_dict(step)
         except Exception as e:  # orbax and JSON raise many kinds
             return f"its config is unreadable ({_first_line(e)})"
-        missing = [f.name for f in dataclasses.fields(ModelConfig)
-                   if f.name not in saved.get("model", {}) and f.name not in ADDED_FIELDS]
-        if missing:
-            return f"its config lacks model.{missing[0]}"
-        try:  # a model value no run could have saved (an edited file): the step's fault, not a flag's. Only the
-            # model's fields: a check of training flags added since the step was written must not break it
-            model = Config.from_dict(saved).model
-            for f in dataclasses.fields(model):
-                check_field(f.name, FIELD_TYPES[f.name], getattr(model, f.name))
-        except (ValueError, TypeError) as e:
-            return f"its config has a value mtx refuses: {first_line(e)}"
-        return None
+        return config_problem(saved)
 
     @staticmethod
     def _recorded_problem(path: Path) -> str | None:

@@ -241,7 +241,13 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, dict[str, Any]]) -> "Config":
-        """A saved config.json -> Config; fields of removed features (which never changed the model) are dropped."""
+        """A saved config.json -> Config; fields of removed features (which never changed the model) are dropped.
+        ValueError (no flag named: the file is at fault) for a file of another shape or a field mtx does not know."""
+        if not isinstance(d, dict) or not all(isinstance(v, dict) for v in d.values()):
+            raise ValueError("is not an object of sections of fields, as mtx writes it")
+        if unknown := [s for s in d if s not in SECTIONS] or [k for part in d.values() for k in part
+                                                                if k not in FIELD_SECTION and k not in _REMOVED_FIELDS]:
+            raise ValueError(f"holds {unknown[0]!r}, which mtx does not know")
         flat = {k: _coerce(k, v) for section in d.values() for k, v in section.items() if k not in _REMOVED_FIELDS}
         derived = {target for target, sources in DERIVED.items() if any(flat.get(s) is not None for s in sources)}
         return cls().replace(**{k: v for k, v in flat.items() if k not in derived})  # derived: recomputed

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mtx.checkpoint import Checkpointer, is_checkpoint_dir, say_passed_over
+from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, say_passed_over
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import is_mtx_config
@@ -46,7 +46,11 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
             if is_main_process():
                 print(f"mtx: --load {load} holds no finished checkpoint (its run stopped before the first save "
                       "completed); starting it again from step 0.")
-            return None, (), Config.from_dict(json.loads((load / "config.json").read_text()))
+            saved = json.loads((load / "config.json").read_text())  # readable JSON: is_mtx_config
+            if problem := config_problem(saved):
+                raise ValueError(f"--load {load}: {problem} (config.json of its unfinished run); start a new run "
+                                 "in a new directory, or put back the config.json the run wrote.")
+            return None, (), Config.from_dict(saved)
         raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
     ckpt = Checkpointer(load)
     try:

@@ -26,11 +26,11 @@ def _data_file(step_dir):
     return max((step_dir / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
 
 
-def _drop_model_key(step_dir):
-    (step_dir / MANIFEST).unlink()  # a step from before the file record: only the config check can see it
+def _edit_config(step_dir, edit):
+    (step_dir / MANIFEST).unlink()  # a step from before the file record: only the config check can see the edit
     metadata = step_dir / "config" / "metadata"
     config = json.loads(metadata.read_text())
-    del config["model"]["hidden_size"]
+    edit(config)
     metadata.write_text(json.dumps(config))
 
 
@@ -38,8 +38,13 @@ DAMAGE = {  # what was done to step 4 -> what the message says
     "truncated": (lambda d: _data_file(d).write_bytes(_data_file(d).read_bytes()[:10]), "has 10 bytes"),
     "deleted": (lambda d: _data_file(d).unlink(), "is missing"),
     "emptied config": (lambda d: (d / "config" / "metadata").write_text(""), "config/metadata has 0 bytes"),
-    "config item missing": (_drop_model_key, "its config lacks model.hidden_size"),
+    "config item missing": (lambda d: _edit_config(d, lambda c: c["model"].pop("hidden_size")),
+                            "its config lacks model.hidden_size"),
     "orbax's metadata deleted": (lambda d: (d / "_CHECKPOINT_METADATA").unlink(), "_CHECKPOINT_METADATA is missing"),
+    "config section not an object": (lambda d: _edit_config(d, lambda c: c.update(training=[])),
+                                     "its config is not an object of sections"),
+    "seed edited": (lambda d: _edit_config(d, lambda c: c["training"].update(seed="12")),
+                    "its config has a value mtx refuses: --seed must be an integer"),
     "emptied metadata, no record": (lambda d: ((d / MANIFEST).unlink(), (d / "state" / "_METADATA").write_text("")),
                                     "state/_METADATA is empty"),
 }
@@ -102,6 +107,16 @@ def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
     shutil.copytree(saved[0] / "2" / "config", path / "2.orbax-checkpoint-tmp-1" / "config")
     with pytest.raises(ValueError, match=f"pass --load {path} to resume it"):
         prepare(TINY.replace(train_iters=2, save=str(path)))
+    config = json.loads((path / "config.json").read_text())
+    for edit, said in ((lambda c: c["model"].pop("hidden_size"), "its config lacks model.hidden_size"),
+                       (lambda c: c.update(training=[]), "its config is not an object of sections"),
+                       (lambda c: c["training"].update(seed="12"), "its config has a value mtx refuses")):
+        edited = json.loads(json.dumps(config))
+        edit(edited)
+        (path / "config.json").write_text(json.dumps(edited))  # checked as a checkpoint's config is (once: not)
+        with pytest.raises(ValueError, match=f"--load {path}: {said}.*config.json of its unfinished run"):
+            prepare(TINY.replace(train_iters=2, load=str(path), save=str(path), use_checkpoint_args=True))
+    (path / "config.json").write_text(json.dumps(config))
     restarted = train(TINY.replace(train_iters=2, log_interval=1, load=str(path), save=str(path)), progress=False)
     assert [restarted.losses[s] for s in (1, 2)] == [saved[1][s] for s in (1, 2)]
     steps = [json.loads(line)["step"] for line in (path / "metrics.jsonl").read_text().splitlines()]
