@@ -172,3 +172,17 @@ def test_use_checkpoint_args_takes_the_architecture_and_says_what_it_overrode(ba
                               ("seq_length", 32, "--seq-length 64")]:
         assert f"{name} = {value} from the checkpoint, not {flag} (--use-checkpoint-args: the checkpoint's " \
                "arguments win)" in out
+
+
+def test_resuming_at_or_past_the_last_iteration_is_refused(base, tmp_path):
+    """--train-iters not past the checkpoint's step: one line naming the fix (the run built its mesh, trained nothing
+    and exited 0); a fine-tuned run starts again from step 0, so it may."""
+    from mtx.run import prepare
+
+    for iters, step in ((1, 4), (4, 4), (2, None)):
+        with pytest.raises(ValueError, match=f"--train-iters {iters} is not past step {step or 4} of --load "
+                                             f"{base[0]}; pass a larger --train-iters"):
+            prepare(TINY.replace(train_iters=iters, load=str(base[0]), run_dir=str(tmp_path / "r"), ckpt_step=step))
+    assert prepare(TINY.replace(train_iters=2, load=str(base[0]), ckpt_step=2, run_dir=str(tmp_path / "r"),
+                                finetune=True)).load_step == 2
+    assert not (tmp_path / "r").exists()
