@@ -118,6 +118,11 @@ def _read_run(path: Path, need_tokens: bool) -> dict:
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{metrics} line {number} is not a JSON object with an integer step; fix or delete "
                                  "that line.") from None
+            try:  # a number past a float's range (an integer of 400 digits) cannot be drawn
+                [float(v) for v in record.values() if isinstance(v, (int, float))]
+            except OverflowError:
+                raise ValueError(f"{metrics} line {number} holds a number too large to draw; fix or delete that "
+                                 "line.") from None
             kind = records.setdefault("val" if "val_loss" in record else "train", [])
             while kind and kind[-1]["step"] >= step:  # logged again after a resume: the later run continues
                 kind.pop()

@@ -99,6 +99,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "metrics.jsonl line 2 is not a JSON object with an integer step" in _refused(capsys, [str(broken), *out])
     (broken / "metrics.jsonl").write_text('{"loss": 4.0}\n')
     assert "line 1 is not a JSON object" in _refused(capsys, [str(broken), *out])
+    for huge in ('{"step": 1, "loss": 1%s}', '{"step": 1%s, "loss": 1.0}', '{"step": 1, "tokens": 1%s}'):
+        (broken / "metrics.jsonl").write_text(huge % ("0" * 400) + "\n")  # once OverflowError's traceback
+        assert "line 1 holds a number too large to draw" in _refused(capsys, [str(broken), *out])
     (tmp_path / "file").write_text("")
     assert "is a file, not a directory" in _refused(capsys, [str(good), "--out", str(tmp_path / "file")])
     quiet = _run(tmp_path / "quiet", [])
