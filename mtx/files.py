@@ -113,7 +113,8 @@ def looks_like_step(entry: Path) -> bool:
 
 
 def _written_by_mtx(entry: Path) -> bool:
-    """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step."""
+    """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step, trackers'
+    files, mtx.plot's figures."""
     if entry.name == "config.json":
         return is_mtx_config(entry)
     if entry.name.startswith(PROBE):  # another process's check_writable, about to remove it
@@ -129,6 +130,12 @@ def _written_by_mtx(entry: Path) -> bool:
     if entry.name in ("wandb", "profile") and entry.is_dir():
         return True  # Weights & Biases' files without --wandb-save-dir (mtx/metrics.py); --profile's trace without
         # --tensorboard-dir (mtx/run.py)
+    if entry.is_file() and entry.suffix == ".png":  # figures mtx.plot drew into the run directory (--out RUN_DIR)
+        from mtx.plot import made_by_mtx_plot
+
+        return made_by_mtx_plot(entry)
+    if entry.is_file() and _TRACKER_FILE.fullmatch(entry.name):  # --tensorboard-dir the run directory itself
+        return True
     if entry.is_dir():  # a --tensorboard-dir inside the run directory (README's example): event files and traces only
         files = [f for f in entry.rglob("*") if not f.is_dir()]
         return bool(files) and all(_TRACKER_FILE.fullmatch(f.name) for f in files)

@@ -34,6 +34,17 @@ def test_only_mtxs_own_metrics_and_tracker_files_count_as_a_run_directorys(tmp_p
     check_run_dir(ours, "--save")
     (ours / "tb" / "notes.txt").write_text("the user's")
     _refused("holds files mtx did not write \\(tb\\)", check_run_dir, ours, "--save")
+    # --tensorboard-dir the run directory itself, and mtx.plot's figures drawn into it (--out RUN_DIR): the resume
+    # that README names was once refused over them; another PNG is the user's
+    (ours / "tb" / "notes.txt").unlink()
+    (ours / "events.out.tfevents.1764400000.host.1.0").write_bytes(b"\x00")
+    from mtx import plot
+
+    plot.main([str(ours), "--out", str(ours)])
+    assert list(ours.glob("*.png"))
+    check_run_dir(ours, "--save")
+    (ours / "photo.png").write_bytes(plot.PNG_SIGNATURE + b"not mtx.plot's")
+    _refused("holds files mtx did not write \\(photo.png\\)", check_run_dir, ours, "--save")
 
 
 def test_a_link_to_nothing_is_refused_before_anything_is_created(tmp_path):
