@@ -162,8 +162,13 @@ def test_preprocess_errors(tmp_path, refused):
     (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
     assert "--input " + str(tmp_path / "binary.txt") + " is not UTF-8 text" in refused(
         ["--input", str(tmp_path / "binary.txt"), *out])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "binary.txt", "empty.jsonl",
-                                                          "number.jsonl"]  # nothing written
+    (tmp_path / "nul.txt").write_bytes(b"text\x00with a NUL")  # UTF-8, but binary: once tokenized
+    assert "nul.txt holds NUL bytes, so it is binary" in refused(["--input", str(tmp_path / "nul.txt"), *out])
+    (tmp_path / "folder").mkdir()
+    assert "folder: a directory; pass JSONL" in refused(["--input", str(tmp_path / "folder"), *out])
+    assert "--output-prefix is empty" in refused(["--input", str(tmp_path / "nul.txt"), "--output-prefix", " "])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "binary.txt", "empty.jsonl", "folder",
+                                                          "nul.txt", "number.jsonl"]  # nothing written
 
 
 def test_preprocess_never_replaces_a_dataset_unless_told(tmp_path, refused):
@@ -183,6 +188,11 @@ def test_preprocess_never_replaces_a_dataset_unless_told(tmp_path, refused):
     (tmp_path / "file").write_text("")
     assert "is a file, not a directory" in refused(
         ["--input", str(tmp_path / "a.jsonl"), "--output-prefix", str(tmp_path / "file" / "x")])
+    # an input that is one of the outputs: even --overwrite does not replace what it reads (once it did)
+    kept = Path(written + ".bin").read_bytes()
+    assert "is one of the files --output-prefix" in refused(
+        ["--input", written + ".bin", *prefix, "--overwrite", "--tokenizer-type", "byte"])
+    assert Path(written + ".bin").read_bytes() == kept
 
 
 # --- blends -------------------------------------------------------------------------------------------------------

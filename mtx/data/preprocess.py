@@ -50,10 +50,16 @@ def _preprocess(args) -> list[str]:
         raise ValueError("pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ValueError(f"--json-keys {' '.join(args.json_keys)} names a key twice; name each key once.")
+    if not args.output_prefix.strip():  # would write "_text_document.bin" into the working directory
+        raise ValueError("--output-prefix is empty; pass a path prefix such as data/my-corpus.")
     level = "sentence" if args.split_sentences else "document"  # Megatron's suffix
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
-    check_new_files([p + suffix for p in prefixes for suffix in (".bin", ".idx")], "--output-prefix",
-                    overwrite=args.overwrite)
+    outputs = [p + suffix for p in prefixes for suffix in (".bin", ".idx")]
+    inputs = {Path(name).resolve() for name in args.input or ()}
+    if clash := [o for o in outputs if Path(o).resolve() in inputs]:  # --overwrite would replace the input it reads
+        raise ValueError(f"--input {clash[0]} is one of the files --output-prefix {args.output_prefix} writes; "
+                         "choose another --output-prefix.")
+    check_new_files(outputs, "--output-prefix", overwrite=args.overwrite)
     tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type, args.tokenizer_model)
     tokenizer = build_tokenizer(*tokenizer_args)
     documents = _documents(args)
@@ -121,10 +127,14 @@ def _documents(args) -> Iterator[dict[str, str]]:
     for name in args.input:
         path = Path(name)
         if not path.is_file():
-            raise ValueError(f"--input {path}: no such file; pass JSONL or plain-text files.")
+            what = "a directory" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
+            raise ValueError(f"--input {path}: {what}; pass JSONL or plain-text files.")
         try:
             if path.suffix not in (".jsonl", ".json"):
                 text = path.read_text(encoding="utf-8")
+                if "\x00" in text:  # decodes as UTF-8 but is binary (a .bin or .idx of token ids, an archive)
+                    raise ValueError(f"--input {path} holds NUL bytes, so it is binary, not text; pass plain UTF-8 "
+                                     "text or JSONL files.")
                 for doc in split_documents(text) if args.split_sentences else [text]:
                     yield {key: doc for key in args.json_keys}
                 continue
