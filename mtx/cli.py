@@ -153,10 +153,15 @@ class OneLineParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         """A later flag overrides an earlier one (argparse's rule, which scripts use: base flags, then one changed),
-        but a second --config would drop the whole first preset: refused."""
+        but a second --config would drop the whole first preset, and a second list (--data-path A --data-path B)
+        the first one's values: refused."""
         argv = list(sys.argv[1:] if args is None else args)
-        if sum(token.split("=", 1)[0] == "--config" for token in argv) > 1:
+        given = [token.split("=", 1)[0] for token in argv if token.startswith("--")]
+        if given.count("--config") > 1:
             self.error("--config given twice; pass one preset (and flags to change it).")
+        for action in self._actions:
+            if action.nargs in ("+", "*") and (twice := [f for f in action.option_strings if given.count(f) > 1]):
+                self.error(f"{twice[0]} given twice; pass all its values after one {twice[0]}.")
         return super().parse_known_args(argv, namespace)
 
     def parse_args(self, args=None, namespace=None):
