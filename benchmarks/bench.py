@@ -22,6 +22,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 
+# train.py flags a benchmark of synthetic batches from random weights cannot honour: refused, not ignored
+UNUSED = ("load", "save", "run_dir", "data_path", "tensorboard_dir", "wandb_project", "finetune", "ckpt_step")
+
+
+def refuse_unused_flags(cfg) -> None:
+    from mtx.config import FIELD_SECTION
+
+    given = [name for name in UNUSED if getattr(getattr(cfg, FIELD_SECTION[name]), name) not in (None, (), False)]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} is a train.py flag the benchmark does not use (it times "
+                         "random weights on synthetic batches); drop it.")
+
+
 def build_step(cfg):
     """-> (model, its training step) on the mesh the flags ask for, the config checked against the devices there
     are (vocab_size as configured, GPT-2's 50,257 by default: the tokens are synthetic). Compiles nothing."""
@@ -167,6 +180,7 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
         if own.profile:
             check_writable(own.profile, "--profile")
         cfg = parse_config(rest)
+        refuse_unused_flags(cfg)
         if check is not None:
             check(cfg)
     except ValueError as e:

@@ -254,6 +254,8 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--json", "/proc/version/out.jsonl"], "choose another path"),
     (["--json", "/"], "pass a file to append the results to"),
     (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
+    (["--load", "/nonexistent"], "--load is a train.py flag the benchmark does not use"),  # once timed random weights
+    (["--data-path", "corpus.txt"], "--data-path is a train.py flag the benchmark does not use"),
 ])
 def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     """Bad benchmark flags, and a mesh larger than the devices there are: one line naming the fix, exit status 2,
