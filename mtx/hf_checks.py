@@ -4,6 +4,8 @@ Its own module so that the two converters import it, not each other."""
 
 from __future__ import annotations
 
+import re
+
 from mtx.config import Config
 
 # Tensors saved beside the weights that are no weights, dropped by both converters: older transformers' GPT-2 causal
@@ -28,4 +30,6 @@ def validated(values: dict, hf_keys: dict[str, str], seed: int | None) -> Config
         message = str(e)
         for flag, key in hf_keys.items():
             message = message.replace(flag, key)
+        # a value's refusal names train.py's way to fix it; here there is no flag, only the file
+        message = re.sub(r"; fix the flag or the config file's \w+\.$", "; fix config.json.", message)
         raise ValueError(f"config.json: {message}") from None

@@ -167,6 +167,9 @@ def test_errors_are_one_line(tmp_path):
     write_hf(tmp_path / "relu", 1000, config_changes={"activation_function": "relu"})
     with pytest.raises(ValueError, match="activation_function 'relu'"):
         from_hf(tmp_path / "relu", tmp_path / "c1")
+    write_hf(tmp_path / "text_layers", 1000, config_changes={"n_layer": "2"})  # a config value of the wrong type:
+    with pytest.raises(ValueError, match=r"^config.json: n_layer must be an integer, got '2'; fix config.json.$"):
+        from_hf(tmp_path / "text_layers", tmp_path / "c1")  # the file's fix, not "the flag or the config file's"
     untied = random_hf_tensors(1000)
     untied["lm_head.weight"] = untied["transformer.wte.weight"] + 1.0
     write_hf(tmp_path / "untied", 1000, tensors=untied)
