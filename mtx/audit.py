@@ -286,7 +286,8 @@ def build_parser():
              "num_layers": "layers of the pipelined step; None: 2 x stages x virtual stages",
              "recompute_granularity": _RECOMPUTE_HELP}
     add_config_flags(ap, fields, defaults={"data_parallel_size": 1, "num_layers": None}, helps=helps)
-    add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size"), defaults={})
+    add_config_flags(ap, ("pipeline_schedule", "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout",
+                          "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"), defaults={})
     ap.add_argument("--num-microbatches", type=ranged(int, ">= 1"), metavar="INT",
                     help="per data rank (default: 2 x stages)")
     add_config_flags(ap, ("sequence_parallel", "tp_comm_overlap", "use_distributed_optimizer", "overlap_grad_reduce",

@@ -142,6 +142,12 @@ def test_cli_refuses_bad_config_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --num-attention-heads 8 is not divisible by --tensor-model-parallel-size 3")
     assert err.count("\n") == 1
+    # the fix the refusal names is a flag the audit takes (once: "unknown flag")
+    assert audit.main(["--pipeline-model-parallel-size", "2", "--num-layers", "3"]) == 2
+    assert "give --pipeline-model-parallel-layout or --num-layers-in-first" in capsys.readouterr().err
+    assert audit.main(["--pipeline-model-parallel-size", "2", "--num-layers", "3",
+                       "--pipeline-model-parallel-layout", "Et|ttL", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["pipeline_model_parallel_layout"] == "Et|ttL"
 
 
 def test_cli_exit_code_in_a_fresh_process():
