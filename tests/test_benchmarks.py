@@ -255,6 +255,9 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--json", "/"], "pass a file to append the results to"),
     (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
     (["--load", "/nonexistent"], "--load is a train.py flag the benchmark does not use"),  # once timed random weights
+    (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),  # argparse's usage, three lines, once
+    (["--json"], "argument --json: expected one argument"),
+    (["--step", "3"], "unknown flag --step; did you mean --steps?"),  # once --ckpt-step, a train.py flag
     (["--data-path", "corpus.txt"], "--data-path is a train.py flag the benchmark does not use"),
 ])
 def test_bench_bad_requests_are_one_line(capsys, argv, fix):
