@@ -200,3 +200,10 @@ def forget_new_run_dir(path: Path) -> None:
         (path / name).unlink(missing_ok=True)
     if not any(path.iterdir()):
         path.rmdir()
+
+
+def not_a_file(path: str | Path) -> str:
+    """What a path that is no regular file is, for a one-line refusal: a directory, another kind of file (a FIFO,
+    a device, which reading would block on or consume), or nothing."""
+    path = Path(path)
+    return "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"

@@ -1,6 +1,7 @@
 """Megatron .bin/.idx datasets, the preprocess CLI and blends: exact bytes, exact windows, weights, resume, errors."""
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -165,7 +166,7 @@ def test_preprocess_errors(tmp_path, refused):
     (tmp_path / "nul.txt").write_bytes(b"text\x00with a NUL")  # UTF-8, but binary: once tokenized
     assert "nul.txt holds NUL bytes, so it is binary" in refused(["--input", str(tmp_path / "nul.txt"), *out])
     (tmp_path / "folder").mkdir()
-    assert "folder: a directory; pass JSONL" in refused(["--input", str(tmp_path / "folder"), *out])
+    assert "folder: is a directory; pass JSONL" in refused(["--input", str(tmp_path / "folder"), *out])
     assert "--output-prefix is empty" in refused(["--input", str(tmp_path / "nul.txt"), "--output-prefix", " "])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "binary.txt", "empty.jsonl", "folder",
                                                           "nul.txt", "number.jsonl"]  # nothing written
@@ -267,6 +268,9 @@ def test_data_path_parsing_and_blend_errors(two_prefixes, tmp_path):
         _one_line_error("must alternate weight and path, e.g. --data-path 0.7 a 0.3 b", parse_data_path, bad)
     _one_line_error("blend weights .* must be non-negative", _blend, a, b, wa="-1")
     _one_line_error(r"--data-path .*nope: no such file or indexed dataset", _blend, a, str(tmp_path / "nope"))
+    os.mkfifo(tmp_path / "fifo")  # exists: once "no such file" (as was a directory)
+    _one_line_error(r"--data-path .*fifo: is not a regular file; pass text", _blend, a, str(tmp_path / "fifo"))
+    _one_line_error(r"--data-path .*: is a directory; pass text", _blend, a, str(tmp_path))
     # A text file blends with an indexed dataset; a .bin/.idx suffix names the same prefix.
     (tmp_path / "t.txt").write_text("x" * 5000)
     ds = build_dataset(Config().replace(data_path=("1", a + ".bin", "1", str(tmp_path / "t.txt")), seq_length=16))

@@ -23,6 +23,7 @@ from mtx.data.documents import FIELDS as DOCUMENT_FLAGS, DocumentBatches
 from mtx.data.indexed import IndexedDataset
 from mtx.data.paths import indexed_prefix, parse_data_path
 from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from mtx.files import not_a_file
 
 
 def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
@@ -108,8 +109,9 @@ def _files_dataset(paths: list[str], tokenizer: Tokenizer, **kw) -> GPTDataset:
 
 def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     if not path.is_file():
-        raise ValueError(f"--data-path {path}: no such file or indexed dataset (PATH.bin + PATH.idx); pass text, "
-                         ".npy or indexed-dataset prefixes, or omit --data-path to train on the built-in corpus.")
+        what = not_a_file(path) + (" or indexed dataset (PATH.bin + PATH.idx)" if not path.exists() else "")
+        raise ValueError(f"--data-path {path}: {what}; pass text, .npy or indexed-dataset prefixes, or omit "
+                         "--data-path to train on the built-in corpus.")
     if path.suffix in (".bin", ".idx") and not indexed_prefix(str(path.with_suffix(""))):
         missing = path.with_suffix(".idx" if path.suffix == ".bin" else ".bin")
         raise ValueError(f"--data-path {path} is half of an indexed dataset and {missing} does not exist; pass the "

@@ -30,7 +30,7 @@ from mtx.cli import OneLineParser, ranged
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from mtx.files import check_new_files
+from mtx.files import check_new_files, not_a_file
 
 _tokenizer = None  # one per worker process, built by _init
 
@@ -127,8 +127,7 @@ def _documents(args) -> Iterator[dict[str, str]]:
     for name in args.input:
         path = Path(name)
         if not path.is_file():
-            what = "a directory" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
-            raise ValueError(f"--input {path}: {what}; pass JSONL or plain-text files.")
+            raise ValueError(f"--input {path}: {not_a_file(path)}; pass JSONL or plain-text files.")
         try:
             if path.suffix not in (".jsonl", ".json"):
                 text = path.read_text(encoding="utf-8")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Protocol
 
 from mtx.errors import first_line
+from mtx.files import not_a_file
 
 # GPT-2's pre-tokenization regex, as tiktoken_ext.openai_public uses it for "gpt2" (r50k_pat_str).
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -327,7 +328,7 @@ def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_ty
 def _read(path: str, flag: str, what: str | None = None) -> bytes:
     if not Path(path).is_file():
         what = what or ("GPT-2's encoder.json" if flag == "--vocab-file" else "GPT-2's vocab.bpe")
-        raise ValueError(f"{flag} {path}: no such file; pass the path to {what} (or drop --vocab-file and "
+        raise ValueError(f"{flag} {path}: {not_a_file(path)}; pass the path to {what} (or drop --vocab-file and "
                          "--merge-file to use the byte-level tokenizer).")
     return Path(path).read_bytes()
 
