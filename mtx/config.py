@@ -342,7 +342,7 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"--config {path}: no such file; pass a preset such as configs/gpt2_124m.toml.")
     try:
-        values = tomllib.loads(path.read_bytes().decode("utf-8"))
+        values = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark (Windows editors) read past
     except UnicodeDecodeError as e:
         raise ValueError(f"--config {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass a TOML preset."
                          ) from None

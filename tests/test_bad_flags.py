@@ -49,6 +49,12 @@ def test_bad_config_files_are_one_line_naming_the_file_or_field(tmp_path, text, 
         parse_config(["--config", str(tmp_path)])
 
 
+def test_a_preset_with_a_byte_order_mark_reads(tmp_path):
+    """Windows editors start UTF-8 files with a byte-order mark: once 'not valid TOML (... line 1, column 1)'."""
+    (tmp_path / "c.toml").write_bytes("hidden_size = 64\n".encode("utf-8-sig"))
+    assert parse_config(["--config", str(tmp_path / "c.toml")]).model.hidden_size == 64
+
+
 def test_a_negative_split_reaches_its_own_check():  # argparse's "expected one argument" once
     cfg = parse_config(["--split", "-1,2,3", "--lr", "-1e-3"])
     assert cfg.data.split == "-1,2,3"
