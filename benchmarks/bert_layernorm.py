@@ -110,8 +110,9 @@ def default_data() -> Path:
     return root / "wikitext-2" / "valid.txt"
 
 
-def _finite_or_inf(x: float) -> float:
-    return x if math.isfinite(x) else float("inf")
+def _finite_or_inf(x: float | None) -> float:
+    """A loss as a number to plot: a diverged one (NaN, or metrics.jsonl's null for it) as infinity."""
+    return x if x is not None and math.isfinite(x) else float("inf")
 
 
 def masked_unigram_loss(cfg, train_iters: int) -> float:
@@ -191,7 +192,7 @@ def read_run(run_dir: str | Path) -> dict:
             "shape": f"{m.num_layers} x {m.hidden_size}", "warmup": o.lr_warmup_iters, "iters": t.train_iters,
             "lr": o.lr, "batch": f"{t.global_batch_size} x {m.seq_length}",
             "steps": [r["step"] for r in train_records], "loss": [_finite_or_inf(r["loss"]) for r in train_records],
-            "val": {r["step"]: r["val_loss"] for r in records if "val_loss" in r}}
+            "val": {r["step"]: _finite_or_inf(r["val_loss"]) for r in records if "val_loss" in r}}
 
 
 def group_runs(runs: list[dict]) -> dict[str, dict[str, dict]]:

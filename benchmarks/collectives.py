@@ -25,7 +25,6 @@ why they cannot run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.devices import simulate_cpu_devices  # noqa: E402
+from mtx.files import json_line  # noqa: E402
 
 simulate_cpu_devices(8)
 
@@ -130,11 +130,11 @@ def emit(records, out: str | None) -> list[dict]:
     """Prints each record as a JSON line (as it comes) and appends them all to `out` when given; -> the records."""
     results = []
     for r in records:
-        print(json.dumps(r), flush=True)
+        print(json_line(r), flush=True)
         results.append(r)
     if out:
         with open(out, "a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in results)
+            fh.writelines(json_line(r) + "\n" for r in results)
     return results
 
 

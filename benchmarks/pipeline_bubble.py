@@ -12,7 +12,6 @@ which also contains the shift communication and the wait of each tick for its bu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ def main(argv=None) -> int:
 
     from mtx.cli import parse_config
     from mtx.devices import simulate_cpu_devices
-    from mtx.files import check_json_lines
+    from mtx.files import check_json_lines, json_line
 
     simulate_cpu_devices(8)
 
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
                    "device": flat["device"], "layers": flat["layers"], "hidden": flat["hidden"],
                    "micro_batch": mb, "seq": flat["seq"], "dtype": flat["dtype"]}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json_line(row), flush=True)
     print(f"{'m':>4} {'schedule':>12} {'T1 s':>9} {'Tp s':>9} {'speedup':>8} {'ideal bubble':>13} {'measured':>9} "
           f"{'peak GiB':>9}")
     for r in rows:
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
               f"{r['ideal_bubble']:>13.1%} {r['measured_bubble']:>9.1%} {r['tp_peak_mem_gib']:>9.1f}")
     if a.json:
         with open(a.json, "a") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
+            fh.writelines(json_line(r) + "\n" for r in rows)
     return 0
 
 

@@ -35,6 +35,7 @@ import gzip
 import json
 import re
 import statistics
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -191,10 +192,15 @@ def format_ticks(s: dict) -> str:
 
 def calls(trace_dir: str | Path, pattern: str, *, cycle: int, segments: int = 1, steps: int = 1,
           device: int = 0) -> list[dict]:
-    """The kernels whose name matches `pattern`, one step's calls in launch order (the trace's first `steps`-th),
+    """The kernels whose name matches `pattern`, those of the first of the trace's `steps` steps in launch order,
     cut into `segments` equal runs (a step's forward and backward: 2) and each run into cycles of `cycle` calls (a
     layer's) -> per (segment, place in the cycle) the calls' count and median, least and largest microseconds."""
-    found = re.compile(pattern)
+    if min(cycle, segments, steps) < 1:
+        raise ValueError(f"--cycle {cycle}, --segments {segments}, --steps {steps}: each must be at least 1.")
+    try:
+        found = re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"--calls {pattern!r} is no regular expression ({e}); fix it.") from None
     events = sorted((e for e in device_events(find_trace(trace_dir), device) if found.search(e["name"])),
                     key=lambda e: e["ts"])
     step = events[:len(events) // steps]
@@ -246,8 +252,17 @@ def main(argv=None) -> int:
     ap.add_argument("--segments", type=int, default=1, help="equal runs of a step's calls (forward, backward: 2)")
     args = ap.parse_args(argv)
     if args.calls:
-        for r in calls(args.trace_dir, args.calls, cycle=args.cycle, segments=args.segments, steps=args.steps,
-                       device=args.device):
+        try:
+            rows = calls(args.trace_dir, args.calls, cycle=args.cycle, segments=args.segments, steps=args.steps,
+                         device=args.device)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not rows:
+            print(f"error: no kernel of the trace matches --calls {args.calls!r}; pass part of a kernel's name.",
+                  file=sys.stderr)
+            return 2
+        for r in rows:
             print(f"  segment {r['segment']} place {r['place']}: {r['calls']} calls, median {r['median_us']:.1f} us "
                   f"(least {r['min_us']:.1f}, most {r['max_us']:.1f}), {r['ms_per_step']:.2f} ms a step")
         return 0

@@ -340,6 +340,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from mtx.files import json_line  # strict JSON: a diverged row's NaN as null
+
     records = []
     for group in [] if args.table_only else args.rows:
         for row in ROWS[group]:
@@ -349,11 +351,11 @@ def main(argv=None) -> int:
                 row = {**row, "name": row["name"] + "".join(f", {k}={v}" for k, v in extra_env.items()),
                        "base_name": row["name"], "env": {**(row.get("env") or {}), **extra_env}}
             rec = run_row(row, args.steps, args.warmup, args.timeout)
-            print(json.dumps({"name": rec["name"], **rec["result"]}), flush=True)
+            print(json_line({"name": rec["name"], **rec["result"]}), flush=True)
             records.append(rec)
             if args.out:
                 with open(args.out, "a") as fh:
-                    fh.write(json.dumps(rec) + "\n")
+                    fh.write(json_line(rec) + "\n")
     print(table(earlier + records))
     if args.plot:
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
+from mtx.files import not_a_file
 from mtx.schema_checks import check_combinations, check_field, described as _f
 
 
@@ -337,10 +338,8 @@ def _coerce(key: str, value: Any) -> Any:
 def load_preset(path: str | Path) -> dict[str, Any]:
     """Reads a TOML preset of flat Megatron-named keys (`hidden_size = 1024`); unknown keys are an error."""
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"--config {path} is a directory; pass a preset file such as configs/gpt2_124m.toml.")
     if not path.is_file():
-        raise ValueError(f"--config {path}: no such file; pass a preset such as configs/gpt2_124m.toml.")
+        raise ValueError(f"--config {path}: {not_a_file(path)}; pass a preset file such as configs/gpt2_124m.toml.")
     try:
         values = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark (Windows editors) read past
     except UnicodeDecodeError as e:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mtx.files import not_a_file
 from mtx.parallel.compat import all_gather_invariant
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL
@@ -244,10 +245,8 @@ def read_lambada(path: str | Path) -> list[str]:
 
 
 def _read_text(path: str | Path) -> str:
-    if Path(path).is_dir():
-        raise ValueError(f"--data-path {path} is a directory; pass the evaluation data file in it.")
     if not Path(path).is_file():
-        raise ValueError(f"--data-path {path}: no such file; pass the path of the evaluation data.")
+        raise ValueError(f"--data-path {path}: {not_a_file(path)}; pass the path of the evaluation data file.")
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:

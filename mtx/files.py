@@ -1,9 +1,10 @@
 """Where mtx may write, checked before any device work: it never writes over a file it did not create.
 
 A run directory (--save, --run-dir) must be new, empty, or hold only what mtx writes there: its config.json, its
-metrics.jsonl, orbax checkpoint steps, W&B's wandb/ folder and the id of its W&B run (`run_files` says which, as
-train.py prints it). Tools that write files (mtx.data.preprocess) refuse existing outputs unless told to overwrite.
-Paths whose parent cannot be written, or that run through a regular file, are refused up front.
+metrics.jsonl, orbax checkpoint steps, W&B's wandb/ folder and the id of its W&B run, TensorBoard's event files
+and mtx.plot's figures (`run_files` says which, as train.py prints it). Tools that write files
+(mtx.data.preprocess) refuse existing outputs unless told to overwrite. Paths whose parent cannot be written, or
+that run through a regular file, are refused up front.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import json
 import math
 import os
 import re
+import struct
 import tempfile
 from pathlib import Path
 
+MARK = ("Software", "mtx.plot")  # the PNG tEXt entry that tells mtx.plot's figures from others
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed run logs into it (mtx/metrics.py)
 
 
@@ -131,8 +135,6 @@ def _written_by_mtx(entry: Path) -> bool:
         return True  # Weights & Biases' files without --wandb-save-dir (mtx/metrics.py); --profile's trace without
         # --tensorboard-dir (mtx/run.py)
     if entry.is_file() and entry.suffix == ".png":  # figures mtx.plot drew into the run directory (--out RUN_DIR)
-        from mtx.plot import made_by_mtx_plot
-
         return made_by_mtx_plot(entry)
     if entry.is_file() and _TRACKER_FILE.fullmatch(entry.name):  # --tensorboard-dir the run directory itself
         return True
@@ -207,3 +209,23 @@ def not_a_file(path: str | Path) -> str:
     a device, which reading would block on or consume), or nothing."""
     path = Path(path)
     return "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
+
+
+def made_by_mtx_plot(path: Path) -> bool:
+    """Whether `path` is a PNG carrying mtx.plot's text chunk (Software = mtx.plot)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if not data.startswith(PNG_SIGNATURE):
+        return False
+    at = len(PNG_SIGNATURE)
+    while at + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        body = data[at + 8:at + 8 + length]
+        if kind == b"tEXt" and body == f"{MARK[0]}\x00{MARK[1]}".encode("latin-1"):
+            return True
+        if kind in (b"IDAT", b"IEND"):  # text chunks come before the image data in matplotlib's files
+            return False
+        at += 12 + length
+    return False

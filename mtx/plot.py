@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
 from mtx.cli import OneLineParser
-from mtx.files import check_writable
+from mtx.files import MARK, check_writable, made_by_mtx_plot
 
-MARK = ("Software", "mtx.plot")  # the PNG tEXt entry that tells mtx.plot's files from others
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # file stem -> (y label, [(field, line style)], scale); loss shows training and validation together
 FIGURES = {
     "loss": ("loss", [("loss", "-"), ("val_loss", "--")], 1.0),
@@ -119,7 +116,9 @@ def _read_run(path: Path, need_tokens: bool) -> dict:
                 raise ValueError(f"{metrics} line {number} is not a JSON object with an integer step; fix or delete "
                                  "that line.") from None
             try:  # a number past a float's range (an integer of 400 digits) cannot be drawn
-                [float(v) for v in record.values() if isinstance(v, (int, float))]
+                for value in record.values():
+                    if isinstance(value, (int, float)):
+                        float(value)
             except OverflowError:
                 raise ValueError(f"{metrics} line {number} holds a number too large to draw; fix or delete that "
                                  "line.") from None
@@ -217,25 +216,6 @@ def save_figure(fig, path: str | Path) -> Path:
         raise
     return path
 
-
-def made_by_mtx_plot(path: Path) -> bool:
-    """Whether `path` is a PNG carrying mtx.plot's text chunk (Software = mtx.plot)."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return False
-    if not data.startswith(PNG_SIGNATURE):
-        return False
-    at = len(PNG_SIGNATURE)
-    while at + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", data[at:at + 8])
-        body = data[at + 8:at + 8 + length]
-        if kind == b"tEXt" and body == f"{MARK[0]}\x00{MARK[1]}".encode("latin-1"):
-            return True
-        if kind in (b"IDAT", b"IEND"):  # text chunks come before the image data in matplotlib's files
-            return False
-        at += 12 + length
-    return False
 
 
 if __name__ == "__main__":

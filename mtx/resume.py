@@ -61,8 +61,9 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
         if t.save and Path(t.save) == load and any(s not in broken for s in later):
             raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
                              "--save directory.")
-        if step >= t.train_iters and not t.finetune:  # the run would build its mesh, train nothing and say nothing
-            raise ValueError(f"--train-iters {t.train_iters} is not past step {step} of --load {t.load}; pass a larger "
+        if step > t.train_iters and not t.finetune:  # it would build its mesh, train nothing and say nothing; at
+            # the last step itself (a finished run requeued, or sampled) there is nothing to do, as in Megatron-LM
+            raise ValueError(f"--train-iters {t.train_iters} is before step {step} of --load {t.load}; pass a larger "
                              "--train-iters to train on from it.")
         set_aside = tuple(load / str(s) for s in later) if t.save and Path(t.save) == load else ()
         return step, set_aside, ckpt.saved_config(step)

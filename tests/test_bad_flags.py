@@ -22,7 +22,7 @@ BIG = str(10**20)
     (["--run-dir", ""], "--run-dir is empty; pass a value"),  # wrote runs/<time> in the working directory once
     (["--save", " "], "--save is empty"),
     (["--config", "configs/tiny.toml", "--config", "configs/tiny.toml"], "--config given twice"),  # dropped one
-    (["--data-path", "a", "--data-path=b"], "--data-path given twice; pass all its values after one"),  # a dropped
+    (["--data-path", "a", "--data-path=b"], "--data-path given twice; pass all its values after one"),  # a: dropped
     (["--lr-decay-style", "none"], "--lr-decay-style has no \"none\" setting"),  # "must be a string, got None"
     (["--ckpt-step", "2"], "--ckpt-step reads the checkpoint of --load; pass --load DIR"),  # trained from scratch
 ])

@@ -39,11 +39,11 @@ def test_only_mtxs_own_metrics_and_tracker_files_count_as_a_run_directorys(tmp_p
     (ours / "tb" / "notes.txt").unlink()
     (ours / "events.out.tfevents.1764400000.host.1.0").write_bytes(b"\x00")
     from mtx import plot
+    from mtx.files import PNG_SIGNATURE
 
-    plot.main([str(ours), "--out", str(ours)])
-    assert list(ours.glob("*.png"))
+    assert set(plot.main([str(ours), "--out", str(ours)])) == set(ours.glob("*.png")) != set()
     check_run_dir(ours, "--save")
-    (ours / "photo.png").write_bytes(plot.PNG_SIGNATURE + b"not mtx.plot's")
+    (ours / "photo.png").write_bytes(PNG_SIGNATURE + b"not mtx.plot's")
     _refused("holds files mtx did not write \\(photo.png\\)", check_run_dir, ours, "--save")
 
 

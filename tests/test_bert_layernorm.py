@@ -71,6 +71,7 @@ def test_from_runs_pairs_the_placements_of_each_model(tmp_path):
     import pytest
 
     from mtx.config import Config
+    from mtx.files import json_line
 
     def run(name, placement, hidden, losses):
         d = tmp_path / name
@@ -80,7 +81,7 @@ def test_from_runs_pairs_the_placements_of_each_model(tmp_path):
                                data_path=(str(tmp_path / "absent"),))
         (d / "config.json").write_text(json.dumps(cfg.to_dict()))
         lines = [{"step": 5 * (i + 1), "loss": x} for i, x in enumerate(losses)] + [{"step": 10, "val_loss": 6.5}]
-        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (d / "metrics.jsonl").write_text("".join(json_line(r) + "\n" for r in lines))  # a NaN as null, as mtx writes
         return str(d)
 
     dirs = [run("a", "pre", 32, [8.0, 7.0]), run("b", "post", 32, [8.0, 7.5]), run("c", "pre", 64, [8.0, 6.0])]

@@ -161,15 +161,12 @@ def test_builtin_corpus_needs_a_vocab(tmp_path, capsys, monkeypatch):
 def test_eval_and_to_hf_refuse_a_model_that_is_no_causal_lm(tiny, tmp_path, capsys):
     """A BERT checkpoint given to eval.py or to-hf: one line before any array is read (eval.py
     once failed in the model with a traceback, to-hf wrote BERT's weights as a GPT2LMHeadModel)."""
-    import importlib.util
     from pathlib import Path
 
+    import eval as eval_cli
     from mtx.convert import to_hf
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("eval_cli", root / "eval.py")
-    eval_cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eval_cli)
     train(tiny.replace(train_iters=1, save=str(tmp_path / "bert")), progress=False)
     for task in (["generate", "--prompt", "the"], ["wikitext", "--data-path", str(root / "README.md")]):
         assert eval_cli.main([*task, "--load", str(tmp_path / "bert")]) == 2

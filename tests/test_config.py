@@ -130,8 +130,9 @@ def test_configs_saved_with_removed_fields_still_load():
     saved["parallel"]["not_a_field"] = 1
     with pytest.raises(ValueError, match="holds 'not_a_field', which mtx does not know"):
         Config.from_dict(saved)  # said of the file by its caller, not of a flag
-    for shape in ([], {**Config().to_dict(), "model": []}, {**Config().to_dict(), "extra": {}}):
-        with pytest.raises(ValueError, match="not an object of sections|holds 'extra'"):
+    for shape, said in (([], "is not an object of sections"), ({**Config().to_dict(), "model": []}, "is not an object"),
+                        ({**Config().to_dict(), "extra": {}}, "holds 'extra', which mtx does not know")):
+        with pytest.raises(ValueError, match=said):
             Config.from_dict(shape)  # once AttributeError: 'list' object has no attribute 'items'
 
 

@@ -174,15 +174,16 @@ def test_use_checkpoint_args_takes_the_architecture_and_says_what_it_overrode(ba
                "arguments win)" in out
 
 
-def test_resuming_at_or_past_the_last_iteration_is_refused(base, tmp_path):
-    """--train-iters not past the checkpoint's step: one line naming the fix (the run built its mesh, trained nothing
-    and exited 0); a fine-tuned run starts again from step 0, so it may."""
+def test_resuming_before_the_checkpoints_step_is_refused(base, tmp_path):
+    """--train-iters before the checkpoint's step: one line naming the fix (the run built its mesh, trained nothing
+    and exited 0). At the step itself (a finished run requeued) there is nothing to do, as in Megatron-LM; a
+    fine-tuned run starts again from step 0, so it may be shorter."""
     from mtx.run import prepare
 
-    for iters, step in ((1, 4), (4, 4), (2, None)):
-        with pytest.raises(ValueError, match=f"--train-iters {iters} is not past step {step or 4} of --load "
+    for iters, step in ((1, 4), (2, None), (1, 2)):
+        with pytest.raises(ValueError, match=f"--train-iters {iters} is before step {step or 4} of --load "
                                              f"{base[0]}; pass a larger --train-iters"):
             prepare(TINY.replace(train_iters=iters, load=str(base[0]), run_dir=str(tmp_path / "r"), ckpt_step=step))
-    assert prepare(TINY.replace(train_iters=2, load=str(base[0]), ckpt_step=2, run_dir=str(tmp_path / "r"),
-                                finetune=True)).load_step == 2
-    assert not (tmp_path / "r").exists()
+    assert prepare(TINY.replace(train_iters=4, load=str(base[0]), run_dir=str(tmp_path / "r"))).load_step == 4
+    assert prepare(TINY.replace(train_iters=2, load=str(base[0]), ckpt_step=4, run_dir=str(tmp_path / "r"),
+                                finetune=True)).load_step == 4

@@ -89,3 +89,6 @@ def test_profile_calls_by_their_place_in_a_layer(tmp_path, capsys):
                                  "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "segment 1 place 1: 2 calls, median 40.5 us (least 40.0, most 41.0), 0.08 ms a step" in out
+    for bad, said in ((["--calls", "nothing"], "no kernel of the trace matches"), (["--calls", "("], "no regular"),
+                      (["--calls", "mosaic", "--cycle", "0"], "each must be at least 1")):
+        assert profile_summary.main([str(tmp_path / "t"), *bad]) == 2 and said in capsys.readouterr().err

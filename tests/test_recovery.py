@@ -95,6 +95,10 @@ def test_no_intact_step_and_unreadable_arrays_are_one_line_errors(saved, tmp_pat
         train(plan, progress=False)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "b").exists()  # the run directory it made for itself taken back
+    plan = prepare(TINY.replace(train_iters=6, load=str(path), save=str(tmp_path / "c")))  # orbax's, too
+    with pytest.raises(CheckpointError, match=r"step 4 could not be read"):
+        train(plan, progress=False)
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):

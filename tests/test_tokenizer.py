@@ -77,7 +77,7 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
 
 
 @pytest.mark.parametrize("setup, message", [
-    (lambda d: None, "no such file or directory"),
+    (lambda d: None, "no such file; pass a local directory"),
     (lambda d: d.mkdir(), "holds no tokenizer.json"),
     (lambda d: (d.mkdir(), (d / "tokenizer.json").write_text("{}")), "does not load as a tokenizer.json"),
     (lambda d: (d.mkdir(), (d / "tokenizer.json").write_bytes(b"\xff\xfe")), "does not load as a tokenizer.json"),

@@ -170,8 +170,8 @@ def test_wandb_that_will_not_start_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_a_diverged_loss_is_written_as_strict_json(tmp_path):
-    """A NaN or infinite loss (a run that diverged) goes into metrics.jsonl, and eval's and bench's result lines,
-    as null: Python's NaN is not JSON, and strict readers (jq, JavaScript) refused the file."""
+    """A NaN or infinite loss (a run that diverged) goes into metrics.jsonl as null (json_line, which eval's and
+    bench's result lines use too): Python's NaN is not JSON, and strict readers (jq, JavaScript) refused the file."""
     from mtx.files import json_line
     from mtx.metrics import MetricsLogger
 

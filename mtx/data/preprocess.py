@@ -108,7 +108,8 @@ def _parser() -> OneLineParser:
     p.add_argument("--vocab-file", help="GPT-2 encoder.json, or BERT vocab.txt")
     p.add_argument("--merge-file", help="GPT-2 vocab.bpe")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: from the files given")
-    p.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a local directory holding tokenizer.json")
+    p.add_argument("--tokenizer-model",
+                   help="HuggingFaceTokenizer: a local directory holding tokenizer.json, or that file")
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
     p.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (BERT); plain-text files split into documents at blank lines")

@@ -192,12 +192,13 @@ class HuggingFaceTokenizer:
     name = "huggingface"
 
     def __init__(self, directory: str | Path):
-        folder, file = Path(directory), Path(directory) / "tokenizer.json"
+        given = folder = Path(directory)  # the path named in every refusal: the one the user passed
+        file = folder / "tokenizer.json"
         if folder.is_file():  # the tokenizer.json itself: its directory holds any tokenizer_config.json
             folder, file = folder.parent, folder
         elif not folder.is_dir():
-            raise ValueError(f"--tokenizer-model {folder}: no such file or directory; pass a local directory holding "
-                             "a Hugging Face tokenizer.json, or that file.")
+            raise ValueError(f"--tokenizer-model {given}: {not_a_file(given)}; pass a local directory holding a "
+                             "Hugging Face tokenizer.json, or that file.")
         elif not file.is_file():
             raise ValueError(f"--tokenizer-model {folder} holds no tokenizer.json; pass the directory a Hugging Face "
                              "tokenizer was saved to (tokenizer.save_pretrained(DIR)).")
@@ -209,19 +210,19 @@ class HuggingFaceTokenizer:
         try:
             self._tok = RustTokenizer.from_file(str(file))
         except Exception as e:  # the Rust loader raises plain Exceptions (and a file of other bytes a decode error)
-            raise ValueError(f"--tokenizer-model {file}: does not load as a tokenizer.json ({first_line(e)}); pass a "
+            raise ValueError(f"--tokenizer-model {given}: does not load as a tokenizer.json ({first_line(e)}); pass a "
                              "tokenizer.json written by the tokenizers package.") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         if not vocab:
-            raise ValueError(f"--tokenizer-model {folder}: tokenizer.json has an empty vocabulary; pass the directory "
+            raise ValueError(f"--tokenizer-model {given}: tokenizer.json has an empty vocabulary; pass the directory "
                              "of a trained tokenizer.")
         self.vocab_size = max(vocab.values()) + 1
         eos = _configured_eos(folder)
         names = [eos] if eos is not None else [t for t in _EOD_CANDIDATES if t in vocab]
         if not names or names[0] not in vocab:
-            raise ValueError(f"--tokenizer-model {folder}: no end-of-document token (tokenizer_config.json's eos_token "
+            raise ValueError(f"--tokenizer-model {given}: no end-of-document token (tokenizer_config.json's eos_token "
                              f"{eos!r} is not in the vocabulary)" if eos is not None else
-                             f"--tokenizer-model {folder}: no end-of-document token (no eos_token in "
+                             f"--tokenizer-model {given}: no end-of-document token (no eos_token in "
                              f"tokenizer_config.json, none of {', '.join(_EOD_CANDIDATES)} in the vocabulary); "
                              "add an eos_token to tokenizer_config.json.")
         self.eod = vocab[names[0]]
@@ -290,7 +291,7 @@ UNREAD_FILES = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer"
 def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_type: str | None = None,
                     tokenizer_model: str | None = None) -> Tokenizer:
     """The tokenizer named by `tokenizer_type` (Megatron's --tokenizer-type names, see TOKENIZER_TYPES);
-    HuggingFaceTokenizer reads the directory `tokenizer_model`.
+    HuggingFaceTokenizer reads `tokenizer_model` (a directory holding tokenizer.json, or that file).
 
     Without a type: the byte tokenizer when neither file is given, GPT-2 BPE when both are; ValueError otherwise.
     """
@@ -298,7 +299,7 @@ def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_ty
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is unknown; use one of {', '.join(TOKENIZER_TYPES)}.")
     if (tokenizer_type == "HuggingFaceTokenizer") != (tokenizer_model is not None):
         raise ValueError("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding "
-                         "tokenizer.json) go together; pass both or neither.")
+                         "tokenizer.json, or the file) go together; pass both or neither.")
     # files the chosen tokenizer would not read are refused, not ignored (the run would train on another vocabulary)
     unused = UNREAD_FILES.get(tokenizer_type, ())
     given = [flag for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file))

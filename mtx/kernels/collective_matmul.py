@@ -15,7 +15,7 @@ sequence parallelism's two patterns without a NCCL call (Transformer Engine's us
 
 Both kernels are mtx/kernels/ring_tiles.py's: one loop over every output tile of every ring step, each tile waiting
 only for the rows or partial sum it reads. (A first ring ran each step as a whole Hopper matmul behind a grid-wide
-wait; it was slower in the training step and never completed a step on two GPUs once rebuilt, so it was removed:
+wait; rebuilt on the same tile loop, it never completed a training step on two GPUs, so it was removed:
 docs/benchmarks.md 3f-3h.)
 
 `column_parallel_matmul` and `row_parallel_matmul` are a linear layer's matmul under sequence parallelism with its
@@ -117,7 +117,7 @@ def kernel_condition(x, w, p: int, config, *, rows_split: bool) -> str | None:
 def all_gather_matmul(x, w, axis_name=MODEL, *, config=None, gathered: bool = False):
     """Inside shard_map: this device's rows x (m, k) -> all_gather(x) @ w, (P m, n), through peer memory where the
     kernel can run, else XLA's all-gather and matmul. gathered: also return all_gather(x), (P m, k) (from the
-    kernel, the rows it received, put in order), for a weight gradient that needs them."""
+    kernel, the rows in the devices' order), for a weight gradient that needs them."""
     config = config or default_config(w.shape[1])
     p = lax.axis_size(axis_name)
     if kernel_condition(x, w, p, config, rows_split=True) is not None:

@@ -2,10 +2,10 @@
 step, synchronized tile by tile.
 
 A ring that runs each step as a whole Hopper matmul starts step s only once every program of the sending device
-has signalled the end of its step s - 1: a grid-wide barrier between steps,
-so each step pays its last wave's tail (at TP 2 of the 1.2B model, 4.4 waves of output tiles a step become 5) and
-nothing of step s starts while the last tiles of step s - 1 are still being sent. Here each program walks the
-tiles of all P steps in one loop (step 0's tiles first), and a tile of step s >= 1 waits only for what it reads:
+has signalled the end of its step s - 1: a grid-wide barrier between steps, so each step pays its last wave's tail
+(at TP 2 of the 1.2B model, 4.4 waves of output tiles a step become 5) and nothing of step s starts while the last
+tiles of step s - 1 are still being sent. Here each program walks the tiles of all P steps in one loop (step 0's
+tiles first), and a tile of step s >= 1 waits only for what it reads:
 
 - all-gather then matmul: the tile (m, n) of step s reads the rows m of the chunk the next device stored at its step
   s - 1; that device's program that computed the tile (m, 0) stored those rows (while its pipeline streamed them)
