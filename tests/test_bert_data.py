@@ -180,3 +180,16 @@ def test_preprocess_split_sentences_feeds_the_same_samples(bert_toy, tmp_path):
     assert np.array_equal(ds.tokens, tokens) and np.array_equal(ds.doc_idx, doc_idx)
     assert np.array_equal(np.concatenate([[0], np.cumsum(ds.sizes)]), offsets)
     assert ds.num_documents > 50 and len(ds) > 1.5 * ds.num_documents
+
+
+def test_text_of_one_sentence_documents_says_why_it_holds_no_sample(bert_toy):
+    """Lower-case text has no sentence ends mtx can see: the refusal counts the documents of 2+ sentences and says
+    what ends a sentence (it said only "use more data", with plenty there)."""
+    tok = BertWordPieceTokenizer(bert_toy[0])
+    text = "\n\n".join(["the cat sat on the mat. the dog ran to the park. it was a good day"] * 50)
+    with pytest.raises(ValueError, match=r"holds no BERT sample \(documents of 2\+ sentences; 0 of its 50 documents "
+                                         r"have 2\+ \(a sentence ends at \. ! or \? before a capital"):
+        BertDataset(*sentences_from_text([text], tok), seq_length=64, tokenizer=tok, seed=1, split="1,0,0")
+    capital = text.replace(". the", ". The").replace(". it", ". It")
+    assert BertDataset(*sentences_from_text([capital], tok), seq_length=64, tokenizer=tok, seed=1,
+                       split="1,0,0").num_samples("train") > 0
