@@ -161,7 +161,8 @@ def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None)
 def run_cli(measure_fn, argv=None, check=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
     --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
-    from mtx.cli import OneLineParser, build_parser, parse_config, unknown_flags_message, with_negative_values
+    from mtx.cli import (OneLineParser, build_parser, flags_in, parse_config, unknown_flags_message,
+                         with_negative_values)
     from mtx.files import check_json_lines, check_writable, json_line
 
     ap = OneLineParser(prog="bench.py", add_help=False)  # --step is no --steps (whole flags, as train.py's)
@@ -174,7 +175,7 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
         own, rest = ap.parse_known_args(with_negative_values(argv))
         # a flag neither bench.py nor train.py takes is named with the closest of both (--step: --steps)
         known = {s for parser in (ap, build_parser()) for action in parser._actions for s in action.option_strings}
-        if unknown := [t.split("=", 1)[0] for t in rest if t.startswith("--") and t.split("=", 1)[0] not in known]:
+        if unknown := [flag for flag in flags_in(rest) if flag not in known]:
             raise ValueError(unknown_flags_message(unknown, known, "bench.py takes train.py's flags"))
         if not (1 <= own.steps <= 10_000 and 0 <= own.warmup <= 10_000):
             raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time 1 to 10,000 steps after 0 to 10,000 "

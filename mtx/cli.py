@@ -156,7 +156,7 @@ class OneLineParser(argparse.ArgumentParser):
         but a second --config would drop the whole first preset, and a second list (--data-path A --data-path B)
         the first one's values: refused."""
         argv = list(sys.argv[1:] if args is None else args)
-        given = [token.split("=", 1)[0] for token in argv if token.startswith("--")]
+        given = list(flags_in(argv))
         if given.count("--config") > 1:
             self.error("--config given twice; pass one preset (and flags to change it).")
         for action in self._actions:
@@ -184,7 +184,7 @@ class OneLineParser(argparse.ArgumentParser):
         while parser is not None:
             known.update(s for action in parser._actions for s in action.option_strings)
             owner, parser = parser, _subcommand(parser, tokens if argv is None else argv)
-        unknown = [flag for flag in _flags(tokens) if flag not in known]
+        unknown = [flag for flag in flags_in(tokens) if flag not in known]
         if unknown:
             owner.error(unknown_flags_message(unknown, known, f"{owner.prog} --help lists the flags"))
 
@@ -213,7 +213,7 @@ def unknown_flags_message(unknown: Iterable[str], known: Iterable[str], hint: st
     return f"unknown flags {listed}; {hint}."
 
 
-def _flags(argv: Iterable[str]):
+def flags_in(argv: Iterable[str]):
     """The flags of a command line, as argparse reads it: `--name` of `--name=value`, up to a `--`; not "-", a
     negative number or a token with a space (argparse takes those as values)."""
     for token in argv:

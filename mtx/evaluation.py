@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mtx.files import not_a_file
+from mtx.files import read_text
 from mtx.parallel.compat import all_gather_invariant
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL
@@ -245,19 +245,8 @@ def read_lambada(path: str | Path) -> list[str]:
 
 
 def _read_text(path: str | Path) -> str:
-    if not Path(path).is_file():
-        raise ValueError(f"--data-path {path}: {not_a_file(path)}; pass the path of the evaluation data file.")
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass the evaluation "
-                         "data as UTF-8 text (WikiText's .tokens file, LAMBADA's .jsonl).") from None
-    except OSError as e:
-        raise ValueError(f"--data-path {path} cannot be read ({e.strerror or e}); pass a readable file.") from None
-    if "\x00" in text:
-        raise ValueError(f"--data-path {path} holds NUL bytes, so it is binary, not text; pass the evaluation data "
-                         "as UTF-8 text (WikiText's .tokens file, LAMBADA's .jsonl).")
-    return text
+    return read_text(path, "--data-path", "pass the evaluation data as UTF-8 text (WikiText's .tokens file, LAMBADA's "
+                     ".jsonl).")
 
 
 def _exp(x: float) -> float:

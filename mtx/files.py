@@ -229,3 +229,20 @@ def made_by_mtx_plot(path: Path) -> bool:
             return False
         at += 12 + length
     return False
+
+
+def read_text(path: str | Path, flag: str, fix: str) -> str:
+    """The UTF-8 text of the file a flag names, or a one-line ValueError ending in `fix`: no regular file, unreadable,
+    not UTF-8, or binary that decodes as UTF-8 (NUL bytes: a .bin of token ids, an archive)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: {not_a_file(path)}; {fix}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be read ({e.strerror or e}); pass a readable file.") from None
+    if "\x00" in text:
+        raise ValueError(f"{flag} {path} holds NUL bytes, so it is binary, not text; {fix}")
+    return text

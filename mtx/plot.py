@@ -217,6 +217,5 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
-
 if __name__ == "__main__":
     main()

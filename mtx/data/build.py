@@ -23,7 +23,7 @@ from mtx.data.documents import FIELDS as DOCUMENT_FLAGS, DocumentBatches
 from mtx.data.indexed import IndexedDataset
 from mtx.data.paths import indexed_prefix, parse_data_path
 from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
-from mtx.files import not_a_file
+from mtx.files import not_a_file, read_text
 
 
 def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
@@ -128,14 +128,8 @@ def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
                              "file must be a 1-D integer array of token ids.")
         check_token_ids(ids, tokenizer.vocab_size, f"--data-path {path}")
         return ids.astype(np.int32)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass plain "
-                         "UTF-8 text, a .npy array of token ids, or an indexed-dataset prefix.") from None
-    if "\x00" in text:  # decodes as UTF-8 but is binary (a .bin of token ids, an archive)
-        raise ValueError(f"--data-path {path} holds NUL bytes, so it is binary, not text; pass plain UTF-8 text, a "
-                         ".npy array of token ids, or an indexed-dataset prefix (PATH for PATH.bin + PATH.idx).")
+    text = read_text(path, "--data-path", "pass plain UTF-8 text, a .npy array of token ids, or an indexed-dataset "
+                     "prefix (PATH for PATH.bin + PATH.idx).")
     return _tokenize(tokenizer, text)
 
 

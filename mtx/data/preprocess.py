@@ -30,7 +30,7 @@ from mtx.cli import OneLineParser, ranged
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from mtx.files import check_new_files, not_a_file
+from mtx.files import check_new_files, not_a_file, read_text
 
 _tokenizer = None  # one per worker process, built by _init
 
@@ -131,10 +131,7 @@ def _documents(args) -> Iterator[dict[str, str]]:
             raise ValueError(f"--input {path}: {not_a_file(path)}; pass JSONL or plain-text files.")
         try:
             if path.suffix not in (".jsonl", ".json"):
-                text = path.read_text(encoding="utf-8")
-                if "\x00" in text:  # decodes as UTF-8 but is binary (a .bin or .idx of token ids, an archive)
-                    raise ValueError(f"--input {path} holds NUL bytes, so it is binary, not text; pass plain UTF-8 "
-                                     "text or JSONL files.")
+                text = read_text(path, "--input", "pass plain UTF-8 text or JSONL files.")
                 for doc in split_documents(text) if args.split_sentences else [text]:
                     yield {key: doc for key in args.json_keys}
                 continue
