@@ -30,7 +30,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
     expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
     rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
-    no-masked-softmax-fusion no-bias-gelu-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
+    no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
     accumulate-allreduce-grads-in-fp32 recompute-method
     recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
     end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler

@@ -1,9 +1,8 @@
 """The training loop behind train.py: validate, load data, build the mesh, train, evaluate, save, sample.
 
-Every check of the user's input (flags, data files, run and checkpoint directories) happens before the first array
-is placed on a device, and nothing existing is ever overwritten: a new run refuses a --save or run directory that
-already belongs to another run. In a multi-host run (mtx.distributed) every process makes the same checks on the
-shared filesystem and meets the others before anything is written; only process 0 writes run files and prints.
+Every check of the user's input (flags, data, run and checkpoint directories) comes before any device work, and
+nothing existing is overwritten (a new run refuses another run's --save or run directory). Multi-host (mtx.distributed):
+every process checks and meets the others before anything is written; only process 0 writes run files and prints.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from mtx.files import check_run_dir, check_writable, forget_new_run_dir
 from mtx.metrics import MetricsLogger, Progress, check_trackers, seconds_since_process_start, throughput
 from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
+from mtx.schema_checks import unsaved_checkpoints
 from mtx.sharded_model import ShardedModel
 from mtx.step import TrainStep
 
@@ -62,8 +62,9 @@ class Plan:
 def prepare(cfg: Config) -> Plan:
     """Everything that can fail on bad input, with no device work: config, data, directories, checkpoint."""
     num_devices = len(jax.devices())
-    if (warning := check_accelerator()) and is_main_process():
-        print(warning, file=sys.stderr)
+    for warning in (check_accelerator(), unsaved_checkpoints(cfg.training)):
+        if warning and is_main_process():
+            print(warning, file=sys.stderr)
     cfg.validate(num_devices)
     check_tensor_parallel_fits(cfg.parallel.tensor_model_parallel_size, jax.local_device_count(), jax.process_count())
     t = cfg.training

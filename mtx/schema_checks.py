@@ -191,6 +191,15 @@ def _check_checkpointing(t) -> None:
            "pass a new --save directory.")
 
 
+def unsaved_checkpoints(t) -> str | None:
+    """A notice when flags ask for checkpoints that no --save will hold (a resumed run may pass them on purpose)."""
+    flags = [f"--{name.replace('_', '-')}" for name in ("save_interval", "async_save", "keep_last_n_checkpoints")
+             if getattr(t, name)]
+    if flags and not t.save:
+        return f"mtx: {' '.join(flags)} without --save: this run writes no checkpoint; pass --save DIR to keep them."
+    return None
+
+
 def _check_megatron_flags(cfg) -> None:
     """Megatron's sample counts, warmup fraction, recompute alias, profiling, document masks and HF tokenizers."""
     t, o, d, m = cfg.training, cfg.optimizer, cfg.data, cfg.model

@@ -1,14 +1,17 @@
-"""LayerNorm and RMSNorm with their backward written out (mtx/kernels/elementwise.py): the values and gradients of
-autodiff through the plain formulas, and `matmuls` recomputation keeps their row statistics instead of recomputing
-them in the backward."""
+"""LayerNorm, RMSNorm and bias + GeLU with their backward written out (mtx/kernels/elementwise.py): the values and
+gradients of autodiff through the plain formulas, `matmuls` recomputation keeps the norms' row statistics instead of
+recomputing them in the backward, and the MLP activations' backward keeps nothing but their inputs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtx.kernels.elementwise import layer_norm, rms_norm
+from mtx.kernels.elementwise import bias_gelu, gelu, layer_norm, rms_norm, swiglu
+from mtx.config import Config, load_preset
 from mtx.models.stack import save_matmul_outputs
+
+from helpers import LLAMA_BLOCKS, loss_and_grads
 
 
 def plain_layer_norm(x, scale, bias, epsilon, dtype):
@@ -79,3 +82,73 @@ def test_backward_reads_the_statistics_through_a_barrier(norm):
     barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
     assert len(barriers) == 1
     assert barriers[0].count("tensor<2x4x1xf32>") == (2 if norm == "LayerNorm" else 1)  # mean and rstd, or rstd
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_bias_gelu_equals_autodiff_of_jax_gelu(with_bias, dtype):
+    k = jax.random.split(jax.random.key(1), 4)
+    h = (2 * jax.random.normal(k[0], (3, 5, 64))).astype(dtype)
+    bias = (0.5 * jax.random.normal(k[1], (64,))).astype(dtype)
+    weights = jax.random.normal(k[2], h.shape)
+    fused = (lambda h, b: bias_gelu(h, b)) if with_bias else (lambda h, b: gelu(h))
+    plain = lambda h, b: jax.nn.gelu((h.astype(jnp.float32) + b.astype(jnp.float32)) if with_bias
+                                     else h.astype(jnp.float32), approximate=True)
+    loss = lambda f: lambda h, b: (f(h, b).astype(jnp.float32) * weights).sum()
+    (value, grads), (value_ref, grads_ref) = (jax.value_and_grad(loss(f), (0, 1))(h, bias) for f in (fused, plain))
+    assert fused(h, bias).dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == dtype
+    ulp = 1e-6 if dtype == jnp.float32 else 2 ** -7  # bf16: computed in bf16 as jax.nn.gelu does
+    np.testing.assert_allclose(value, value_ref, rtol=10 * ulp)
+    for g, ref in zip(grads if with_bias else grads[:1], grads_ref):
+        scale = float(jnp.abs(ref).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(ref), rtol=0, atol=2 * ulp * scale)
+    if not with_bias:
+        assert not grads[1].any()
+
+
+def test_bias_gelu_keeps_only_its_inputs_for_the_backward():
+    """Autodiff of jax.nn.gelu keeps the tanh of every element for the backward (one more activation written and
+    read a layer); the written-out backward keeps h and the bias and recomputes it."""
+    h, bias = jnp.ones((4, 8, 32), jnp.bfloat16), jnp.ones(32, jnp.bfloat16)
+
+    def residual_shapes(f):
+        _, residuals = jax.vjp(f, h, bias)
+        return sorted(leaf.shape for leaf in jax.tree.leaves(residuals) if leaf.size > 1)
+
+    assert residual_shapes(bias_gelu) == [(4, 8, 32), (32,)]
+    assert residual_shapes(lambda h, b: jax.nn.gelu(h + b, approximate=True)).count((4, 8, 32)) >= 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_swiglu_equals_autodiff_of_jax_silu(dtype):
+    k = jax.random.split(jax.random.key(2), 3)
+    gate, up = (2 * jax.random.normal(k[0], (2, 2, 3, 40))).astype(dtype)
+    weights = jax.random.normal(k[2], gate.shape)
+    plain = lambda g, u: jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
+    loss = lambda f: lambda g, u: (f(g, u).astype(jnp.float32) * weights).sum()
+    (value, grads), (value_ref, grads_ref) = (jax.value_and_grad(loss(f), (0, 1))(gate, up) for f in (swiglu, plain))
+    ulp = 1e-6 if dtype == jnp.float32 else 2 ** -7
+    np.testing.assert_allclose(value, value_ref, rtol=10 * ulp)
+    for g, ref in zip(grads, grads_ref):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(ref), rtol=0,
+                                   atol=2 * ulp * float(jnp.abs(ref).max()))
+    _, residuals = jax.vjp(swiglu, gate, up)  # the two inputs, nothing computed from them (autodiff keeps 5)
+    assert len(jax.tree.leaves(residuals)) == 2
+
+
+@pytest.mark.parametrize("blocks,flag,mesh", [({}, "bias_gelu_fusion", (2, 1, 2)),
+                                              (LLAMA_BLOCKS, "bias_swiglu_fusion", (1, 2, 2))], ids=["gelu", "swiglu"])
+def test_the_fused_activations_train_as_autodiff_does_on_a_mesh(blocks, flag, mesh):
+    """The whole model with the written-out activation (--bias-gelu-fusion, --bias-swiglu-fusion) and with autodiff's
+    (the default) on a mesh with sequence parallelism: the same loss and every gradient (the bias's gradient summed
+    over the rows of every rank)."""
+    preset = {**load_preset("configs/tiny.toml"), "global_batch_size": 8, "micro_batch_size": 4}
+    cfg = Config().replace(**preset, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=True, **blocks)
+    loss, grads = loss_and_grads(cfg, *mesh, **{flag: True})
+    ref_loss, ref = loss_and_grads(cfg, *mesh)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert grads.keys() == ref.keys()
+    for path in ref:
+        np.testing.assert_allclose(grads[path], ref[path], rtol=1e-4, atol=1e-6 * np.abs(ref[path]).max(),
+                                   err_msg=path)

@@ -187,3 +187,14 @@ def test_resuming_before_the_checkpoints_step_is_refused(base, tmp_path):
     assert prepare(TINY.replace(train_iters=4, load=str(base[0]), run_dir=str(tmp_path / "r"))).load_step == 4
     assert prepare(TINY.replace(train_iters=2, load=str(base[0]), ckpt_step=4, run_dir=str(tmp_path / "r"),
                                 finetune=True)).load_step == 4
+
+
+def test_checkpoint_flags_without_save_say_that_nothing_is_saved(tmp_path, capsys):
+    """--save-interval, --async-save and --keep-last-n-checkpoints without --save (as a resumed run may pass them on
+    purpose) are taken, with one line saying that no checkpoint is written; with --save nothing is said."""
+    prepare(TINY.replace(save_interval=2, async_save=True, run_dir=str(tmp_path / "a")))
+    err = capsys.readouterr().err
+    assert ("mtx: --save-interval --async-save without --save: this run writes no checkpoint; pass --save DIR to keep "
+            "them.") in err
+    prepare(TINY.replace(save_interval=2, save=str(tmp_path / "b")))
+    assert "--save-interval" not in capsys.readouterr().err

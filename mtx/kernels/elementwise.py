@@ -1,4 +1,5 @@
-"""LayerNorm and RMSNorm with their backward written out, so XLA fuses each pass into few reads of bf16 activations.
+"""LayerNorm, RMSNorm and the MLP's activations (bias + GeLU, SwiGLU) with their backward written out, so XLA fuses
+each pass into few reads of bf16 activations.
 
 Both normalize over the last axis in float32 whatever the activations' dtype, and return `dtype`. Differentiated by
 autodiff, a LayerNorm's backward is a chain XLA compiles into several passes on a GPU: the normalized input is
@@ -17,6 +18,15 @@ an optimization barrier (`_kept`): without it XLA on GPUs fuses the forward's ro
 fusions again (their input is read there anyway), and the scale's gradient then writes x^ * dy in float32 before its
 column sum, as autodiff's did. Values and gradients are those of autodiff up to float32 rounding
 (tests/test_elementwise.py).
+
+The MLP's activations (`bias_gelu`, `swiglu`; Megatron's bias-GeLU and bias-SwiGLU fusions, `--bias-gelu-fusion`,
+`--bias-swiglu-fusion`, off by default): the backward keeps only the matmuls' outputs (and the bias), which it reads
+anyway, and recomputes the rest from them. Autodiff's forward also writes the GeLU's tanh for the backward: one more
+(tokens, F) activation written, kept and read a layer (7.5 GiB of the 1.2B preset's step). The arithmetic is
+jax.nn.gelu's and jax.nn.silu's, in the activations' dtype. The backward reads its inputs through the barrier too:
+without it XLA merges its recomputation with the forward's and stores the shared tanh after all. Measured on an
+H200 (docs/benchmarks.md 13) the recomputation costs more than the memory traffic it saves (1.2B: 7.5 GiB less,
+~1% slower), so they are for runs short of memory.
 """
 
 from __future__ import annotations
@@ -94,3 +104,70 @@ def _rms_norm_bwd(epsilon, dtype, residuals, dy):
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
+
+
+_GELU_C = 0.7978845608028654  # sqrt(2 / pi), GPT-2's tanh approximation of GeLU
+_GELU_A = 0.044715
+
+
+def _gelu_terms(u):
+    """u -> (GeLU(u), its derivative), tanh-approximated as GPT-2 and Megatron's bias-GeLU compute it; in u's dtype
+    as jax.nn.gelu computes, the tanh in float32."""
+    t = jnp.tanh((_GELU_C * (u + _GELU_A * u * u * u)).astype(jnp.float32)).astype(u.dtype)
+    return 0.5 * u * (1 + t), 0.5 * (1 + t) + 0.5 * u * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_A * u * u)
+
+
+@jax.custom_vjp
+def bias_gelu(h, bias):
+    """GeLU(h + bias) (tanh approximation) in h's dtype; h (..., F) is a matmul's output, bias (F,)."""
+    return _bias_gelu_fwd(h, bias)[0]
+
+
+def _bias_gelu_fwd(h, bias):
+    return _gelu_terms(h + bias.astype(h.dtype))[0], (h, bias)
+
+
+def _bias_gelu_bwd(residuals, dy):
+    h, bias = _kept(*residuals)  # else XLA merges this tanh with the forward's and keeps it, in memory, after all
+    dh = dy * _gelu_terms(h + bias.astype(h.dtype))[1]
+    return dh, cotangent_like(dh.astype(jnp.float32).sum(_rows(h)).astype(bias.dtype), bias)
+
+
+bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+
+
+@jax.custom_vjp
+def gelu(h):
+    """GeLU(h) (tanh approximation) of a matmul's output without a bias, its backward from h as `bias_gelu`'s."""
+    return _gelu_terms(h)[0]
+
+
+def _gelu_fwd(h):
+    return _gelu_terms(h)[0], h
+
+
+def _gelu_bwd(h, dy):
+    (h,) = _kept(h)
+    return (dy * _gelu_terms(h)[1],)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate, up):
+    """silu(gate) * up in gate's dtype (SwiGLU's product of two matmuls' outputs), as jax.nn.silu computes it."""
+    return _swiglu_fwd(gate, up)[0]
+
+
+def _swiglu_fwd(gate, up):
+    return gate * jax.nn.sigmoid(gate) * up, (gate, up)
+
+
+def _swiglu_bwd(residuals, dy):
+    gate, up = _kept(*residuals)
+    sig = jax.nn.sigmoid(gate)
+    return dy * up * sig * (1 + gate * (1 - sig)), dy * gate * sig
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
+from mtx.kernels import elementwise
 from mtx.kernels import flash_attention as flash_kernel
 from mtx.models.rotary import apply_rotary
 from mtx.parallel.layers import ColumnParallelLinear, RowParallelLinear, normalization
@@ -298,6 +299,7 @@ class ParallelMLP(nnx.Module):
         d, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_method_std
         bias = not cfg.disable_bias_linear
         self.swiglu = cfg.swiglu
+        self.bias_gelu_fusion, self.bias_swiglu_fusion = cfg.bias_gelu_fusion, cfg.bias_swiglu_fusion
         self.fc1 = ColumnParallelLinear(d, f, std=std, use_bias=bias, parts=2 if cfg.swiglu else 1,
                                         sequence_parallel=sequence_parallel, comm_overlap=tp_comm_overlap,
                                         dtype=dtype, rngs=rngs)
@@ -308,7 +310,11 @@ class ParallelMLP(nnx.Module):
     def __call__(self, x_BSD):
         if self.swiglu:
             gate_BSF, up_BSF = self.fc1.parts_call(x_BSD)
+            if self.bias_swiglu_fusion:
+                return self.fc2(elementwise.swiglu(gate_BSF, up_BSF))
             return self.fc2(jax.nn.silu(gate_BSF) * up_BSF)
+        if self.bias_gelu_fusion:
+            return self.fc2(self.fc1(x_BSD, gelu=True))
         return self.fc2(jax.nn.gelu(self.fc1(x_BSD), approximate=True))
 
 

@@ -72,11 +72,12 @@ class ColumnParallelLinear(nnx.Module):
         self.comm_overlap = comm_overlap and sequence_parallel and not gather_output
         self.dtype = dtype
 
-    def __call__(self, x_BSD):
+    def __call__(self, x_BSD, *, gelu: bool = False):
         """(B, S, D) replicated (or this rank's rows (B / tp, S, D) with sequence parallelism) -> (B, S, F / tp) on
-        this rank, or (B, S, F) replicated with gather_output."""
+        this rank, or (B, S, F) replicated with gather_output. gelu: GeLU(X A + b), the bias add and GeLU in one
+        function whose backward recomputes them from X A (`elementwise.bias_gelu`)."""
         return self._matmuls(x_BSD, [self.kernel[...].astype(self.dtype)],
-                             None if self.bias is None else [self.bias[...].astype(self.dtype)])[0]
+                             None if self.bias is None else [self.bias[...].astype(self.dtype)], gelu=gelu)[0]
 
     def split_call(self, x_BSD, parts: int, part_dim: int):
         """The same Y = X A + b as `parts` matmuls, one per interleaved group of output columns.
@@ -118,7 +119,7 @@ class ColumnParallelLinear(nnx.Module):
         y = x_BSD @ kernel
         return y if bias is None else y + bias
 
-    def _matmuls(self, x, kernels, biases):
+    def _matmuls(self, x, kernels, biases, *, gelu: bool = False):
         spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
         if self.comm_overlap:
             ys = self._gathered_matmuls(x, kernels)
@@ -127,7 +128,9 @@ class ColumnParallelLinear(nnx.Module):
             ys = [jnp.einsum(spec, x, kernel) for kernel in kernels]
         outs = []
         for j, y in enumerate(ys):
-            if biases is not None:
+            if gelu:
+                y = elementwise.gelu(y) if biases is None else elementwise.bias_gelu(y, biases[j])
+            elif biases is not None:
                 y = y + biases[j]
             outs.append(gather_from_model_parallel(y) if self.gather_output else y)
         return outs
