@@ -106,8 +106,8 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
 
 def synthetic_batch(cfg):
     """One global batch of synthetic data. GPT: random token ids. BERT: sentence pairs cut by mtx's own sample
-    builder (mtx/data/bert_dataset.py: Megatron's targets, 10% short samples and their padding,
-    whole-word n-gram masking of 15%) of random documents over a made-up WordPiece vocabulary of the config's size, a fifth of it "##"
+    builder (mtx/data/bert_dataset.py: Megatron's targets, 10% short samples and their padding, whole-word n-gram
+    masking of 15%) of random documents over a made-up WordPiece vocabulary of the config's size, a fifth of it "##"
     continuations as in BERT's, so the step sees BERT's real masking and padding statistics."""
     import tempfile
 
@@ -180,6 +180,10 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
         if not (1 <= own.steps <= 10_000 and 0 <= own.warmup <= 10_000):
             raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time 1 to 10,000 steps after 0 to 10,000 "
                              "warm-up steps.")
+        for flag, value, fix in (("--json", own.json, "a file to append the results to"),
+                                 ("--profile", own.profile, "a directory for the trace")):
+            if value is not None and not value.strip():  # once ignored: no results file, no trace
+                raise ValueError(f"{flag} is empty; pass {fix}, or drop {flag}.")
         if own.json:  # appended to: an existing file of results is fine, any other file refused
             check_json_lines(own.json, "--json")
         if own.profile:

@@ -31,7 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtx.architecture import ADDED_FIELDS
-from mtx.config import FIELD_TYPES, Config, ModelConfig
+from mtx.config import FIELD_TYPES, SECTIONS, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
 from mtx.files import looks_like_step
@@ -58,9 +58,10 @@ def _orbax_quiet():
 
 def config_problem(saved) -> str | None:
     """What is wrong with a config as mtx saved it (a step's, or a run directory's config.json), None if nothing:
-    another shape, an unknown field, a model field missing, or a model value (or the seed, which a resumed run takes)
-    that no run could have saved (an edited file): the file's fault, not a flag's. Only those fields: a check of
-    training flags added since the file was written must not break it."""
+    another shape, an unknown field, a model field missing, or a value of a type or out of a range no run could have
+    saved (an edited file; a resume reads the seed and batch sizes, evaluation the tokenizer and micro batch): the
+    file's fault, not a flag's. Each field alone: a check of combinations added since the file was written must not
+    break it."""
     try:
         cfg = Config.from_dict(saved)
     except (ValueError, TypeError) as e:
@@ -70,9 +71,9 @@ def config_problem(saved) -> str | None:
     if missing:
         return f"its config lacks model.{missing[0]}"
     try:
-        for f in dataclasses.fields(cfg.model):
-            check_field(f.name, FIELD_TYPES[f.name], getattr(cfg.model, f.name))
-        check_field("seed", FIELD_TYPES["seed"], cfg.training.seed)
+        for section in SECTIONS:
+            for f in dataclasses.fields(getattr(cfg, section)):
+                check_field(f.name, FIELD_TYPES[f.name], getattr(getattr(cfg, section), f.name))
     except (ValueError, TypeError) as e:
         return f"its config has a value mtx refuses: {first_line(e)}"
     return None
@@ -196,6 +197,9 @@ class Checkpointer:
             files = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError):
             return f"its file record {MANIFEST} is unreadable"
+        if not isinstance(files, dict) or not all(isinstance(n, str) and type(size) is int and size >= 0
+                                                  for n, size in files.items()):
+            return f"its file record {MANIFEST} is not an object of file sizes in bytes"
         for name, size in files.items():
             if not (path / name).is_file():
                 return f"{name} is missing"

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
-from mtx.schema_checks import LIMITS, RANGES, field_types, in_range
+from mtx.schema_checks import LIMITS, RANGES, check_unused_flags, field_types, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -292,4 +292,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
     fields.update({k: tuple(v) if k == "data_path" else v for k, v in values.items()})
     # "none" turns an optional setting of a preset off, e.g. --recompute-granularity none
     fields = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in fields.items()}
-    return Config().replace(**fields)
+    cfg = Config().replace(**fields)
+    check_unused_flags(cfg, values)
+    return cfg

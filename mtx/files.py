@@ -83,12 +83,17 @@ PROBE = ".mtx-probe-"  # the directory check_writable makes and removes to see t
 
 
 def check_writable(path: str | Path, flag: str) -> None:
-    """Refuses a path that runs through a regular file or whose nearest existing ancestor cannot be written: not
-    writable to this user, or nothing can be created there (a probe directory, `PROBE`, made and removed)."""
+    """Refuses a path inside a checkpoint step, that runs through a regular file, or whose nearest existing ancestor
+    cannot be written: not writable to this user, or nothing can be created there (a probe directory, `PROBE`, made
+    and removed)."""
     _in_one_line(_check_writable, Path(path).absolute(), flag)
 
 
 def _check_writable(path: Path, flag: str) -> None:
+    if step := next((p for p in (path, *path.parents) if looks_like_step(p)), None):
+        # files added to a step break it for nobody, but keep it from being pruned, and mix with the checkpoint
+        raise ValueError(f"{flag} {path} is inside checkpoint step {step.name} of {step.parent}; choose a directory "
+                         "outside the checkpoint.")
     ancestor = path
     while not ancestor.exists():
         if ancestor.is_symlink():  # a link to nothing: creating the directory would fail on it
@@ -246,3 +251,15 @@ def read_text(path: str | Path, flag: str, fix: str) -> str:
     if "\x00" in text:
         raise ValueError(f"{flag} {path} holds NUL bytes, so it is binary, not text; {fix}")
     return text
+
+
+def refuse_repeats(names, flag: str, what: str) -> None:
+    """Refuses a path given twice (also spelt two ways, ./a.txt and a.txt), which would be read twice: one line
+    "FLAG NAME is given twice; pass each WHAT once" (`flag` "" for a positional argument)."""
+    seen = {}
+    for name in names:
+        path = Path(name).resolve()
+        if path in seen:
+            also = "" if str(seen[path]) == str(name) else f" (as {seen[path]} and {name})"
+            raise ValueError(f"{flag + ' ' if flag else ''}{name} is given twice{also}; pass each {what} once.")
+        seen[path] = name

@@ -21,10 +21,11 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
     ckpt = Checkpointer(load)
     try:
         step, _ = ckpt.intact_step(ckpt_step, load)  # the newest intact step (callers say which they passed over)
-        # Training choices, off: any checkpoint loads on any mesh.
+        # Training choices, off: any checkpoint loads on any mesh; and what the run took from its own --load.
         fields = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
                       num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,
-                      sequence_parallel=False)
+                      sequence_parallel=False, finetune=False, use_checkpoint_args=False, ckpt_step=None,
+                      load_optim=True, load_rng=True, run_dir=None)
         fields.update(overrides)
         cfg = ckpt.saved_config(step).replace(
             tensor_model_parallel_size=tensor_model_parallel_size,

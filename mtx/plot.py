@@ -14,8 +14,9 @@ pieced together by hand.
 
 The figures go into --out (default `plots`, created if needed). mtx.plot marks every PNG it writes (a PNG text
 chunk, Software = mtx.plot) and replaces a file of those names only if it carries that mark: any other file is left
-alone and the run is refused. Bad input (a missing run directory or metrics.jsonl, a malformed line, an --out that is
-a file) is one "error: ..." line on stderr and exit status 2, before anything is written. Needs matplotlib.
+alone and the run is refused. Bad input (a missing, empty or repeated run directory, a missing metrics.jsonl, a
+malformed line, an --out that is a file) is one "error: ..." line on stderr and exit status 2, before anything is
+written. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mtx.cli import OneLineParser
-from mtx.files import MARK, check_writable, made_by_mtx_plot
+from mtx.files import MARK, check_writable, made_by_mtx_plot, refuse_repeats
 
 # file stem -> (y label, [(field, line style)], scale); loss shows training and validation together
 FIGURES = {
@@ -57,6 +58,7 @@ def plot(run_dirs: Sequence[str], out: str = "plots", x: Sequence[str] = ("steps
     """Draws the curves of `run_dirs` against each axis in `x` into the directory `out`; returns the files."""
     if not str(out).strip():
         raise ValueError("--out is empty; pass a directory for the figures (default: plots).")
+    _check_run_dirs(run_dirs)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory; pass a directory for the figures.")
@@ -86,6 +88,15 @@ def _parser() -> OneLineParser:
     p.add_argument("--x", nargs="+", choices=sorted(X_LABELS), default=["steps"],
                    help="x axes: steps, tokens (step x global batch x sequence length), or both")
     return p
+
+
+def _check_run_dirs(run_dirs: Sequence[str]) -> None:
+    """Refuses an empty RUN_DIR (once read as ".") and a run given twice (also spelt two ways): drawn twice."""
+    for i, d in enumerate(run_dirs, 1):
+        if not str(d).strip():
+            which = f"RUN_DIR {i} of {len(run_dirs)}" if len(run_dirs) > 1 else "RUN_DIR"
+            raise ValueError(f"{which} is empty; pass a run directory (train.py's --save or --run-dir).")
+    refuse_repeats(run_dirs, "", "run directory")
 
 
 def _label(path: Path, run_dirs: Sequence[str]) -> str:

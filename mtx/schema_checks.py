@@ -59,6 +59,11 @@ RANGES = {
 # number beyond what float32 holds (the step computes in it); checked for every numeric field. Where a large value
 # is surely a typo the field's range says so (a learning rate of at most 10).
 LIMITS = {int: 2**31 - 1, float: 3.4e38}
+FLOAT32_TINY = 1.1754944e-38  # the smallest normal float32: a nonzero number below it computes as 0 on GPUs
+# The model's sizes together: parameters (16 bytes each with Adam: 16 TB at this count) and the attention scores of one
+# microbatch (B x heads x S x S, what XLA's attention holds) beyond these are typos, not models; XLA would fail on them
+# with a traceback, or the allocator after minutes.
+MAX_PARAMETERS, MAX_SCORES = 2**40, 2**48
 
 
 def in_range(value, valid: str) -> bool:
@@ -112,6 +117,9 @@ def check_field(name: str, hint, value: Any) -> None:
     limit = LIMITS[int if isinstance(value, int) else float]
     if abs(value) > limit:
         raise ValueError(f"{flag} {value!r} is beyond what mtx can use (at most {limit:.4g}); pass a smaller value.")
+    if isinstance(value, float) and 0 < abs(value) < FLOAT32_TINY:  # 1e-50 passes "> 0" and is 0 in the step
+        raise ValueError(f"{flag} {value!r} is 0 in float32, which the step computes in (its smallest normal number is "
+                         f"{FLOAT32_TINY:.2g}); pass a larger value.")
 
 
 def check_combinations(cfg, num_devices: int | None = None) -> None:
@@ -184,11 +192,33 @@ def _check_checkpointing(t) -> None:
            f"--keep-checkpoint-every {t.keep_checkpoint_every} is not a multiple of --save-interval {t.save_interval}, "
            "so most of the steps it names are never saved; use a multiple of the save interval.")
     for flag, on in (("--finetune", t.finetune), ("--use-checkpoint-args", t.use_checkpoint_args),
-                     ("--ckpt-step", t.ckpt_step is not None)):
+                     ("--ckpt-step", t.ckpt_step is not None), ("--no-load-optim", not t.load_optim),
+                     ("--no-load-rng", not t.load_rng)):
         _check(not on or t.load, f"{flag} reads the checkpoint of --load; pass --load DIR with it.")
+    _check(not t.save or not t.run_dir or Path(t.save).absolute() == Path(t.run_dir).absolute(),
+           f"--save {t.save} is the run's directory too (its metrics and config go beside the checkpoints), so "
+           f"--run-dir {t.run_dir} would go unused; drop --run-dir.")
+    _check(t.save or not t.load or not t.run_dir or Path(t.run_dir).absolute() != Path(t.load).absolute(),
+           f"--run-dir {t.run_dir} is --load's directory, whose metrics this run would change without saving a "
+           f"checkpoint there; pass --save {t.run_dir} to resume into it, or a new --run-dir.")
     _check(not t.finetune or not t.save or not t.load or Path(t.save).absolute() != Path(t.load).absolute(),
            f"--finetune starts again from step 0, so its checkpoints would take the step numbers of --load {t.load}; "
            "pass a new --save directory.")
+
+
+def check_unused_flags(cfg, given) -> None:
+    """A flag given on the command line (`given`: the field names) whose feature is off would do nothing: refused,
+    naming what turns it on. Only given flags: a preset's setting is fine when a flag turns its feature off."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    rules = ((("wandb_exp_name", "wandb_save_dir"), t.wandb_project, "--wandb-project NAME"),
+             (("process_id",), p.num_processes or p.coordinator_address, "--num-processes N (multi-host)"),
+             (("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope"),
+             (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+               "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling"),
+             (("initial_loss_scale", "loss_scale_window", "min_loss_scale"), t.fp16, "--fp16"))
+    for names, on, enabler in rules:
+        for name in set(names) & set(given):
+            _check(on, f"--{name.replace('_', '-')} only acts with {enabler}; pass that too, or leave it out.")
 
 
 def unsaved_checkpoints(t) -> str | None:
@@ -244,9 +274,20 @@ def _check_model_type(cfg) -> None:
 
 
 def _check_architecture(cfg) -> None:
-    """Llama's blocks (mtx/architecture.py): names, the rotary dimensions, the key/value groups against the heads
-    and TP, and what they do not combine with (BERT; rope with positions restarting inside an attention window)."""
+    """The model's sizes together; Llama's blocks (mtx/architecture.py): names, the rotary dimensions, the key/value
+    groups against the heads and TP, and what they do not combine with (BERT; rope with positions restarting inside
+    an attention window)."""
     m, d, tp = cfg.model, cfg.data, cfg.parallel.tensor_model_parallel_size
+    _check(m.padded_vocab_size <= LIMITS[int],
+           f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} pads the vocabulary to "
+           f"{m.padded_vocab_size:,} rows (a multiple of 8 x it), beyond what mtx can use ({LIMITS[int]:,}); pass 128.")
+    _check(m.num_params() <= MAX_PARAMETERS,
+           f"--num-layers {m.num_layers} x --hidden-size {m.hidden_size} (--ffn-hidden-size {m.ffn_size}) make "
+           f"{m.num_params():.3g} parameters, beyond what mtx can train ({MAX_PARAMETERS:.3g}); check these sizes.")
+    scores = cfg.training.micro_batch_size * m.num_attention_heads * m.seq_length ** 2
+    _check(scores <= MAX_SCORES,
+           f"--seq-length {m.seq_length} makes {scores:.3g} attention scores a microbatch (--micro-batch-size x "
+           f"heads x S x S), beyond what mtx can compute ({MAX_SCORES:.3g}); pass a shorter sequence.")
     _check(m.position_embedding_type in ("learned_absolute", "rope"),
            f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}.")
     _check(m.normalization in ("LayerNorm", "RMSNorm"),

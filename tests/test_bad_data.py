@@ -2,6 +2,7 @@
 before any device work, and no file of the user's written or removed (a sweep of such inputs found each case)."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from mtx.cli import parse_config
 from mtx.config import Config
 from mtx.data import IndexedDatasetWriter, build_dataset
+from mtx.data.dataset import _parse_split
 from mtx.data.preprocess import main as preprocess
 from mtx.data.tokenizer import build_tokenizer
 from helpers import refused_in_one_line as _refused
@@ -72,10 +74,16 @@ def test_a_blend_member_too_small_for_a_validation_share_still_trains(tmp_path):
     # alone, or in a blend where no member has validation samples, it is refused, naming the file
     _refused("the valid split of --data-path .*small.txt holds", _build, tmp_path / "small.txt", split="90,10,0")
     # files without weights are one dataset, not a blend: its validation share is checked as one
-    _refused("the valid split of --data-path .*small.txt .*small.txt holds", _build, tmp_path / "small.txt",
-             tmp_path / "small.txt", split="90,10,0")
+    (tmp_path / "small2.txt").write_text("forty bytes of text, enough for training")
+    _refused("the valid split of --data-path .*small.txt .*small2.txt holds", _build, tmp_path / "small.txt",
+             tmp_path / "small2.txt", split="90,10,0")
     _refused("no blended dataset holds a validation sample", _build, "1", tmp_path / "small.txt", "1",
-             tmp_path / "small.txt", split="90,10,0")
+             tmp_path / "small2.txt", split="90,10,0")
+    # a dataset given twice (spelt two ways too) would be blended with itself
+    _refused(r"--data-path .*small.txt is given twice; pass each dataset once.", _build, "1", tmp_path / "small.txt",
+             "1", tmp_path / "small.txt")
+    _refused(r"is given twice \(as .*small.txt and .*/./small.txt\)", _build, tmp_path / "small.txt",
+             f"{tmp_path}/./small.txt")
 
 
 def test_a_run_that_does_not_evaluate_needs_no_validation_split(tmp_path, capsys):
@@ -84,11 +92,13 @@ def test_a_run_that_does_not_evaluate_needs_no_validation_split(tmp_path, capsys
     validation share says so (it was silent)."""
     with IndexedDatasetWriter(tmp_path / "one_text_document", np.uint16) as w:
         w.add_document(np.arange(1, 300) % 250)
-    one = tmp_path / "one_text_document"
+    with IndexedDatasetWriter(tmp_path / "two_text_document", np.uint16) as w:
+        w.add_document(np.arange(1, 300) % 250)
+    one, two = tmp_path / "one_text_document", tmp_path / "two_text_document"
     _refused(r"the valid split of .* \(or --eval-interval 0: no validation\)", _build, one)
     assert _build(one, eval_interval=0).num_samples("train") > 0
-    _refused(r"no blended dataset holds a validation sample .*\(or --eval-interval 0", _build, "1", one, "1", one)
-    assert _build("1", one, "1", one, eval_interval=0).num_samples("train") > 0
+    _refused(r"no blended dataset holds a validation sample .*\(or --eval-interval 0", _build, "1", one, "1", two)
+    assert _build("1", one, "1", two, eval_interval=0).num_samples("train") > 0
     from mtx.data import say_what_data_overrides
     cfg = Config().replace(split="100,0,0", eval_interval=5, vocab_size=1000)
     say_what_data_overrides(cfg, build_dataset(cfg))
@@ -155,3 +165,16 @@ def test_preprocess_refuses_input_with_nothing_to_write(tmp_path, capsys, argv, 
     lines = capsys.readouterr().err.strip().splitlines()  # the error alone: no progress bar before it
     assert e.value.code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # temporary files gone too
+
+
+@pytest.mark.parametrize("split", ["1_0,1,1", " 1,1,1", "1,1,1 ", "1, 1", "１,1,1", "+1,1", "0x1,1", "1,,1"])
+def test_a_split_takes_plain_decimal_numbers_only(split):
+    """float() takes "1_0", spaces and non-ASCII digits, which every other numeric flag refuses (once accepted)."""
+    _refused(f"--split {re.escape(repr(split))} must be up to three non-negative weights .* each a plain decimal "
+             "number", _build, split=split)
+
+
+def test_a_split_of_plain_decimal_numbers_reads():
+    assert _parse_split("949,50,1") == [0.949, 0.05, 0.001]
+    assert _parse_split("1e1/.5/2.") == pytest.approx([10 / 12.5, 0.5 / 12.5, 2 / 12.5])
+    assert _parse_split("1") == [1.0, 0.0, 0.0]

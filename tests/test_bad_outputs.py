@@ -183,3 +183,16 @@ def test_multi_process_flags_are_checked_before_joining(address, processes, rank
                (None, 1, 0), (None, None, None)]:
         check_coordinator(*ok)
     _refused("is not HOST:PORT", check_coordinator, "::1", 2, 0)  # unbracketed IPv6: host "::", port 1
+
+
+def test_no_output_goes_inside_a_checkpoint_step(saved, tmp_path):
+    """Files added to a step mix with the checkpoint and keep --keep-last-n-checkpoints from pruning it: every output
+    path (checked by check_writable) inside a step is refused, the step unchanged."""
+    step = saved / "2"
+    before = sorted(str(p) for p in step.rglob("*"))
+    for flag, path in (("--tensorboard-dir", step), ("--hf-dir", step / "hf"), ("--profile", step / "a" / "b")):
+        _refused(f"{flag} {path} is inside checkpoint step 2 of {saved}; choose a directory outside the checkpoint.",
+                 check_writable, path, flag)
+    _refused("--tensorboard-dir .* is inside checkpoint step 2", prepare,
+             TINY.replace(train_iters=3, load=str(saved), save=str(tmp_path / "c"), tensorboard_dir=str(step)))
+    assert sorted(str(p) for p in step.rglob("*")) == before

@@ -254,6 +254,8 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--json", "/proc/version/out.jsonl"], "choose another path"),
     (["--json", "/"], "pass a file to append the results to"),
     (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
+    (["--json", ""], "--json is empty; pass a file to append the results to, or drop --json."),  # once ignored
+    (["--profile", " "], "--profile is empty; pass a directory for the trace, or drop --profile."),  # once ignored
     (["--load", "/nonexistent"], "--load is a train.py flag the benchmark does not use"),  # once timed random weights
     (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),  # argparse's usage, three lines, once
     (["--json"], "argument --json: expected one argument"),

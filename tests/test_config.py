@@ -1,5 +1,7 @@
 """The config owns the arithmetic (parameter counts, FLOPs, padded vocab) and refuses bad combinations early."""
 
+import re
+
 import pytest
 
 from mtx.cli import parse_config
@@ -227,6 +229,12 @@ def test_checkpoint_and_tracking_flags_parse_with_megatron_names():
     (["--finetune"], "--finetune reads the checkpoint of --load; pass --load DIR with it."),
     (["--use-checkpoint-args"], "--use-checkpoint-args reads the checkpoint of --load; pass --load DIR with it."),
     (["--finetune", "--load", "ck", "--save", "ck"], "--finetune starts again from step 0"),
+    (["--no-load-optim"], "--no-load-optim reads the checkpoint of --load; pass --load DIR with it."),
+    (["--no-load-rng"], "--no-load-rng reads the checkpoint of --load; pass --load DIR with it."),
+    (["--save", "ck", "--run-dir", "other"], "--save ck is the run's directory too (its metrics and config go beside "
+     "the checkpoints), so --run-dir other would go unused; drop --run-dir."),
+    (["--load", "ck", "--run-dir", "ck"], "--run-dir ck is --load's directory, whose metrics this run would change "
+     "without saving a checkpoint there; pass --save ck to resume into it, or a new --run-dir."),
 ])
 def test_checkpoint_flags_out_of_range_or_in_conflict_are_refused(argv, message):
     with pytest.raises(ValueError) as e:
@@ -245,3 +253,37 @@ def test_bert_flops_count_the_mlm_head_where_it_runs():
     assert m.flops_per_token(77) == pytest.approx(every - 6 * d * (d + v) * (1 - 77 / 512), rel=1e-12)
     with pytest.raises(ValueError, match="--mlm-head-positions must be masked or all, got 'some'"):
         cfg.replace(mlm_head_positions="some").validate()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--adam-eps", "1e-50"], "--adam-eps 1e-50 is 0 in float32, which the step computes in (its smallest normal "
+     "number is 1.2e-38); pass a larger value."),
+    (["--lr", "1e-45"], "--lr 1e-45 is 0 in float32"),
+    (["--make-vocab-size-divisible-by", "2147483647"], "--make-vocab-size-divisible-by 2147483647 pads the "
+     "vocabulary to 17,179,869,176 rows (a multiple of 8 x it), beyond what mtx can use (2,147,483,647); pass 128."),
+    (["--hidden-size", "2147483640", "--num-attention-heads", "8"], "--num-layers 4 x --hidden-size 2147483640"),
+    (["--seq-length", "2147483647", "--max-position-embeddings", "2147483647"],
+     "--seq-length 2147483647 makes 1.48e+20 attention scores a microbatch"),
+])
+def test_numbers_float32_or_the_model_cannot_hold_are_refused(argv, message):
+    """A positive number that is 0 in float32 passes "> 0" and trained on NaN; sizes whose product no device holds
+    reached XLA (a traceback) or the allocator (minutes, then killed)."""
+    with pytest.raises(ValueError) as e:
+        parse_config(argv).validate(8)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv,enabler", [
+    (["--wandb-exp-name", "x"], "--wandb-project NAME"), (["--wandb-save-dir", "w"], "--wandb-project NAME"),
+    (["--process-id", "0"], "--num-processes N (multi-host)"),
+    (["--rotary-base", "5e5"], "--position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--rope-scaling-factor", "8"], "--use-rope-scaling"),
+    (["--loss-scale-window", "10"], "--fp16"),
+])
+def test_a_flag_whose_feature_is_off_is_refused(argv, enabler):
+    """Given on the command line, a setting of a feature that is off is refused; from a preset it is not (a flag may
+    turn the preset's feature off)."""
+    with pytest.raises(ValueError, match=re.escape(f"only acts with {enabler}; pass that too, or leave it out.")):
+        parse_config(argv)
+    cfg = parse_config(["--config", "configs/llama_8b.toml", "--no-use-rope-scaling"])
+    assert not cfg.model.use_rope_scaling and cfg.model.rope_scaling_factor != 1

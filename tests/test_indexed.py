@@ -196,6 +196,30 @@ def test_preprocess_never_replaces_a_dataset_unless_told(tmp_path, refused):
     assert Path(written + ".bin").read_bytes() == kept
 
 
+def test_preprocess_refuses_names_that_are_no_file_names(tmp_path, refused, monkeypatch):
+    """Keys and prefixes that once wrote into folders or '..' (a/b, ../in), files named x__document.bin or
+    pp/_text_document.bin; inputs given twice (documents written twice); empty paths once read as '.'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("some words")
+    (tmp_path / "pp").mkdir()
+    out = ["--output-prefix", "o"]
+    for key in ["a/b", "../in", "", ".", "..", "a\\b"]:
+        assert f"--json-keys {key!r}: each key is part of its output files' names" in refused(
+            ["--input", "a.txt", *out, "--json-keys", "text", key])
+    assert "--output-prefix pp/ is a directory; the prefix must end in a file-name part, e.g. pp/corpus" in refused(
+        ["--input", "a.txt", "--output-prefix", "pp/"])
+    assert "--output-prefix pp is a directory" in refused(["--input", "a.txt", "--output-prefix", "pp"])
+    assert "--output-prefix new/ ends in '/'; the prefix must end in a file-name part" in refused(
+        ["--input", "a.txt", "--output-prefix", "new/"])
+    assert "--input a.txt is given twice; pass each file once" in refused(["--input", "a.txt", "a.txt", *out])
+    assert "--input a.txt is given twice (as ./a.txt and a.txt)" in refused(["--input", "./a.txt", "a.txt", *out])
+    assert "--input is empty; pass JSONL or plain-text files" in refused(["--input", "", *out])
+    assert "--input a.txt '': path 2 of 2 is empty" in refused(["--input", "a.txt", "", *out])
+    assert "--tfds is empty" in refused(["--tfds", "", *out])
+    assert "--vocab-file is empty; pass GPT-2's encoder.json" in refused(["--input", "a.txt", *out, "--vocab-file", ""])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "pp"] and not any((tmp_path / "pp").iterdir())
+
+
 # --- blends -------------------------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -17,7 +17,8 @@ TINY = Config().replace(**load_preset("configs/tiny.toml"))  # dropout on: the R
 
 
 def run(tmp_path, name, **flags):
-    return train(TINY.replace(run_dir=str(tmp_path / name), log_interval=1, **flags), progress=False)
+    where = {} if "save" in flags else {"run_dir": str(tmp_path / name)}  # --save is the run directory then
+    return train(TINY.replace(**where, log_interval=1, **flags), progress=False)
 
 
 def leaves(state):

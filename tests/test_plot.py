@@ -110,6 +110,19 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing written by any of them
 
 
+def test_empty_and_repeated_run_dirs_are_refused(tmp_path, capsys, monkeypatch):
+    """An empty RUN_DIR was once read as '.' ('. holds no metrics.jsonl'); a run given twice was drawn twice."""
+    monkeypatch.chdir(tmp_path)
+    _run(tmp_path / "good", [_train(1, 5.0)])
+    out = ["--out", "out"]
+    assert _refused(capsys, ["", *out]) == ("error: RUN_DIR is empty; pass a run directory (train.py's --save or "
+                                            "--run-dir).")
+    assert "RUN_DIR 2 of 2 is empty" in _refused(capsys, ["good", " ", *out])
+    assert "good is given twice; pass each run directory once" in _refused(capsys, ["good", "good", *out])
+    assert "given twice (as good and ./good/)" in _refused(capsys, ["good", "./good/", *out])
+    assert not (tmp_path / "out").exists()
+
+
 def test_never_writes_over_foreign_files(tmp_path, capsys):
     good = _run(tmp_path / "good", [_train(1, 5.0), _train(2, 4.0)])
     out = tmp_path / "out"

@@ -47,6 +47,15 @@ DAMAGE = {  # what was done to step 4 -> what the message says
                     "its config has a value mtx refuses: --seed must be an integer"),
     "emptied metadata, no record": (lambda d: ((d / MANIFEST).unlink(), (d / "state" / "_METADATA").write_text("")),
                                     "state/_METADATA is empty"),
+    "record not an object": (lambda d: (d / MANIFEST).write_text("[]"),
+                             f"its file record {MANIFEST} is not an object of file sizes in bytes"),
+    "record size a string": (lambda d: (d / MANIFEST).write_text('{"state/_METADATA": "x"}'),
+                             f"its file record {MANIFEST} is not an object of file sizes in bytes"),
+    # a training value a resume reads (the batch sizes) or evaluation does (the micro batch), edited
+    "batch size edited": (lambda d: _edit_config(d, lambda c: c["training"].update(global_batch_size="16")),
+                          "its config has a value mtx refuses: --global-batch-size must be an integer"),
+    "micro batch zeroed": (lambda d: _edit_config(d, lambda c: c["training"].update(micro_batch_size=0)),
+                           "its config has a value mtx refuses: --micro-batch-size must be >= 1, got 0."),
 }
 
 

@@ -108,7 +108,7 @@ def test_tp_comm_overlap_says_which_collectives_run_and_its_checkpoint_moves(tmp
 
     ckpt, base = str(tmp_path / "ckpt"), dict(global_batch_size=8, micro_batch_size=2, train_iters=4, save_interval=2)
     full = train(TINY.replace(tensor_model_parallel_size=2, data_parallel_size=1, sequence_parallel=True,
-                              tp_comm_overlap=True, save=ckpt, run_dir=str(tmp_path / "full"), **base), progress=False)
+                              tp_comm_overlap=True, save=ckpt, **base), progress=False)
     assert "mtx: --tp-comm-overlap: XLA's collectives (no kernels: needs NVIDIA Hopper GPUs" in capsys.readouterr().out
     resumed = train(TINY.replace(tensor_model_parallel_size=2, data_parallel_size=4, load=ckpt,
                                  ckpt_step=2, run_dir=str(tmp_path / "resumed"), **base), progress=False)

@@ -23,7 +23,7 @@ from mtx.data.documents import FIELDS as DOCUMENT_FLAGS, DocumentBatches
 from mtx.data.indexed import IndexedDataset
 from mtx.data.paths import indexed_prefix, parse_data_path
 from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
-from mtx.files import not_a_file, read_text
+from mtx.files import not_a_file, read_text, refuse_repeats
 
 
 def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
@@ -72,6 +72,7 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
     weights, paths = parse_data_path(data.data_path)
     if weights is not None:
         parse_weights(weights)  # refused before any file is read
+    refuse_repeats([indexed_prefix(p) or p for p in paths], "--data-path", "dataset")  # else blended with itself
     prefixes = [p for p in paths if indexed_prefix(p)]
     files = [p for p in paths if not indexed_prefix(p)]  # without weights: read as one dataset
     # the members of a blend may lack a validation share (`BlendedDataset` checks that one has it)

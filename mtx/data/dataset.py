@@ -154,14 +154,14 @@ class GPTDataset:
 
 
 def _parse_split(split: str) -> list[float]:
-    """Megatron's --split: up to three weights "train,valid,test" (',' or '/'), missing ones 0, normalized."""
-    try:
-        weights = [float(w) for w in re.split(r"[,/]", split.strip())]
-    except ValueError:
-        weights = []
+    """Megatron's --split: up to three weights "train,valid,test" (',' or '/'), missing ones 0, normalized. Each a
+    plain decimal number (digits, a '.', an exponent): float() alone also takes "1_0", spaces and non-ASCII digits."""
+    parts = re.split(r"[,/]", split)
+    plain = all(re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", w) for w in parts)
+    weights = [float(w) for w in parts] if plain else []
     if not 1 <= len(weights) <= 3 or min(weights) < 0 or not 0 < sum(weights) < float("inf"):  # nan, inf too
         raise ValueError(f"--split {split!r} must be up to three non-negative weights train,valid,test with a "
-                         "positive sum, e.g. 949,50,1.")
+                         "positive sum, each a plain decimal number, e.g. 949,50,1.")
     weights += [0.0] * (3 - len(weights))
     return [w / sum(weights) for w in weights]
 

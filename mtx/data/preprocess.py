@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import sys
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -30,7 +31,7 @@ from mtx.cli import OneLineParser, ranged
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from mtx.files import check_new_files, not_a_file, read_text
+from mtx.files import check_new_files, not_a_file, read_text, refuse_repeats
 
 _tokenizer = None  # one per worker process, built by _init
 
@@ -46,13 +47,19 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
 
 def _preprocess(args) -> list[str]:
+    _refuse_empty_paths(args)
     if bool(args.input) == bool(args.tfds):
         raise ValueError("pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
+    refuse_repeats(args.input or (), "--input", "file")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ValueError(f"--json-keys {' '.join(args.json_keys)} names a key twice; name each key once.")
-    if not args.output_prefix.strip():  # would write "_text_document.bin" into the working directory
-        raise ValueError("--output-prefix is empty; pass a path prefix such as data/my-corpus.")
     level = "sentence" if args.split_sentences else "document"  # Megatron's suffix
+    for key in args.json_keys:  # a key is part of the file names: "a/b" would write PREFIX_a/b_document.bin
+        if not key.strip() or key in (".", "..") or any(c in key for c in "/\\\0"):
+            raise ValueError(f"--json-keys {key!r}: each key is part of its output files' names (PREFIX_KEY_{level}"
+                             ".bin), so it must be a plain file-name part, not empty, '.' or '..' and without '/' "
+                             "or '\\'; pass the fields' names, such as text.")
+    _check_prefix(args.output_prefix)
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     outputs = [p + suffix for p in prefixes for suffix in (".bin", ".idx")]
     inputs = {Path(name).resolve() for name in args.input or ()}
@@ -97,6 +104,37 @@ def _preprocess(args) -> list[str]:
         writer.close()
     print(f"wrote {count} documents, {tokens} tokens: {', '.join(p + '.bin/.idx' for p in prefixes)}")
     return prefixes
+
+
+# Path flags, and what to pass in each: an empty value would be read as the working directory (".") or dropped
+_PATH_FLAGS = {"input": "JSONL or plain-text files", "tfds": "a TensorFlow Datasets split NAME[:split]",
+               "vocab_file": "GPT-2's encoder.json or BERT's vocab.txt", "merge_file": "GPT-2's vocab.bpe",
+               "tokenizer_model": "a directory holding tokenizer.json, or that file",
+               "tfds_data_dir": "a TFDS data directory, or drop the flag for TFDS's own"}
+
+
+def _refuse_empty_paths(args) -> None:
+    """Refuses an empty (or blank) value of a path flag: --input "" was once "--input .: is a directory"."""
+    for dest, fix in _PATH_FLAGS.items():
+        values = getattr(args, dest)
+        values = [values] if isinstance(values, str) else values or []
+        empty = [i for i, value in enumerate(values, 1) if not value.strip()]
+        if empty:
+            flag = "--" + dest.replace("_", "-")
+            if len(values) > 1:
+                flag += f" {' '.join(v if v.strip() else repr(v) for v in values)}: path {empty[0]} of {len(values)}"
+            raise ValueError(f"{flag} is empty; pass {fix}.")
+
+
+def _check_prefix(prefix: str) -> None:
+    """Refuses an --output-prefix that does not end in a file-name part: "" (files in the working directory), "data/"
+    or an existing directory "data" (files named "_text_document.bin" in it, or beside it)."""
+    if not prefix.strip():
+        raise ValueError("--output-prefix is empty; pass a path prefix such as data/my-corpus.")
+    if os.path.isdir(prefix) or os.path.basename(prefix) in ("", ".", ".."):
+        what = "is a directory" if os.path.isdir(prefix) else f"ends in {os.path.basename(prefix) or os.sep!r}"
+        raise ValueError(f"--output-prefix {prefix} {what}; the prefix must end in a file-name part, e.g. "
+                         f"{os.path.join(prefix, 'corpus')}.")
 
 
 def _parser() -> OneLineParser:
