@@ -73,7 +73,7 @@ class ModelConfig:
     disable_bias_linear: bool = _f(False, "no bias in the attention and MLP linears")
     bias_gelu_fusion: bool = _f(False, "the MLP's bias add and GeLU as one function whose backward recomputes the "
                                        "GeLU from the matmul's output: one (tokens, F) activation less kept a layer "
-                                       "(7.5 GiB at the 1.2B preset), ~1% slower on an H200; off: autodiff's")
+                                       "(7.5 GiB at 1.2B, micro batch 16), ~1% slower on an H200; off: autodiff's")
     bias_swiglu_fusion: bool = _f(False, "--swiglu: silu(gate) * up as one function whose backward recomputes it "
                                          "from the two matmuls' outputs, keeping nothing else (the Llama 1B preset: "
                                          "the same memory, within 1% of the speed on an H200); off: autodiff's")

@@ -31,7 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtx.architecture import ADDED_FIELDS
-from mtx.config import FIELD_TYPES, SECTIONS, Config, ModelConfig
+from mtx.config import FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
 from mtx.files import looks_like_step
@@ -56,12 +56,18 @@ def _orbax_quiet():
         absl.setLevel(level)
 
 
+# Besides the model: what a resume (the seed, the batch sizes) and evaluation (the micro batch, the tokenizer) read
+READ_FROM_CHECKPOINTS = ("seed", "global_batch_size", "micro_batch_size", "vocab_file", "merge_file", "tokenizer_type",
+                         "tokenizer_model")
+_TRAINING = {"seed", "global_batch_size", "micro_batch_size"}
+
+
 def config_problem(saved) -> str | None:
     """What is wrong with a config as mtx saved it (a step's, or a run directory's config.json), None if nothing:
     another shape, an unknown field, a model field missing, or a value of a type or out of a range no run could have
-    saved (an edited file; a resume reads the seed and batch sizes, evaluation the tokenizer and micro batch): the
-    file's fault, not a flag's. Each field alone: a check of combinations added since the file was written must not
-    break it."""
+    saved (an edited file) among the fields read from it: the model's, the seed and batch sizes a resume takes, the
+    micro batch and tokenizer evaluation takes. The file's fault, not a flag's. Only those: a check of other fields
+    added since the file was written must not break it."""
     try:
         cfg = Config.from_dict(saved)
     except (ValueError, TypeError) as e:
@@ -71,9 +77,10 @@ def config_problem(saved) -> str | None:
     if missing:
         return f"its config lacks model.{missing[0]}"
     try:
-        for section in SECTIONS:
-            for f in dataclasses.fields(getattr(cfg, section)):
-                check_field(f.name, FIELD_TYPES[f.name], getattr(getattr(cfg, section), f.name))
+        for f in dataclasses.fields(cfg.model):
+            check_field(f.name, FIELD_TYPES[f.name], getattr(cfg.model, f.name))
+        for name in READ_FROM_CHECKPOINTS:
+            check_field(name, FIELD_TYPES[name], getattr(cfg.training if name in _TRAINING else cfg.data, name))
     except (ValueError, TypeError) as e:
         return f"its config has a value mtx refuses: {first_line(e)}"
     return None
@@ -262,8 +269,9 @@ class Checkpointer:
 def check_compatible(saved, current, directory) -> None:
     """Refuses to load a checkpoint of a different architecture, naming every differing field and the flags that
     would match it (the model type first: it explains the rest; the vocabulary by the tokenizer, which sets it)."""
-    skipped = ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length", "init_method_std")
-    # regularization, training length and init do not shape a parameter
+    skipped = ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length", "init_method_std",
+               "bias_gelu_fusion", "bias_swiglu_fusion")
+    # regularization, training length, init and how the activations' backward is computed do not shape a parameter
     differ = [f.name for f in dataclasses.fields(saved)
               if f.name not in skipped and getattr(saved, f.name) != getattr(current, f.name)]
     if not differ:

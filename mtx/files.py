@@ -90,7 +90,7 @@ def check_writable(path: str | Path, flag: str) -> None:
 
 
 def _check_writable(path: Path, flag: str) -> None:
-    if step := next((p for p in (path, *path.parents) if looks_like_step(p)), None):
+    if step := next((p for p in (path, *path.parents) if _is_step(p)), None):
         # files added to a step break it for nobody, but keep it from being pruned, and mix with the checkpoint
         raise ValueError(f"{flag} {path} is inside checkpoint step {step.name} of {step.parent}; choose a directory "
                          "outside the checkpoint.")
@@ -113,12 +113,19 @@ def _check_writable(path: Path, flag: str) -> None:
 
 # What an orbax step directory holds, one of them even when damaged: mtx's file record (checkpoint.MANIFEST), orbax's
 # metadata, its items, its commit marker.
-STEP_MARKS = ("mtx_files.json", "_CHECKPOINT_METADATA", "state", "config", "commit_success.txt")
+OWN_STEP_MARKS = ("mtx_files.json", "_CHECKPOINT_METADATA", "commit_success.txt")  # names only mtx and orbax write
+STEP_MARKS = OWN_STEP_MARKS + ("state", "config")
 
 
 def looks_like_step(entry: Path) -> bool:
     """A directory named by its step number holding what a step holds: a user's folder "4" is none."""
     return entry.is_dir() and entry.name.isdigit() and any((entry / mark).exists() for mark in STEP_MARKS)
+
+
+def _is_step(path: Path) -> bool:
+    """A checkpoint step for sure: numbered, holding mtx's record or orbax's own metadata (a folder 2024/ of a user
+    holding config/ is none)."""
+    return looks_like_step(path) and any((path / mark).exists() for mark in OWN_STEP_MARKS)
 
 
 def _written_by_mtx(entry: Path) -> bool:

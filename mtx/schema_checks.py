@@ -209,22 +209,24 @@ def _check_checkpointing(t) -> None:
 def check_unused_flags(cfg, given) -> None:
     """A flag given on the command line (`given`: the field names) whose feature is off would do nothing: refused,
     naming what turns it on. Only given flags: a preset's setting is fine when a flag turns its feature off."""
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    rules = ((("wandb_exp_name", "wandb_save_dir"), t.wandb_project, "--wandb-project NAME"),
-             (("process_id",), p.num_processes or p.coordinator_address, "--num-processes N (multi-host)"),
-             (("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope"),
+    m, t, again = cfg.model, cfg.training, "pass that too, or leave it out."
+    rules = ((("wandb_exp_name", "wandb_save_dir"), t.wandb_project, "--wandb-project NAME", again),
+             (("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope", again),
              (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-               "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling"),
-             (("initial_loss_scale", "loss_scale_window", "min_loss_scale"), t.fp16, "--fp16"))
-    for names, on, enabler in rules:
+               "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
+             (("initial_loss_scale", "loss_scale_window", "min_loss_scale"), t.fp16, "--fp16", again),
+             (("bias_swiglu_fusion",), m.swiglu or not m.bias_swiglu_fusion, "--swiglu", again),
+             (("bias_gelu_fusion",), not m.swiglu or not m.bias_gelu_fusion, "the GeLU MLP, not --swiglu",
+              "leave it out (--bias-swiglu-fusion is SwiGLU's)."))
+    for names, on, enabler, fix in rules:
         for name in set(names) & set(given):
-            _check(on, f"--{name.replace('_', '-')} only acts with {enabler}; pass that too, or leave it out.")
+            _check(on, f"--{name.replace('_', '-')} only acts with {enabler}; {fix}")
 
 
 def unsaved_checkpoints(t) -> str | None:
     """A notice when flags ask for checkpoints that no --save will hold (a resumed run may pass them on purpose)."""
-    flags = [f"--{name.replace('_', '-')}" for name in ("save_interval", "async_save", "keep_last_n_checkpoints")
-             if getattr(t, name)]
+    flags = [f"--{name.replace('_', '-')}" for name in ("save_interval", "async_save", "keep_last_n_checkpoints",
+                                                         "keep_checkpoint_every") if getattr(t, name)]
     if flags and not t.save:
         return f"mtx: {' '.join(flags)} without --save: this run writes no checkpoint; pass --save DIR to keep them."
     return None
@@ -282,12 +284,14 @@ def _check_architecture(cfg) -> None:
            f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} pads the vocabulary to "
            f"{m.padded_vocab_size:,} rows (a multiple of 8 x it), beyond what mtx can use ({LIMITS[int]:,}); pass 128.")
     _check(m.num_params() <= MAX_PARAMETERS,
-           f"--num-layers {m.num_layers} x --hidden-size {m.hidden_size} (--ffn-hidden-size {m.ffn_size}) make "
-           f"{m.num_params():.3g} parameters, beyond what mtx can train ({MAX_PARAMETERS:.3g}); check these sizes.")
+           f"--num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_size} and the "
+           f"vocabulary ({m.padded_vocab_size:,} padded) make {m.num_params():.3g} parameters, beyond what mtx can "
+           f"train ({MAX_PARAMETERS:.3g}); check these sizes.")
     scores = cfg.training.micro_batch_size * m.num_attention_heads * m.seq_length ** 2
     _check(scores <= MAX_SCORES,
-           f"--seq-length {m.seq_length} makes {scores:.3g} attention scores a microbatch (--micro-batch-size x "
-           f"heads x S x S), beyond what mtx can compute ({MAX_SCORES:.3g}); pass a shorter sequence.")
+           f"--seq-length {m.seq_length} makes {scores:.3g} attention scores a microbatch (--micro-batch-size "
+           f"{cfg.training.micro_batch_size} x {m.num_attention_heads} heads x S x S), beyond what mtx can compute "
+           f"({MAX_SCORES:.3g}); pass a shorter sequence or a smaller micro batch.")
     _check(m.position_embedding_type in ("learned_absolute", "rope"),
            f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}.")
     _check(m.normalization in ("LayerNorm", "RMSNorm"),

@@ -30,8 +30,9 @@ def curve(result, steps):
 
 def run(cfg, mesh, tmp_path, name, **flags):
     dp, pp, tp = mesh
+    where = {} if "save" in flags else {"run_dir": str(tmp_path / name)}  # --save is the run directory then
     return train(cfg.replace(data_parallel_size=dp, pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
-                             train_iters=10, log_interval=5, run_dir=str(tmp_path / name), **flags), progress=False)
+                             train_iters=10, log_interval=5, **where, **flags), progress=False)
 
 
 def direct_curve(cfg, mesh, steps=10):

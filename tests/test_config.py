@@ -261,7 +261,8 @@ def test_bert_flops_count_the_mlm_head_where_it_runs():
     (["--lr", "1e-45"], "--lr 1e-45 is 0 in float32"),
     (["--make-vocab-size-divisible-by", "2147483647"], "--make-vocab-size-divisible-by 2147483647 pads the "
      "vocabulary to 17,179,869,176 rows (a multiple of 8 x it), beyond what mtx can use (2,147,483,647); pass 128."),
-    (["--hidden-size", "2147483640", "--num-attention-heads", "8"], "--num-layers 4 x --hidden-size 2147483640"),
+    (["--hidden-size", "2147483640", "--num-attention-heads", "8"],
+     "--num-layers 4, --hidden-size 2147483640, --ffn-hidden-size 8589934560 and the vocabulary"),
     (["--seq-length", "2147483647", "--max-position-embeddings", "2147483647"],
      "--seq-length 2147483647 makes 1.48e+20 attention scores a microbatch"),
 ])
@@ -275,7 +276,7 @@ def test_numbers_float32_or_the_model_cannot_hold_are_refused(argv, message):
 
 @pytest.mark.parametrize("argv,enabler", [
     (["--wandb-exp-name", "x"], "--wandb-project NAME"), (["--wandb-save-dir", "w"], "--wandb-project NAME"),
-    (["--process-id", "0"], "--num-processes N (multi-host)"),
+    (["--bias-swiglu-fusion"], "--swiglu"), (["--swiglu", "--bias-gelu-fusion"], "the GeLU MLP, not --swiglu"),
     (["--rotary-base", "5e5"], "--position-embedding-type rope"),
     (["--position-embedding-type", "rope", "--rope-scaling-factor", "8"], "--use-rope-scaling"),
     (["--loss-scale-window", "10"], "--fp16"),
@@ -283,7 +284,8 @@ def test_numbers_float32_or_the_model_cannot_hold_are_refused(argv, message):
 def test_a_flag_whose_feature_is_off_is_refused(argv, enabler):
     """Given on the command line, a setting of a feature that is off is refused; from a preset it is not (a flag may
     turn the preset's feature off)."""
-    with pytest.raises(ValueError, match=re.escape(f"only acts with {enabler}; pass that too, or leave it out.")):
+    with pytest.raises(ValueError, match=re.escape(f"only acts with {enabler}; ")):
         parse_config(argv)
+    parse_config(["--no-bias-swiglu-fusion", "--swiglu", "--no-bias-gelu-fusion"])  # the off forms are harmless
     cfg = parse_config(["--config", "configs/llama_8b.toml", "--no-use-rope-scaling"])
     assert not cfg.model.use_rope_scaling and cfg.model.rope_scaling_factor != 1

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtx.kernels.elementwise import bias_gelu, gelu, layer_norm, rms_norm, swiglu
 from mtx.config import Config, load_preset
+from mtx.kernels.elementwise import bias_gelu, gelu, layer_norm, rms_norm, swiglu
 from mtx.models.stack import save_matmul_outputs
 
 from helpers import LLAMA_BLOCKS, loss_and_grads
@@ -152,3 +152,14 @@ def test_the_fused_activations_train_as_autodiff_does_on_a_mesh(blocks, flag, me
     for path in ref:
         np.testing.assert_allclose(grads[path], ref[path], rtol=1e-4, atol=1e-6 * np.abs(ref[path]).max(),
                                    err_msg=path)
+
+
+def test_a_checkpoint_resumes_with_either_setting():
+    """The settings change how a backward is computed, no parameter: a run saved with either resumes with the other
+    (`check_compatible`), and --use-checkpoint-args leaves this run's choice alone."""
+    from mtx.checkpoint import check_compatible
+    from mtx.config import ModelConfig
+    from mtx.resume import ARCHITECTURE
+
+    check_compatible(ModelConfig(), ModelConfig(bias_gelu_fusion=True, bias_swiglu_fusion=True), "ck")
+    assert not {"bias_gelu_fusion", "bias_swiglu_fusion"} & set(ARCHITECTURE)

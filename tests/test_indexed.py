@@ -206,9 +206,8 @@ def test_preprocess_refuses_names_that_are_no_file_names(tmp_path, refused, monk
     for key in ["a/b", "../in", "", ".", "..", "a\\b"]:
         assert f"--json-keys {key!r}: each key is part of its output files' names" in refused(
             ["--input", "a.txt", *out, "--json-keys", "text", key])
-    assert "--output-prefix pp/ is a directory; the prefix must end in a file-name part, e.g. pp/corpus" in refused(
+    assert "--output-prefix pp/ ends in '/'; the prefix must end in a file-name part, e.g. pp/corpus" in refused(
         ["--input", "a.txt", "--output-prefix", "pp/"])
-    assert "--output-prefix pp is a directory" in refused(["--input", "a.txt", "--output-prefix", "pp"])
     assert "--output-prefix new/ ends in '/'; the prefix must end in a file-name part" in refused(
         ["--input", "a.txt", "--output-prefix", "new/"])
     assert "--input a.txt is given twice; pass each file once" in refused(["--input", "a.txt", "a.txt", *out])
@@ -217,6 +216,8 @@ def test_preprocess_refuses_names_that_are_no_file_names(tmp_path, refused, monk
     assert "--input a.txt '': path 2 of 2 is empty" in refused(["--input", "a.txt", "", *out])
     assert "--tfds is empty" in refused(["--tfds", "", *out])
     assert "--vocab-file is empty; pass GPT-2's encoder.json" in refused(["--input", "a.txt", *out, "--vocab-file", ""])
+    assert "--tfds-data-dir is where --tfds reads its datasets; with --input drop it." in refused(
+        ["--input", "a.txt", *out, "--tfds-data-dir", "tf"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "pp"] and not any((tmp_path / "pp").iterdir())
 
 

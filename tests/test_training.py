@@ -21,8 +21,8 @@ EXACT = dict(hidden_dropout=0.0, attention_dropout=0.0)  # fp32 is the default c
 
 
 def run(tmp_path, name, **flags):
-    cfg = TINY.replace(run_dir=str(tmp_path / name), **flags)
-    return train(cfg, progress=False)
+    where = {} if "save" in flags else {"run_dir": str(tmp_path / name)}  # --save is the run directory then
+    return train(TINY.replace(**where, **flags), progress=False)
 
 
 def losses(result, steps):

@@ -155,8 +155,9 @@ class GPTDataset:
 
 def _parse_split(split: str) -> list[float]:
     """Megatron's --split: up to three weights "train,valid,test" (',' or '/'), missing ones 0, normalized. Each a
-    plain decimal number (digits, a '.', an exponent): float() alone also takes "1_0", spaces and non-ASCII digits."""
-    parts = re.split(r"[,/]", split)
+    plain decimal number (digits, a '.', an exponent; spaces around it): float() alone also takes "1_0" and non-ASCII
+    digits."""
+    parts = [w.strip() for w in re.split(r"[,/]", split)]
     plain = all(re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", w) for w in parts)
     weights = [float(w) for w in parts] if plain else []
     if not 1 <= len(weights) <= 3 or min(weights) < 0 or not 0 < sum(weights) < float("inf"):  # nan, inf too

@@ -50,6 +50,8 @@ def _preprocess(args) -> list[str]:
     _refuse_empty_paths(args)
     if bool(args.input) == bool(args.tfds):
         raise ValueError("pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
+    if args.tfds_data_dir and not args.tfds:  # files would be read, the directory never looked at
+        raise ValueError("--tfds-data-dir is where --tfds reads its datasets; with --input drop it.")
     refuse_repeats(args.input or (), "--input", "file")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise ValueError(f"--json-keys {' '.join(args.json_keys)} names a key twice; name each key once.")
@@ -127,14 +129,14 @@ def _refuse_empty_paths(args) -> None:
 
 
 def _check_prefix(prefix: str) -> None:
-    """Refuses an --output-prefix that does not end in a file-name part: "" (files in the working directory), "data/"
-    or an existing directory "data" (files named "_text_document.bin" in it, or beside it)."""
+    """Refuses an --output-prefix that does not end in a file-name part: "" (files in the working directory) or
+    "data/", "data/." (files named "_text_document.bin" in it). An existing directory "data" is fine: the files go
+    beside it, data_text_document.bin."""
     if not prefix.strip():
         raise ValueError("--output-prefix is empty; pass a path prefix such as data/my-corpus.")
-    if os.path.isdir(prefix) or os.path.basename(prefix) in ("", ".", ".."):
-        what = "is a directory" if os.path.isdir(prefix) else f"ends in {os.path.basename(prefix) or os.sep!r}"
-        raise ValueError(f"--output-prefix {prefix} {what}; the prefix must end in a file-name part, e.g. "
-                         f"{os.path.join(prefix, 'corpus')}.")
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise ValueError(f"--output-prefix {prefix} ends in {os.path.basename(prefix) or os.sep!r}; the prefix must "
+                         f"end in a file-name part, e.g. {os.path.join(prefix, 'corpus')}.")
 
 
 def _parser() -> OneLineParser:
