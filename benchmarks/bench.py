@@ -163,7 +163,7 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
     --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
     from mtx.cli import (OneLineParser, build_parser, flags_in, parse_config, unknown_flags_message,
                          with_negative_values)
-    from mtx.files import check_json_lines, check_writable, json_line
+    from mtx.files import check_json_lines, check_writable, json_line, refuse_empty
 
     ap = OneLineParser(prog="bench.py", add_help=False)  # --step is no --steps (whole flags, as train.py's)
     ap.add_argument("--steps", type=int, default=10)
@@ -182,8 +182,7 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
                              "warm-up steps.")
         for flag, value, fix in (("--json", own.json, "a file to append the results to"),
                                  ("--profile", own.profile, "a directory for the trace")):
-            if value is not None and not value.strip():  # once ignored: no results file, no trace
-                raise ValueError(f"{flag} is empty; pass {fix}, or drop {flag}.")
+            refuse_empty(value, flag, f"{fix}, or drop {flag}")  # once ignored: no results file, no trace
         if own.json:  # appended to: an existing file of results is fine, any other file refused
             check_json_lines(own.json, "--json")
         if own.profile:

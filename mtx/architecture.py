@@ -24,6 +24,9 @@ ADDED_FIELDS = frozenset({"position_embedding_type", "rotary_base", "rotary_perc
                           "untie_embeddings_and_output_weights", "disable_bias_linear", "use_rope_scaling",
                           "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                           "rope_scaling_original_max_position_embeddings", "bias_gelu_fusion", "bias_swiglu_fusion"})
+# Fields that choose how a step computes, not what the parameters are: a checkpoint resumes with either value, and
+# --use-checkpoint-args leaves them to this run.
+COMPUTE_ONLY = ("bias_gelu_fusion", "bias_swiglu_fusion")
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from mtx.architecture import ADDED_FIELDS
-from mtx.config import FIELD_TYPES, Config, ModelConfig
+from mtx.architecture import ADDED_FIELDS, COMPUTE_ONLY
+from mtx.config import FIELD_SECTION, FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
 from mtx.files import looks_like_step
@@ -59,7 +59,6 @@ def _orbax_quiet():
 # Besides the model: what a resume (the seed, the batch sizes) and evaluation (the micro batch, the tokenizer) read
 READ_FROM_CHECKPOINTS = ("seed", "global_batch_size", "micro_batch_size", "vocab_file", "merge_file", "tokenizer_type",
                          "tokenizer_model")
-_TRAINING = {"seed", "global_batch_size", "micro_batch_size"}
 
 
 def config_problem(saved) -> str | None:
@@ -80,7 +79,7 @@ def config_problem(saved) -> str | None:
         for f in dataclasses.fields(cfg.model):
             check_field(f.name, FIELD_TYPES[f.name], getattr(cfg.model, f.name))
         for name in READ_FROM_CHECKPOINTS:
-            check_field(name, FIELD_TYPES[name], getattr(cfg.training if name in _TRAINING else cfg.data, name))
+            check_field(name, FIELD_TYPES[name], getattr(getattr(cfg, FIELD_SECTION[name]), name))
     except (ValueError, TypeError) as e:
         return f"its config has a value mtx refuses: {first_line(e)}"
     return None
@@ -269,9 +268,8 @@ class Checkpointer:
 def check_compatible(saved, current, directory) -> None:
     """Refuses to load a checkpoint of a different architecture, naming every differing field and the flags that
     would match it (the model type first: it explains the rest; the vocabulary by the tokenizer, which sets it)."""
-    skipped = ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length", "init_method_std",
-               "bias_gelu_fusion", "bias_swiglu_fusion")
-    # regularization, training length, init and how the activations' backward is computed do not shape a parameter
+    skipped = ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length", "init_method_std", *COMPUTE_ONLY)
+    # regularization, training length, init and how a step computes do not shape a parameter
     differ = [f.name for f in dataclasses.fields(saved)
               if f.name not in skipped and getattr(saved, f.name) != getattr(current, f.name)]
     if not differ:

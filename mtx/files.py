@@ -260,6 +260,16 @@ def read_text(path: str | Path, flag: str, fix: str) -> str:
     return text
 
 
+def refuse_empty(values, flag: str, fix: str) -> None:
+    """Refuses an empty (or blank) path among `values` (one or several), which would be read as the working directory
+    ("."): one line "FLAG is empty; pass FIX", naming its place among several."""
+    values = [values] if isinstance(values, str) else list(values or ())
+    if empty := [i for i, value in enumerate(values, 1) if not str(value).strip()]:
+        where = "" if len(values) == 1 else (f" {' '.join(v if str(v).strip() else repr(v) for v in values)}: path "
+                                             f"{empty[0]} of {len(values)}")
+        raise ValueError(f"{flag}{where} is empty; pass {fix}.")
+
+
 def refuse_repeats(names, flag: str, what: str) -> None:
     """Refuses a path given twice (also spelt two ways, ./a.txt and a.txt), which would be read twice: one line
     "FLAG NAME is given twice; pass each WHAT once" (`flag` "" for a positional argument)."""

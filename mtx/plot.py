@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mtx.cli import OneLineParser
-from mtx.files import MARK, check_writable, made_by_mtx_plot, refuse_repeats
+from mtx.files import MARK, check_writable, made_by_mtx_plot, refuse_empty, refuse_repeats
 
 # file stem -> (y label, [(field, line style)], scale); loss shows training and validation together
 FIGURES = {
@@ -56,8 +56,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
 
 def plot(run_dirs: Sequence[str], out: str = "plots", x: Sequence[str] = ("steps",)) -> list[Path]:
     """Draws the curves of `run_dirs` against each axis in `x` into the directory `out`; returns the files."""
-    if not str(out).strip():
-        raise ValueError("--out is empty; pass a directory for the figures (default: plots).")
+    refuse_empty(str(out), "--out", "a directory for the figures (default: plots)")
     _check_run_dirs(run_dirs)
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -92,10 +91,7 @@ def _parser() -> OneLineParser:
 
 def _check_run_dirs(run_dirs: Sequence[str]) -> None:
     """Refuses an empty RUN_DIR (once read as ".") and a run given twice (also spelt two ways): drawn twice."""
-    for i, d in enumerate(run_dirs, 1):
-        if not str(d).strip():
-            which = f"RUN_DIR {i} of {len(run_dirs)}" if len(run_dirs) > 1 else "RUN_DIR"
-            raise ValueError(f"{which} is empty; pass a run directory (train.py's --save or --run-dir).")
+    refuse_empty(run_dirs, "RUN_DIR", "a run directory (train.py's --save or --run-dir)")
     refuse_repeats(run_dirs, "", "run directory")
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mtx.architecture import COMPUTE_ONLY
 from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, say_passed_over
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
@@ -29,8 +30,7 @@ from mtx.files import is_mtx_config
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
 # vocabulary size, which comes from the tokenizer (a mismatch is refused), nor dropout, smoothing and init.
 ARCHITECTURE = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in (
-    "vocab_size", "hidden_dropout", "attention_dropout", "label_smoothing", "init_method_std", "bias_gelu_fusion",
-    "bias_swiglu_fusion"))
+    "vocab_size", "hidden_dropout", "attention_dropout", "label_smoothing", "init_method_std", *COMPUTE_ONLY))
 
 
 def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | None]:

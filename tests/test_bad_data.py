@@ -167,7 +167,7 @@ def test_preprocess_refuses_input_with_nothing_to_write(tmp_path, capsys, argv, 
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # temporary files gone too
 
 
-@pytest.mark.parametrize("split", ["1_0,1,1", "1 0,1,1", "１,1,1", "+1,1", "0x1,1", "1,,1", "nan,1,1"])
+@pytest.mark.parametrize("split", ["1_0,1,1", "1 0,1,1", "１,1,1", "-1,2", "0x1,1", "1,,1", "nan,1,1"])
 def test_a_split_takes_plain_decimal_numbers_only(split):
     """float() takes "1_0" and non-ASCII digits, which every other numeric flag refuses (once accepted)."""
     _refused(f"--split {re.escape(repr(split))} must be up to three non-negative weights .* each a plain decimal "

@@ -84,26 +84,34 @@ def test_backward_reads_the_statistics_through_a_barrier(norm):
     assert barriers[0].count("tensor<2x4x1xf32>") == (2 if norm == "LayerNorm" else 1)  # mean and rstd, or rstd
 
 
+def _as_accurate_as_autodiff(fn, plain, args):
+    """fn's value and gradients (of a loss weighting every element) against float32 autodiff of `plain`: in float32
+    equal to rounding, in bf16 within twice the error of autodiff of `plain` in bf16 itself (the path fn replaces),
+    element by element at the scale of the largest gradient entry."""
+    weights = jax.random.normal(jax.random.key(9), args[0].shape)
+    loss = lambda f: lambda *a: (f(*a).astype(jnp.float32) * weights).sum()
+    argnums = tuple(range(len(args)))
+    got = jax.value_and_grad(loss(fn), argnums)(*args)
+    same = jax.value_and_grad(loss(plain), argnums)(*args)  # autodiff in the arguments' dtype
+    exact = jax.value_and_grad(loss(plain), argnums)(*(a.astype(jnp.float32) for a in args))
+    for ours, theirs, ref in zip(jax.tree.leaves(got), jax.tree.leaves(same), jax.tree.leaves(exact)):
+        assert ours.dtype == theirs.dtype
+        scale = float(jnp.abs(ref).max())
+        error = lambda x: float(jnp.abs(x.astype(jnp.float32) - ref).max())
+        assert error(ours) <= max(2 * error(theirs), 1e-6 * scale), (error(ours), error(theirs), scale)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_bias_gelu_equals_autodiff_of_jax_gelu(with_bias, dtype):
-    k = jax.random.split(jax.random.key(1), 4)
+def test_bias_gelu_is_as_accurate_as_autodiff_of_jax_gelu(with_bias, dtype):
+    k = jax.random.split(jax.random.key(1), 2)
     h = (2 * jax.random.normal(k[0], (3, 5, 64))).astype(dtype)
     bias = (0.5 * jax.random.normal(k[1], (64,))).astype(dtype)
-    weights = jax.random.normal(k[2], h.shape)
-    fused = (lambda h, b: bias_gelu(h, b)) if with_bias else (lambda h, b: gelu(h))
-    plain = lambda h, b: jax.nn.gelu((h.astype(jnp.float32) + b.astype(jnp.float32)) if with_bias
-                                     else h.astype(jnp.float32), approximate=True)
-    loss = lambda f: lambda h, b: (f(h, b).astype(jnp.float32) * weights).sum()
-    (value, grads), (value_ref, grads_ref) = (jax.value_and_grad(loss(f), (0, 1))(h, bias) for f in (fused, plain))
-    assert fused(h, bias).dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == dtype
-    ulp = 1e-6 if dtype == jnp.float32 else 2 ** -7  # bf16: computed in bf16 as jax.nn.gelu does
-    np.testing.assert_allclose(value, value_ref, rtol=10 * ulp)
-    for g, ref in zip(grads if with_bias else grads[:1], grads_ref):
-        scale = float(jnp.abs(ref).max())
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(ref), rtol=0, atol=2 * ulp * scale)
-    if not with_bias:
-        assert not grads[1].any()
+    if with_bias:
+        _as_accurate_as_autodiff(bias_gelu, lambda h, b: jax.nn.gelu(h + b, approximate=True), (h, bias))
+    else:
+        _as_accurate_as_autodiff(gelu, lambda h: jax.nn.gelu(h, approximate=True), (h,))
+    assert bias_gelu(h, bias).dtype == gelu(h).dtype == dtype
 
 
 def test_bias_gelu_keeps_only_its_inputs_for_the_backward():
@@ -120,19 +128,9 @@ def test_bias_gelu_keeps_only_its_inputs_for_the_backward():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_swiglu_equals_autodiff_of_jax_silu(dtype):
-    k = jax.random.split(jax.random.key(2), 3)
-    gate, up = (2 * jax.random.normal(k[0], (2, 2, 3, 40))).astype(dtype)
-    weights = jax.random.normal(k[2], gate.shape)
-    plain = lambda g, u: jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
-    loss = lambda f: lambda g, u: (f(g, u).astype(jnp.float32) * weights).sum()
-    (value, grads), (value_ref, grads_ref) = (jax.value_and_grad(loss(f), (0, 1))(gate, up) for f in (swiglu, plain))
-    ulp = 1e-6 if dtype == jnp.float32 else 2 ** -7
-    np.testing.assert_allclose(value, value_ref, rtol=10 * ulp)
-    for g, ref in zip(grads, grads_ref):
-        assert g.dtype == dtype
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(ref), rtol=0,
-                                   atol=2 * ulp * float(jnp.abs(ref).max()))
+def test_swiglu_is_as_accurate_as_autodiff_of_jax_silu(dtype):
+    gate, up = (2 * jax.random.normal(jax.random.key(2), (2, 2, 3, 40))).astype(dtype)
+    _as_accurate_as_autodiff(swiglu, lambda g, u: jax.nn.silu(g) * u, (gate, up))
     _, residuals = jax.vjp(swiglu, gate, up)  # the two inputs, nothing computed from them (autodiff keeps 5)
     assert len(jax.tree.leaves(residuals)) == 2
 

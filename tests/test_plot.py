@@ -117,7 +117,7 @@ def test_empty_and_repeated_run_dirs_are_refused(tmp_path, capsys, monkeypatch):
     out = ["--out", "out"]
     assert _refused(capsys, ["", *out]) == ("error: RUN_DIR is empty; pass a run directory (train.py's --save or "
                                             "--run-dir).")
-    assert "RUN_DIR 2 of 2 is empty" in _refused(capsys, ["good", " ", *out])
+    assert "RUN_DIR good ' ': path 2 of 2 is empty" in _refused(capsys, ["good", " ", *out])
     assert "good is given twice; pass each run directory once" in _refused(capsys, ["good", "good", *out])
     assert "given twice (as good and ./good/)" in _refused(capsys, ["good", "./good/", *out])
     assert not (tmp_path / "out").exists()

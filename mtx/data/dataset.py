@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 
+from mtx.cli import STRICT
 from mtx.data.tokenizer import Tokenizer
 
 SPLITS = ("train", "valid", "test")
@@ -155,11 +156,12 @@ class GPTDataset:
 
 def _parse_split(split: str) -> list[float]:
     """Megatron's --split: up to three weights "train,valid,test" (',' or '/'), missing ones 0, normalized. Each a
-    plain decimal number (digits, a '.', an exponent; spaces around it): float() alone also takes "1_0" and non-ASCII
+    plain decimal number as numeric flags take them (spaces around it): float() alone also takes "1_0" and non-ASCII
     digits."""
-    parts = [w.strip() for w in re.split(r"[,/]", split)]
-    plain = all(re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", w) for w in parts)
-    weights = [float(w) for w in parts] if plain else []
+    try:
+        weights = [STRICT[float](w.strip()) for w in re.split(r"[,/]", split)]
+    except ValueError:
+        weights = []
     if not 1 <= len(weights) <= 3 or min(weights) < 0 or not 0 < sum(weights) < float("inf"):  # nan, inf too
         raise ValueError(f"--split {split!r} must be up to three non-negative weights train,valid,test with a "
                          "positive sum, each a plain decimal number, e.g. 949,50,1.")

@@ -31,7 +31,7 @@ from mtx.cli import OneLineParser, ranged
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from mtx.files import check_new_files, not_a_file, read_text, refuse_repeats
+from mtx.files import check_new_files, not_a_file, read_text, refuse_empty, refuse_repeats
 
 _tokenizer = None  # one per worker process, built by _init
 
@@ -118,22 +118,14 @@ _PATH_FLAGS = {"input": "JSONL or plain-text files", "tfds": "a TensorFlow Datas
 def _refuse_empty_paths(args) -> None:
     """Refuses an empty (or blank) value of a path flag: --input "" was once "--input .: is a directory"."""
     for dest, fix in _PATH_FLAGS.items():
-        values = getattr(args, dest)
-        values = [values] if isinstance(values, str) else values or []
-        empty = [i for i, value in enumerate(values, 1) if not value.strip()]
-        if empty:
-            flag = "--" + dest.replace("_", "-")
-            if len(values) > 1:
-                flag += f" {' '.join(v if v.strip() else repr(v) for v in values)}: path {empty[0]} of {len(values)}"
-            raise ValueError(f"{flag} is empty; pass {fix}.")
+        refuse_empty(getattr(args, dest), "--" + dest.replace("_", "-"), fix)
 
 
 def _check_prefix(prefix: str) -> None:
     """Refuses an --output-prefix that does not end in a file-name part: "" (files in the working directory) or
     "data/", "data/." (files named "_text_document.bin" in it). An existing directory "data" is fine: the files go
     beside it, data_text_document.bin."""
-    if not prefix.strip():
-        raise ValueError("--output-prefix is empty; pass a path prefix such as data/my-corpus.")
+    refuse_empty(prefix, "--output-prefix", "a path prefix such as data/my-corpus")
     if os.path.basename(prefix) in ("", ".", ".."):
         raise ValueError(f"--output-prefix {prefix} ends in {os.path.basename(prefix) or os.sep!r}; the prefix must "
                          f"end in a file-name part, e.g. {os.path.join(prefix, 'corpus')}.")
