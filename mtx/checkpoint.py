@@ -35,7 +35,7 @@ from mtx.config import FIELD_SECTION, FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
 from mtx.files import looks_like_step
-from mtx.schema_checks import check_field
+from mtx.schema_checks import check_field, check_saved_combinations
 
 MANIFEST = "mtx_files.json"  # in a finished step: {path relative to the step: size in bytes} of its every file
 
@@ -57,16 +57,16 @@ def _orbax_quiet():
 
 
 # Besides the model: what a resume (the seed, the batch sizes) and evaluation (the micro batch, the tokenizer) read
-READ_FROM_CHECKPOINTS = ("seed", "global_batch_size", "micro_batch_size", "vocab_file", "merge_file", "tokenizer_type",
-                         "tokenizer_model")
+READ_FROM_CHECKPOINTS = ("seed", "global_batch_size", "micro_batch_size", "vocab_file", "merge_file",
+                         "tokenizer_type", "tokenizer_model")
 
 
 def config_problem(saved) -> str | None:
     """What is wrong with a config as mtx saved it (a step's, or a run directory's config.json), None if nothing:
     another shape, an unknown field, a model field missing, or a value of a type or out of a range no run could have
     saved (an edited file) among the fields read from it: the model's, the seed and batch sizes a resume takes, the
-    micro batch and tokenizer evaluation takes. The file's fault, not a flag's. Only those: a check of other fields
-    added since the file was written must not break it."""
+    micro batch and tokenizer evaluation takes; or such values together (check_saved_combinations). The file's
+    fault, not a flag's. Only those: a check of other fields added since the file was written must not break it."""
     try:
         cfg = Config.from_dict(saved)
     except (ValueError, TypeError) as e:
@@ -82,6 +82,10 @@ def config_problem(saved) -> str | None:
             check_field(name, FIELD_TYPES[name], getattr(getattr(cfg, FIELD_SECTION[name]), name))
     except (ValueError, TypeError) as e:
         return f"its config has a value mtx refuses: {first_line(e)}"
+    try:
+        check_saved_combinations(cfg)
+    except ValueError as e:
+        return f"its config has values mtx refuses together: {first_line(e)}"
     return None
 
 

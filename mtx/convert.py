@@ -26,7 +26,7 @@ import numpy as np
 from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
 from mtx.errors import first_line
-from mtx.files import check_writable
+from mtx.files import check_writable, refuse_empty
 from mtx.hf_checks import BUFFERS, check as _check, validated
 
 PREFIX = "transformer."
@@ -312,7 +312,7 @@ def _family(model_type):
 
 
 def _check_fresh(path: str | Path, flag: str, what: str) -> None:
-    _check(str(path).strip() != "", f"{flag} is empty; pass a new {what} directory.")  # "." once
+    refuse_empty(str(path), flag, f"a new {what} directory")  # "." once
     p = Path(path)
     _check(not (p.exists() and (not p.is_dir() or any(p.iterdir()))),
            f"{flag} {p} already exists and is not empty; choose a new {what} directory.")

@@ -131,10 +131,8 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
            f"--min-lr {o.min_lr} is above --lr {o.lr}; the schedule decays from --lr down to --min-lr.")
     _check(p.process_id is None or p.num_processes is None or p.process_id < p.num_processes,
            f"--process-id {p.process_id} must be below --num-processes {p.num_processes}.")
+    check_saved_combinations(cfg)
     tp = p.tensor_model_parallel_size
-    _check(m.hidden_size % m.num_attention_heads == 0,
-           f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
-           "choose a hidden size that is a multiple of the head count.")
     _check(m.num_attention_heads % tp == 0,
            f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size "
            f"{tp}; use a TP size that divides the head count.")
@@ -145,9 +143,6 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     _check(m.padded_vocab_size % (tp * m.make_vocab_size_divisible_by) == 0,
            f"--tensor-model-parallel-size {tp} does not divide the padded vocabulary "
            f"{m.padded_vocab_size} into multiples of 128; use a TP size of at most 8.")
-    _check(m.max_positions >= m.seq_length,
-           f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
-           "raise it to at least the sequence length.")
     _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
            f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
            f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")
@@ -162,7 +157,8 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
            f"--recompute-granularity must be none, full, selective or matmuls, got {t.recompute_granularity!r}.")
     _check(o.lr_decay_style in ("constant", "linear", "cosine"),
            f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
-    _check_model_type(cfg)
+    _check(t.mlm_head_positions in ("masked", "all"),
+           f"--mlm-head-positions must be masked or all, got {t.mlm_head_positions!r}.")
     _check_architecture(cfg)
     _check_checkpointing(t)
     _check_megatron_flags(cfg)
@@ -233,7 +229,7 @@ def unsaved_checkpoints(t) -> str | None:
 
 
 def _check_megatron_flags(cfg) -> None:
-    """Megatron's sample counts, warmup fraction, recompute alias, profiling, document masks and HF tokenizers."""
+    """Megatron's sample counts, warmup fraction, recompute alias, profiling and document masks."""
     t, o, d, m = cfg.training, cfg.optimizer, cfg.data, cfg.model
     _check(o.lr_warmup_fraction is None or o.lr_warmup_samples is None,
            "--lr-warmup-fraction and --lr-warmup-samples both set the warmup; pass one of them.")
@@ -249,26 +245,39 @@ def _check_megatron_flags(cfg) -> None:
     _check(not documents or not m.is_bert,
            f"--{documents[0].replace('_', '-') if documents else ''} acts on GPT's packed documents; BERT's samples "
            "are sentence pairs: drop it for --model-type bert.")
+
+
+def check_saved_combinations(cfg) -> None:
+    """The combinations that every config mtx saves satisfies among the fields read back from checkpoints: the
+    model's shapes and kind, and its tokenizer. Checked for flags here and for a saved config (an edited file) by
+    mtx/checkpoint.py's config_problem; the parallel and training fields are not read back (checked as flags only)."""
+    m, d = cfg.model, cfg.data
+    _check(m.hidden_size % m.num_attention_heads == 0,
+           f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+           "choose a hidden size that is a multiple of the head count.")
+    _check(m.max_positions >= m.seq_length,
+           f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
+           "raise it to at least the sequence length.")
+    _check_model_type(cfg)
+    _check_model_architecture(m)
     hf = d.tokenizer_type == "HuggingFaceTokenizer"
     _check(hf == (d.tokenizer_model is not None),
            "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding tokenizer.json, or "
            "the file) go together; pass both or neither.")
+    _check(not m.is_bert or (d.tokenizer_type in (None, "BertWordPieceLowerCase") and d.merge_file is None),
+           "--model-type bert needs BERT's WordPiece vocabulary: pass --vocab-file vocab.txt (BERT's) without "
+           "--merge-file, and --tokenizer-type BertWordPieceLowerCase or none.")
 
 
 def _check_model_type(cfg) -> None:
-    m, d = cfg.model, cfg.data
+    m = cfg.model
     _check(m.model_type in ("gpt", "bert"), f"--model-type must be gpt or bert, got {m.model_type!r}.")
     _check(m.layernorm_placement in ("pre", "post"),
            f"--layernorm-placement must be pre or post, got {m.layernorm_placement!r}.")
-    _check(cfg.training.mlm_head_positions in ("masked", "all"),
-           f"--mlm-head-positions must be masked or all, got {cfg.training.mlm_head_positions!r}.")
     if not m.is_bert:
         _check(m.layernorm_placement == "pre",
                "--layernorm-placement post is only implemented for --model-type bert; drop it for GPT.")
         return
-    _check(d.tokenizer_type in (None, "BertWordPieceLowerCase") and d.merge_file is None,
-           "--model-type bert needs BERT's WordPiece vocabulary: pass --vocab-file vocab.txt (BERT's) without "
-           "--merge-file, and --tokenizer-type BertWordPieceLowerCase or none.")
     _check(not m.bert_binary_head or m.num_tokentypes >= 2,
            f"--num-tokentypes {m.num_tokentypes} cannot tell sentence A from B; use 2, or --bert-no-binary-head.")
     _check(m.seq_length >= 8, f"--seq-length {m.seq_length} is too short for BERT's [CLS] A [SEP] B [SEP] samples; "
@@ -276,10 +285,28 @@ def _check_model_type(cfg) -> None:
 
 
 def _check_architecture(cfg) -> None:
-    """The model's sizes together; Llama's blocks (mtx/architecture.py): names, the rotary dimensions, the key/value
-    groups against the heads and TP, and what they do not combine with (BERT; rope with positions restarting inside
-    an attention window)."""
+    """The model's sizes against the micro batch, its key/value groups against TP, rope against the data's
+    documents (the model's own combinations: _check_model_architecture)."""
     m, d, tp = cfg.model, cfg.data, cfg.parallel.tensor_model_parallel_size
+    scores = cfg.training.micro_batch_size * m.num_attention_heads * m.seq_length ** 2
+    _check(scores <= MAX_SCORES,
+           f"--seq-length {m.seq_length} makes {scores:.3g} attention scores a microbatch (--micro-batch-size "
+           f"{cfg.training.micro_batch_size} x {m.num_attention_heads} heads x S x S), beyond what mtx can compute "
+           f"({MAX_SCORES:.3g}); pass a shorter sequence or a smaller micro batch.")
+    g = m.query_groups
+    _check(g % tp == 0 or tp % g == 0,
+           f"--num-query-groups {g} neither splits over --tensor-model-parallel-size {tp} (G divisible by TP) nor "
+           "is replicated whole on groups of ranks (TP a multiple of G); choose G and TP so that one divides the "
+           "other.")
+    _check(not (m.rope and d.reset_position_ids and not d.reset_attention_mask),
+           "--reset-position-ids with --position-embedding-type rope needs --reset-attention-mask: rotary positions "
+           "reach attention only through their differences, which restart with the documents only when each "
+           "document attends to itself alone; pass --reset-attention-mask too.")
+
+
+def _check_model_architecture(m) -> None:
+    """The model's sizes together; Llama's blocks (mtx/architecture.py): names, the rotary dimensions, the key/value
+    groups against the heads, and BERT, which they do not combine with."""
     _check(m.padded_vocab_size <= LIMITS[int],
            f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} pads the vocabulary to "
            f"{m.padded_vocab_size:,} rows (a multiple of 8 x it), beyond what mtx can use ({LIMITS[int]:,}); pass 128.")
@@ -287,11 +314,6 @@ def _check_architecture(cfg) -> None:
            f"--num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_size} and the "
            f"vocabulary ({m.padded_vocab_size:,} padded) make {m.num_params():.3g} parameters, beyond what mtx can "
            f"train ({MAX_PARAMETERS:.3g}); check these sizes.")
-    scores = cfg.training.micro_batch_size * m.num_attention_heads * m.seq_length ** 2
-    _check(scores <= MAX_SCORES,
-           f"--seq-length {m.seq_length} makes {scores:.3g} attention scores a microbatch (--micro-batch-size "
-           f"{cfg.training.micro_batch_size} x {m.num_attention_heads} heads x S x S), beyond what mtx can compute "
-           f"({MAX_SCORES:.3g}); pass a shorter sequence or a smaller micro batch.")
     _check(m.position_embedding_type in ("learned_absolute", "rope"),
            f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}.")
     _check(m.normalization in ("LayerNorm", "RMSNorm"),
@@ -309,16 +331,8 @@ def _check_architecture(cfg) -> None:
     g, n = m.query_groups, m.num_attention_heads
     _check(n % g == 0, f"--num-query-groups {g} does not divide --num-attention-heads {n}; each group serves the "
                        "same number of query heads: choose G dividing the heads.")
-    _check(g % tp == 0 or tp % g == 0,
-           f"--num-query-groups {g} neither splits over --tensor-model-parallel-size {tp} (G divisible by TP) nor "
-           "is replicated whole on groups of ranks (TP a multiple of G); choose G and TP so that one divides the "
-           "other.")
     _check(not m.is_bert or not m.llama_blocks(),
            f"{', '.join(m.llama_blocks())}: Llama's blocks are built for GPT only; drop them for --model-type bert.")
-    _check(not (m.rope and d.reset_position_ids and not d.reset_attention_mask),
-           "--reset-position-ids with --position-embedding-type rope needs --reset-attention-mask: rotary positions "
-           "reach attention only through their differences, which restart with the documents only when each "
-           "document attends to itself alone; pass --reset-attention-mask too.")
     default_epsilon = next(f.default for f in dataclasses.fields(m) if f.name == "layernorm_epsilon")
     _check(m.norm_epsilon is None or m.layernorm_epsilon in (default_epsilon, m.norm_epsilon),
            f"--norm-epsilon {m.norm_epsilon} and --layernorm-epsilon {m.layernorm_epsilon} name the same epsilon; "

@@ -118,40 +118,28 @@ def _gelu_terms(u):
 
 
 @jax.custom_vjp
-def bias_gelu(h, bias):
-    """GeLU(h + bias) (tanh approximation) in h's dtype; h (..., F) is a matmul's output, bias (F,)."""
+def bias_gelu(h, bias=None):
+    """GeLU(h + bias) (tanh approximation) in h's dtype; h (..., F) is a matmul's output, bias (F,) or None."""
     return _bias_gelu_fwd(h, bias)[0]
 
 
+def _biased(h, bias):
+    return h if bias is None else h + bias.astype(h.dtype)
+
+
 def _bias_gelu_fwd(h, bias):
-    return _gelu_terms(h + bias.astype(h.dtype))[0], (h, bias)
+    return _gelu_terms(_biased(h, bias))[0], (h, bias)
 
 
 def _bias_gelu_bwd(residuals, dy):
     h, bias = _kept(*residuals)  # else XLA merges this tanh with the forward's and keeps it, in memory, after all
-    dh = dy * _gelu_terms(h + bias.astype(h.dtype))[1]
+    dh = dy * _gelu_terms(_biased(h, bias))[1]
+    if bias is None:
+        return dh, None
     return dh, cotangent_like(dh.astype(jnp.float32).sum(_rows(h)).astype(bias.dtype), bias)
 
 
 bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
-
-
-@jax.custom_vjp
-def gelu(h):
-    """GeLU(h) (tanh approximation) of a matmul's output without a bias, its backward from h as `bias_gelu`'s."""
-    return _gelu_terms(h)[0]
-
-
-def _gelu_fwd(h):
-    return _gelu_terms(h)[0], h
-
-
-def _gelu_bwd(h, dy):
-    (h,) = _kept(h)
-    return (dy * _gelu_terms(h)[1],)
-
-
-gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 @jax.custom_vjp

@@ -129,7 +129,7 @@ class ColumnParallelLinear(nnx.Module):
         outs = []
         for j, y in enumerate(ys):
             if gelu:
-                y = elementwise.gelu(y) if biases is None else elementwise.bias_gelu(y, biases[j])
+                y = elementwise.bias_gelu(y, None if biases is None else biases[j])
             elif biases is not None:
                 y = y + biases[j]
             outs.append(gather_from_model_parallel(y) if self.gather_output else y)
