@@ -46,8 +46,8 @@ class ParallelConfig:
         False, 'ZeRO-1: fp32 master weights and Adam moments split over "data" (12 / DP bytes per parameter), '
         "gradients reduce-scattered and parameters all-gathered each step")
     overlap_grad_reduce: bool = _f(
-        False, 'reduce each layer\'s gradients over "data" as its backward ends, overlapped with the next layer\'s '
-        "(in every microbatch)")
+        False, 'reduce each layer\'s gradients over "data" as its backward ends, overlapped with the next layer\'s; '
+        "with gradient accumulation in the last microbatch's backward only (as Megatron's buckets)")
     overlap_param_gather: bool = _f(
         False, "distributed optimizer: gather each layer's parameters as it runs, overlapped with the layer before")
     coordinator_address: str | None = _f(

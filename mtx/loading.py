@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from mtx.checkpoint import Checkpointer
-from mtx.config import Config
+from mtx.config import FIELD_SECTION, Config
 from mtx.parallel.mesh import make_mesh
 from mtx.sharded_model import ShardedModel
 from mtx.state import abstract_state
@@ -21,16 +21,10 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
     ckpt = Checkpointer(load)
     try:
         step, _ = ckpt.intact_step(ckpt_step, load)  # the newest intact step (callers say which they passed over)
-        # Training choices, off: any checkpoint loads on any mesh; and what the run took from its own --load.
-        fields = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
-                      num_layers_in_last_pipeline_stage=None, hidden_dropout=0.0, attention_dropout=0.0,
-                      sequence_parallel=False, finetune=False, use_checkpoint_args=False, ckpt_step=None,
-                      load_optim=True, load_rng=True, run_dir=None)
-        fields.update(overrides)
-        cfg = ckpt.saved_config(step).replace(
+        cfg = inference_config(ckpt.saved_config(step)).replace(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size, data_parallel_size=data_parallel_size,
-            load=None, save=None, **fields)
+            **overrides)
         cfg = _fit_batch(cfg).validate(len(jax.devices()))
         p = cfg.parallel
         model = ShardedModel(cfg, make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size,
@@ -39,6 +33,21 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
     finally:
         ckpt.close()
     return model, state.params
+
+
+# What inference keeps of the saved config besides the model: the tokenizer, the precision, the micro batch and how a
+# step computes. The rest (the pipeline's layout and schedule, sequence parallelism and the overlap of its
+# collectives, the optimizer's sharding, processes, data handling, checkpoint and run settings) was training's
+# choice, which another mesh may not allow: it starts from the defaults, so any checkpoint loads on any mesh.
+KEPT_FOR_INFERENCE = ("micro_batch_size", "seed", "bf16", "fp16", "recompute_granularity", "recompute_activations",
+                      "scan_layers", "use_flash_attn", "vocab_file", "merge_file", "tokenizer_type", "tokenizer_model")
+
+
+def inference_config(saved: Config) -> Config:
+    """The config to evaluate `saved`'s model with: its model with dropout off, the fields KEPT_FOR_INFERENCE, and
+    defaults elsewhere."""
+    kept = {name: getattr(getattr(saved, FIELD_SECTION[name]), name) for name in KEPT_FOR_INFERENCE}
+    return Config(model=saved.model).replace(hidden_dropout=0.0, attention_dropout=0.0, **kept)
 
 
 def _fit_batch(cfg: Config) -> Config:

@@ -15,7 +15,7 @@ import optax
 
 from mtx.config import OptimizerConfig, TrainingConfig
 
-NO_DECAY = ("bias", "scale")  # biases and LayerNorm parameters
+NO_DECAY = ("bias", "scale")  # the names of biases (any ..._bias too: BERT's lm_bias) and norms' scales
 
 
 def learning_rate_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Schedule:
@@ -34,8 +34,9 @@ def learning_rate_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Sche
 
 
 def weight_decay_mask(params):
-    """True where weight decay applies: every parameter except biases and LayerNorm scales/biases."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) not in NO_DECAY, params)
+    """True where weight decay applies: the weight matrices and embeddings, not the biases or the norms' scales and
+    biases (Megatron's rule)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: not _leaf_name(path).endswith(NO_DECAY), params)
 
 
 def _leaf_name(path) -> str:

@@ -12,6 +12,8 @@ from mtx.parallel import make_mesh
 from mtx.sharded_model import build_model
 from mtx.step import TrainStep
 
+from helpers import LLAMA_BLOCKS
+
 
 def test_warmup_then_cosine_to_min_lr():
     sched = learning_rate_schedule(OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=10), train_iters=110)
@@ -31,13 +33,18 @@ def test_linear_and_constant_decay():
     assert float(constant(99)) == pytest.approx(0.3)
 
 
-def test_no_weight_decay_on_biases_and_layernorm():
-    _, state = nnx.split(nnx.eval_shape(build_model(Config().replace(**load_preset("configs/tiny.toml")))))
+@pytest.mark.parametrize("blocks", [{}, dict(model_type="bert"), LLAMA_BLOCKS], ids=["gpt", "bert", "llama"])
+def test_weight_decay_on_the_matrices_only(blocks):
+    """Decay on the weight matrices and embeddings, none on the vectors (biases, BERT's lm_bias, norms' scales and
+    biases; Megatron's rule), read off each parameter's shape in one layer."""
+    cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(**blocks)
+    _, state = nnx.split(nnx.eval_shape(build_model(cfg)))
     mask = nnx.to_pure_dict(weight_decay_mask(state))
-    assert mask["layers"]["mlp"]["fc1"]["kernel"] and mask["embedding"]["embedding"]
-    assert mask["position_embeddings"]
-    assert not mask["layers"]["mlp"]["fc1"]["bias"] and not mask["layers"]["ln1"]["scale"]
-    assert not mask["final_layernorm"]["bias"]
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state))
+    assert len(leaves) == len(jax.tree.leaves(mask)) >= 10
+    for (path, leaf), decayed in zip(leaves, jax.tree.leaves(mask)):
+        stacked = path[0].key == "layers"  # the layers' parameters have a leading L axis
+        assert decayed == (leaf.ndim - stacked >= 2), jax.tree_util.keystr(path)
 
 
 def test_loss_scale_halves_on_overflow_and_grows_after_a_window():
