@@ -27,6 +27,9 @@ ADDED_FIELDS = frozenset({"position_embedding_type", "rotary_base", "rotary_perc
 # Fields that choose how a step computes, not what the parameters are: a checkpoint resumes with either value, and
 # --use-checkpoint-args leaves them to this run.
 COMPUTE_ONLY = ("bias_gelu_fusion", "bias_swiglu_fusion")
+# Fields that shape no parameter: regularization, init, and how a step computes (checkpoint compatibility and
+# --use-checkpoint-args leave them out, each with one more of its own: the sequence length, the vocabulary).
+NOT_SHAPING = ("hidden_dropout", "attention_dropout", "label_smoothing", "init_method_std", *COMPUTE_ONLY)
 
 
 @dataclass(frozen=True)

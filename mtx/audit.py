@@ -50,7 +50,7 @@ from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
 from mtx.parallel.sharded import named_shardings, partition_specs, replicated_groups
 
-# Llama's blocks (mtx/architecture.py), which the audit takes as train.py does.
+# The model's blocks beyond GPT-2's (mtx/architecture.py: Llama's, the activations' fusions), taken as train.py does.
 BLOCKS = sorted(ADDED_FIELDS)
 _NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,gpu-all-reduce-combiner"}  # see the docstring
 
@@ -68,7 +68,8 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
                  overlap_param_gather: bool = False, tp_comm_overlap: bool = False, **blocks) -> Config:
     """The validated Config of one audit (dropout off: its masks would add no communication, only noise).
 
-    blocks: the fields of Llama's blocks (`BLOCKS`: --swiglu, --group-query-attention, ...), GPT-2's by default.
+    blocks: the fields of the model's blocks (`BLOCKS`: --swiglu, --group-query-attention, ...), GPT-2's by default,
+    and of the pipeline's layout (--pipeline-model-parallel-layout, --num-layers-in-first-pipeline-stage, ...).
 
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
     num_layers (default 2 x stages x virtual stages) layers."""

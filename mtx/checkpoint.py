@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from mtx.architecture import ADDED_FIELDS, COMPUTE_ONLY
+from mtx.architecture import ADDED_FIELDS, NOT_SHAPING
 from mtx.config import FIELD_SECTION, FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
@@ -272,8 +272,7 @@ class Checkpointer:
 def check_compatible(saved, current, directory) -> None:
     """Refuses to load a checkpoint of a different architecture, naming every differing field and the flags that
     would match it (the model type first: it explains the rest; the vocabulary by the tokenizer, which sets it)."""
-    skipped = ("hidden_dropout", "attention_dropout", "label_smoothing", "seq_length", "init_method_std", *COMPUTE_ONLY)
-    # regularization, training length, init and how a step computes do not shape a parameter
+    skipped = ("seq_length", *NOT_SHAPING)  # nor does the length of the sequences trained on
     differ = [f.name for f in dataclasses.fields(saved)
               if f.name not in skipped and getattr(saved, f.name) != getattr(current, f.name)]
     if not differ:

@@ -21,16 +21,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mtx.architecture import COMPUTE_ONLY
+from mtx.architecture import NOT_SHAPING
 from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, say_passed_over
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import is_mtx_config
 
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
-# vocabulary size, which comes from the tokenizer (a mismatch is refused), nor dropout, smoothing and init.
-ARCHITECTURE = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in (
-    "vocab_size", "hidden_dropout", "attention_dropout", "label_smoothing", "init_method_std", *COMPUTE_ONLY))
+# vocabulary size, which comes from the tokenizer (a mismatch is refused), nor what shapes no parameter (NOT_SHAPING).
+ARCHITECTURE = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("vocab_size", *NOT_SHAPING))
 
 
 def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | None]:

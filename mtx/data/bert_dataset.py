@@ -30,6 +30,7 @@ import numpy as np
 from mtx.data.dataset import SPLITS, _parse_split, _split_bounds, builtin_corpus, check_token_ids
 from mtx.data.paths import indexed_prefix, parse_data_path, shared_data_dir
 from mtx.data.sentences import split_documents, split_sentences
+from mtx.files import read_text
 
 MAX_NGRAMS = 3
 
@@ -296,7 +297,8 @@ def build_bert_dataset(cfg) -> BertDataset:
             if indexed_prefix(path):
                 parts.append(sentences_from_indexed(indexed_prefix(path), pairs=cfg.model.bert_binary_head))
             elif Path(path).is_file():
-                parts.append(sentences_from_text([_read_text(Path(path))], tokenizer))
+                text = read_text(path, "--data-path", "pass plain UTF-8 text or an indexed-dataset prefix.")
+                parts.append(sentences_from_text([text], tokenizer))
             else:
                 raise ValueError(f"--data-path {path}: no such text file or indexed dataset (PATH.bin + PATH.idx); "
                                  "pass text files or prefixes written by `python -m mtx.data.preprocess "
@@ -316,14 +318,6 @@ def _shared_vocab() -> str:
         raise ValueError("--model-type bert needs BERT's WordPiece vocab.txt and none was found in the reference "
                          "data folder ($MTX_DATA_DIR/bert/vocab.txt); pass --vocab-file path/to/vocab.txt.")
     return str(path)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data-path {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass plain UTF-8 "
-                         "text or an indexed-dataset prefix.") from None
 
 
 def _concatenate(parts):
