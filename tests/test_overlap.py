@@ -81,6 +81,8 @@ def test_audit_shows_the_reductions_in_the_layer_loop(flags, in_loop):
     # "data", and all-reduces those two.
     split = 12 if not flags.get("use_distributed_optimizer") else 10
     assert {k for k, n in loop.items() if n} >= in_loop
+    if not flags:
+        assert not any(loop.values()), loop
     for kind in in_loop:
         assert loop[kind] == split, (kind, loop)
     assert not flags or sum(loop.values()) == (12 + 10 * ("all-gather" in in_loop))

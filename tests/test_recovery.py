@@ -57,8 +57,9 @@ DAMAGE = {  # what was done to step 4 -> what the message says
     "micro batch zeroed": (lambda d: _edit_config(d, lambda c: c["training"].update(micro_batch_size=0)),
                            "its config has a value mtx refuses: --micro-batch-size must be >= 1, got 0."),
     # fields each of a valid type and range, together impossible (no run could have saved them)
-    "tokenizer pair broken": (lambda d: _edit_config(d, lambda c: c["data"].update(tokenizer_type="HuggingFaceTokenizer")),
-                              "its config has values mtx refuses together: --tokenizer-type HuggingFaceTokenizer and"),
+    "tokenizer pair broken": (
+        lambda d: _edit_config(d, lambda c: c["data"].update(tokenizer_type="HuggingFaceTokenizer")),
+        "its config has values mtx refuses together: --tokenizer-type HuggingFaceTokenizer and"),
 }
 
 

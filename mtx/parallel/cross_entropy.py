@@ -23,8 +23,9 @@ def vocab_parallel_cross_entropy(logits_BSV, targets_BS, *, label_smoothing: flo
     padding columns (global ids >= vocab_size) are no tokens and take no probability (a converted GPT-2 has zero rows
     there, i.e. logits of 0 that would otherwise outweigh real tokens' negative logits).
 
-    With `pipeline_share` the slice is this pipeline stage's 1 / P of the model rank's (`pipeline_vocab_share`, the
-    1F1B head spread over the stages), and the reductions run over "model" and "pipeline" together.
+    With `pipeline_share` the slice is this pipeline stage's 1 / P of the model rank's (as
+    `VocabParallelEmbedding.attend` computes it: the 1F1B head spread over the stages), and the reductions run over
+    "model" and "pipeline" together.
 
     The gradient, softmax - onehot on each rank's slice, is written out (`_cross_entropy`'s backward): from the
     logits as they came (bf16 in training) and the B*S log-sum-exps, in one pass that writes it in the logits' dtype,
