@@ -339,7 +339,6 @@ class TransformerLayer(nnx.Module):
                                tp_comm_overlap=tp_comm_overlap)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm
-        self.sequence_parallel = sequence_parallel
 
     def __call__(self, x_BSD, *, mask_BS=None, draws: Draws | None = None):
         """draws: the layer's dropout (`dropout_draws`; None: no dropout). With sequence parallelism x is this rank's

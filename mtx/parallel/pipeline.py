@@ -137,10 +137,6 @@ class Schedule:
             a.flags.writeable = False
         return tables
 
-    def with_microbatches(self, microbatches: int) -> "Schedule":
-        """The same stages running another number of microbatches (evaluation and decoding run one)."""
-        return Schedule(self.counts, microbatches, self.virtual, self.kind)
-
     def forward_only(self) -> "Schedule":
         """One microbatch through GPipe's forward ticks on the same devices, for evaluation and decoding: with
         virtual stages, device s runs the contiguous layers of virtual stages s V .. s V + V - 1 instead."""
@@ -351,16 +347,15 @@ def _rank_major(a_MB):
 
 def pipelined_final_hidden(model, tokens_BS, schedule: Schedule):
     """(B, S) ids -> (B, S, D) final hidden states after the final LayerNorm on every stage (no dropout), replicated
-    over "model"; for evaluation, as one microbatch."""
-    hidden_BSD = pipelined_hidden(model, model.embed(tokens_BS)[None], schedule.with_microbatches(1))[0]
+    over "model"; for evaluation, as one microbatch (`schedule`: `Schedule.forward_only`)."""
+    hidden_BSD = pipelined_hidden(model, model.embed(tokens_BS)[None], schedule)[0]
     return model.final_hidden(last_stage_to_all(hidden_BSD))
 
 
 def pipelined_decode(model, x_BTD, cache, start_B, schedule: Schedule):
     """Cached decoding through the stages, one microbatch in P ticks: stage s runs its layers (and writes its KV
     cache) at tick s on what stage s - 1 sent; -> the last stage's output (B, T, D) on every stage, this stage's
-    cache."""
-    schedule = schedule.with_microbatches(1)
+    cache (`schedule`: `Schedule.forward_only`)."""
     _, real_layers = schedule.local_layers()
 
     def stage_fn(x_in_BTD, mb, on_tick, cache):
