@@ -161,13 +161,13 @@ def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None)
 def run_cli(measure_fn, argv=None, check=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
     --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
-    from mtx.cli import (OneLineParser, build_parser, flags_in, parse_config, unknown_flags_message,
+    from mtx.cli import (OneLineParser, build_parser, flags_in, parse_config, ranged, unknown_flags_message,
                          with_negative_values)
     from mtx.files import check_json_lines, check_writable, json_line, refuse_empty
 
     ap = OneLineParser(prog="bench.py", add_help=False)  # --step is no --steps (whole flags, as train.py's)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=ranged(int, "[1, 10000]"), default=10)
+    ap.add_argument("--warmup", type=ranged(int, "[0, 10000]"), default=3)
     ap.add_argument("--json", default=None, help="append the result line to this file")
     ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them "
                     "(train.py's --profile switch is not taken here)")
@@ -177,9 +177,6 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
         known = {s for parser in (ap, build_parser()) for action in parser._actions for s in action.option_strings}
         if unknown := [flag for flag in flags_in(rest) if flag not in known]:
             raise ValueError(unknown_flags_message(unknown, known, "bench.py takes train.py's flags"))
-        if not (1 <= own.steps <= 10_000 and 0 <= own.warmup <= 10_000):
-            raise ValueError(f"--steps {own.steps} --warmup {own.warmup}: time 1 to 10,000 steps after 0 to 10,000 "
-                             "warm-up steps.")
         for flag, value, fix in (("--json", own.json, "a file to append the results to"),
                                  ("--profile", own.profile, "a directory for the trace")):
             refuse_empty(value, flag, f"{fix}, or drop {flag}")  # once ignored: no results file, no trace

@@ -35,6 +35,8 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
+from mtx.cli import add_config_flags, ranged  # noqa: E402
+
 PLACEMENTS = ("post", "pre")
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -270,21 +272,21 @@ def from_runs(run_dirs: list[str], out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-layers", type=int, default=24)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--train-iters", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (cosine decay to lr / 10)")
-    p.add_argument("--lr-warmup-iters", type=int, default=0, help="0: no warmup, post-LN's known weak spot")
-    p.add_argument("--init-method-std", type=float, default=0.08,
-                   help="weight init std; 0.02 x sqrt(1024 / hidden) gives a narrow model BERT-Large's branch scale")
-    p.add_argument("--clip-grad", type=float, default=0.0, help="global gradient-norm clip; 0 (default) disables it")
+    # train.py's flags (typed and range-checked by the schema, mtx/cli.py) with this study's defaults
+    add_config_flags(p, ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size",
+                         "train_iters", "lr", "lr_warmup_iters", "init_method_std", "clip_grad", "seed"),
+                     defaults=dict(num_layers=24, hidden_size=64, num_attention_heads=4, seq_length=64,
+                                   global_batch_size=16, train_iters=200, lr=1e-2, lr_warmup_iters=0,
+                                   init_method_std=0.08, clip_grad=0.0, seed=1234),
+                     helps=dict(lr="peak learning rate (cosine decay to lr / 10)",
+                                lr_warmup_iters="0: no warmup, post-LN's known weak spot",
+                                init_method_std="weight init std; 0.02 x sqrt(1024 / hidden) gives a narrow model "
+                                                "BERT-Large's branch scale",
+                                clip_grad="global gradient-norm clip; 0 disables it"))
     p.add_argument("--data-path", help="text file (default: WikiText-2 valid from the shared data folder)")
     p.add_argument("--vocab-file", help="a WordPiece vocab.txt (default: build one of --vocab-words words)")
-    p.add_argument("--vocab-words", type=int, default=500, help="words in the vocabulary built from the data")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--vocab-words", type=ranged(int, ">= 1"), default=500,
+                   help="words in the vocabulary built from the data")
     p.add_argument("--out", default="runs/bert_layernorm", help="folder for the JSON, the PNG and the runs")
     p.add_argument("--from-runs", nargs="+", metavar="RUN_DIR",
                    help="plot these train.py run directories (a pre- and a post-LN run of each model) instead")

@@ -41,6 +41,9 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(2)
 
+from mtx.cli import ranged  # noqa: E402
+from mtx.errors import first_line  # noqa: E402
+
 SHAPES = {  # name: (pattern, K, N) on one rank
     "qkv": ("ag", 1536, 2304), "mlp_up": ("ag", 1536, 3072),
     "attn_out_dgrad": ("ag", 1536, 768), "mlp_down_dgrad": ("ag", 1536, 3072),
@@ -178,7 +181,7 @@ def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int, tune: bo
             out = np.asarray(program(kernel_once(pattern, config), mesh, 1, pattern)(x, w), np.float32)
             t = timed(kernel_once(pattern, config), mesh, x, w, pattern, iters=iters, repeats=repeats)
         except Exception as e:  # a tuning that does not fit (shared memory) or does not divide the shape
-            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            errors.append(f"{type(e).__name__}: {first_line(e)}")
             continue
         deviation = float(np.abs(out - reference).max() / np.abs(reference).max())
         if best is None or t < best[0]:
@@ -193,10 +196,10 @@ def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int, tune: bo
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
-    p.add_argument("--tokens", nargs="+", type=int, default=[512],
+    p.add_argument("--tokens", nargs="+", type=ranged(int, ">= 1"), default=[512],
                    help="rows after the gather (micro batch x seq); each rank holds tokens / devices")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iters", type=ranged(int, "[1, 10000]"), default=20)
+    p.add_argument("--repeats", type=ranged(int, "[1, 10000]"), default=5)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--tune", action="store_true",
                    help="try the kernel's tunings (each compiled: minutes a shape) instead of the layers' default one")
@@ -217,9 +220,6 @@ def main(argv=None) -> list[dict]:
     n = jax.device_count()
     if n < 2:
         p.error(f"{n} device: the kernel gathers over every device; run with 2 or more")
-    for name, value, low in (("--iters", args.iters, 1), ("--repeats", args.repeats, 1)):
-        if value < low:
-            p.error(f"{name} must be >= {low}, got {value}")
     for tokens in args.tokens:
         if tokens < n or tokens % n:
             p.error(f"--tokens {tokens}: must be a positive multiple of the {n} devices")
