@@ -54,7 +54,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     import jax
 
     from mtx.devices import use_compilation_cache
-    from mtx.metrics import peak_flops_per_device
+    from mtx.metrics import throughput
 
     if jax.default_backend() != "cpu":  # as train.py
         use_compilation_cache(cfg.training.compilation_cache_dir)
@@ -83,9 +83,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         state, metrics = train_step(state, tokens)
     jax.block_until_ready(metrics)
     dispatched_s = (time.perf_counter() - start) / steps
-    tokens_per_s = t.global_batch_size * m.seq_length / step_s
-    flops = tokens_per_s * m.flops_per_token(cfg.mlm_positions) / mesh.size
-    peak = peak_flops_per_device()
+    rates = throughput(t.global_batch_size * m.seq_length, step_s, m.flops_per_token(cfg.mlm_positions), mesh.size)
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
     return {
         "mesh": dict(mesh.shape), "device": jax.devices()[0].device_kind, "layers": m.num_layers,
@@ -94,8 +92,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         "microbatches": model.num_microbatches, "dtype": t.compute_dtype,
         "recompute": t.recompute_granularity, "first_step_s": first_step_s, "step_s": step_s, "step_s_min": min(times),
         "step_s_dispatched": dispatched_s,
-        "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
-        "peak_mem_gib": max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) / 2**30,
+        **rates, "peak_mem_gib": max((s.get("peak_bytes_in_use", 0) for s in stats), default=0) / 2**30,
         "loss": float(metrics["loss"]), "profile": summary,
         "padding": None if not m.is_bert else float(1 - batch["padding_mask"].mean()),  # BERT: the batch's padding
         "pipeline": None if model.pipeline is None else {

@@ -244,7 +244,7 @@ def count_collectives(hlo: str) -> dict:
 
 
 def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None, gspmd: bool = False) -> dict:
-    from mtx.metrics import peak_flops_per_device
+    from mtx.metrics import throughput
 
     cfg.validate()
     m, t = cfg.model, cfg.training
@@ -273,10 +273,8 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
     loss = None
     times, summary = time_steps(run_step, steps=steps, warmup=warmup, profile=profile)
     step_s = statistics.median(times)
-    tokens_per_s = t.global_batch_size * m.seq_length / step_s
     devices = layout.mesh.size if layout else 1
-    flops = tokens_per_s * m.flops_per_token() / devices
-    peak = peak_flops_per_device()
+    rates = throughput(t.global_batch_size * m.seq_length, step_s, m.flops_per_token(), devices)
     stats = [d.memory_stats() or {} for d in jax.devices()[:devices]]
     return {
         "impl": "plain-jax-gspmd" if layout else "plain-jax", "device": jax.devices()[0].device_kind,
@@ -285,8 +283,7 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
         "heads": m.num_attention_heads, "seq": m.seq_length, "params": m.num_params(),
         "micro_batch": t.micro_batch_size, "global_batch": t.global_batch_size, "dtype": t.compute_dtype,
         "recompute": t.recompute_granularity, "flash": t.use_flash_attn, "step_s": step_s, "step_s_min": min(times),
-        "tokens_per_s": tokens_per_s, "tflops_per_device": flops / 1e12, "mfu": flops / peak if peak else None,
-        "peak_mem_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30, "loss": float(loss),
+        **rates, "peak_mem_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / 2**30, "loss": float(loss),
         "collectives": collectives, "profile": summary,
     }
 
