@@ -27,7 +27,7 @@ from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
 from mtx.errors import first_line
 from mtx.files import check_writable, refuse_empty
-from mtx.hf_checks import BUFFERS, check as _check, validated
+from mtx.hf_checks import BUFFERS, check as _check, padded, validated
 
 PREFIX = "transformer."
 # HF name inside block h.{i} -> mtx name under `layers` (stacked over L).
@@ -130,8 +130,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, 
     _check(wte.shape == (m.vocab_size, m.hidden_size), f"tensor 'transformer.wte.weight' has shape {wte.shape} but "
            f"config.json implies ({m.vocab_size}, {m.hidden_size}) (vocab_size, n_embd); check config.json against "
            "the weights.")  # extra rows would land in the padding that to-hf cuts off; missing ones, in it too
-    out["embedding.embedding"] = np.concatenate(  # padded rows are zero: no token maps there
-        [wte, np.zeros((m.padded_vocab_size - wte.shape[0], wte.shape[1]), np.float32)])
+    out["embedding.embedding"] = padded(wte, m.padded_vocab_size)
     return out
 
 

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 from mtx.config import Config, ModelConfig
-from mtx.hf_checks import BUFFERS, check as _check, validated
+from mtx.hf_checks import BUFFERS, check as _check, padded, validated
 
 PREFIX = "model."
 _HF_KEYS = {"--num-layers": "num_hidden_layers", "--hidden-size": "hidden_size",
@@ -135,7 +135,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, 
     d, f, v, n_layers = m.hidden_size, m.ffn_size, m.vocab_size, m.num_layers
     q_cols, kv_cols = m.num_attention_heads * m.head_dim, m.query_groups * m.head_dim
     lm_head = t.pop("lm_head.weight", None)
-    out = {"embedding.embedding": _padded(_take(t, "embed_tokens.weight", (v, d)), m),
+    out = {"embedding.embedding": padded(_take(t, "embed_tokens.weight", (v, d)), m.padded_vocab_size),
            "final_layernorm.scale": _take(t, "norm.weight", (d,))}
     if m.tied:
         _check(lm_head is None or np.array_equal(lm_head, out["embedding.embedding"][:v]), "lm_head.weight differs "
@@ -145,7 +145,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], m: ModelConfig) -> dict[str, 
                "tie_word_embeddings false; pass the whole LlamaForCausalLM directory.")
         _check(lm_head.shape == (v, d), f"tensor 'lm_head.weight' has shape {lm_head.shape} but config.json "
                f"implies {(v, d)}; check config.json against the weights.")
-        out["output_layer.embedding"] = _padded(lm_head, m)
+        out["output_layer.embedding"] = padded(lm_head, m.padded_vocab_size)
 
     def layers(name, shape):  # (L, *shape), torch's Linear (out, in) turned into mtx's (in, out)
         stacked = np.stack([_take(t, f"layers.{i}.{name}", shape) for i in range(n_layers)])
@@ -201,11 +201,6 @@ def _take(t: dict, name: str, shape: tuple) -> np.ndarray:
     _check(x.shape == shape, f"tensor {PREFIX + name!r} has shape {x.shape} but config.json implies {shape}; check "
            "config.json against the weights.")
     return x
-
-
-def _padded(table: np.ndarray, m: ModelConfig) -> np.ndarray:
-    """(V, D) -> (V_padded, D) with zero rows: no token maps there, and their logits are 0."""
-    return np.concatenate([table, np.zeros((m.padded_vocab_size - table.shape[0], table.shape[1]), np.float32)])
 
 
 if __name__ == "__main__":  # the converter's command line is mtx.convert's: refuse in one line, not silently

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from mtx.files import read_text
 from mtx.parallel.compat import all_gather_invariant
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
-from mtx.parallel.mesh import DATA, MODEL
+from mtx.parallel.mesh import BATCH, DATA, MODEL
 from mtx.parallel.ops import model_rank
 
 # A host-side scorer: (B, S) inputs, targets, mask -> (B, S) float NLL, (B, S) bool "target is the argmax".
@@ -67,7 +67,7 @@ def make_scorer(model):
         return (all_gather_invariant(jnp.where(real_BS, nll_BS, 0.0), DATA, axis=0),
                 all_gather_invariant(correct_BS & real_BS, DATA, axis=0))
 
-    sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, P(DATA), P(DATA), P(DATA)),
+    sharded = jax.shard_map(local, mesh=model.mesh, in_specs=(model.param_specs, BATCH, BATCH, BATCH),
                             out_specs=(P(), P()), check_vma=True)
     return jax.jit(lambda params, inputs, targets, mask: sharded(model.forward_params(params), inputs, targets, mask))
 

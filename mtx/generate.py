@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtx.models.stack import KV_CACHE_SPEC
 from mtx.parallel.compat import all_gather_invariant
-from mtx.parallel.mesh import DATA, PIPELINE
+from mtx.parallel.mesh import BATCH, DATA, PIPELINE
 from mtx.parallel.ops import gather_from_model_parallel
 from mtx.parallel.pipeline import pipelined_decode
 
@@ -92,12 +92,12 @@ class CachedDecoder:
         cfg = model.cfg.model
         self.window = cfg.max_positions
         self.batch_multiple = model.mesh.shape[DATA]
-        self.rows = NamedSharding(model.mesh, P(DATA))
+        self.rows = NamedSharding(model.mesh, BATCH)
         specs, mesh = model.param_specs, model.mesh
         out_specs = (P(), KV_CACHE_SPEC)  # logits on every device: each process samples every row
-        prefill = jax.shard_map(self._local_prefill, mesh=mesh, in_specs=(specs, P(DATA), P(DATA)),
+        prefill = jax.shard_map(self._local_prefill, mesh=mesh, in_specs=(specs, BATCH, BATCH),
                                 out_specs=out_specs)
-        decode = jax.shard_map(self._local_decode, mesh=mesh, in_specs=(specs, KV_CACHE_SPEC, P(DATA), P(DATA)),
+        decode = jax.shard_map(self._local_decode, mesh=mesh, in_specs=(specs, KV_CACHE_SPEC, BATCH, BATCH),
                                out_specs=out_specs)
         put = lambda x: jax.sharding.reshard(x, self.rows)
         self.prefill = jax.jit(lambda params, tokens_BS, lengths_B: prefill(

@@ -1,10 +1,12 @@
 """Shared by the Hugging Face converters (mtx/convert.py, mtx/convert_llama.py): a config.json's values validated as
-train.py's flags are, and refusals in one line (a ValueError that `python -m mtx.convert` prints, exit status 2).
+train.py's flags are, the vocabulary padded with zero rows, and refusals in one line (a ValueError that `python -m mtx.convert` prints, exit status 2).
 Its own module so that the two converters import it, not each other."""
 
 from __future__ import annotations
 
 import re
+
+import numpy as np
 
 from mtx.config import Config
 
@@ -33,3 +35,8 @@ def validated(values: dict, hf_keys: dict[str, str], seed: int | None) -> Config
         # a value's refusal names train.py's way to fix it; here there is no flag, only the file
         message = re.sub(r"; fix the flag or the config file's \w+\.$", "; fix config.json.", message)
         raise ValueError(f"config.json: {message}") from None
+
+
+def padded(table: np.ndarray, padded_vocab_size: int) -> np.ndarray:
+    """(V, D) -> (padded_vocab_size, D) with zero rows: no token maps there, and their logits are 0."""
+    return np.concatenate([table, np.zeros((padded_vocab_size - table.shape[0], table.shape[1]), np.float32)])

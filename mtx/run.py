@@ -28,7 +28,7 @@ from mtx.devices import check_accelerator, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable, forget_new_run_dir
 from mtx.metrics import MetricsLogger, Progress, check_trackers, seconds_since_process_start, throughput
-from mtx.parallel.mesh import check_tensor_parallel_fits, make_mesh
+from mtx.parallel.mesh import DATA, MODEL, check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
 from mtx.schema_checks import unsaved_checkpoints
 from mtx.sharded_model import ShardedModel
@@ -187,7 +187,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                     console.update(logger.log(record), len(fetched))
                     pending, interval_steps = [], 0
                 if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
-                    val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape["data"])
+                    val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape[DATA])
                     if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
                         logger.log({"step": step + 1, "val_loss": val})
                         message = f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}"
@@ -344,7 +344,7 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
     if cfg.tp_comm_overlap:
         from mtx.kernels.collective_matmul import machine_condition
 
-        reason = machine_condition(mesh.shape["model"])
+        reason = machine_condition(mesh.shape[MODEL])
         print("mtx: --tp-comm-overlap: " + ("peer-memory kernels in the linears whose shapes divide their tiles"
                                             if reason is None else f"XLA's collectives (no kernels: {reason})"))
     if model.pipeline is not None:

@@ -28,7 +28,7 @@ from mtx.config import Config
 from mtx.models.bert import BERT
 from mtx.models.gpt import GPT
 from mtx.objectives import micro_loss, objective_for
-from mtx.parallel.mesh import DATA, MODEL, PIPELINE
+from mtx.parallel.mesh import BATCH, DATA, MODEL, PIPELINE
 from mtx.parallel.pipeline import Schedule, SlotExchange, pipelined_final_hidden, pipelined_loss, to_slots
 from mtx.parallel.sharded import (fit_spec, init_sharded, is_stacked, map_specs, named_shardings,
                                   partition_specs, replicated_groups, shard_over, split_abstract, with_axis)
@@ -78,7 +78,7 @@ class ShardedModel:
                          if mesh.shape[PIPELINE] > 1 else None)
         self.forward_pipeline = None if self.pipeline is None else self.pipeline.forward_only()
         self.objective = objective_for(cfg)
-        self.batch_sharding = NamedSharding(mesh, P(DATA))
+        self.batch_sharding = NamedSharding(mesh, BATCH)
         self.eval_loss = jax.jit(self._eval_loss)
 
     def merge(self, params) -> nnx.Module:
@@ -178,7 +178,7 @@ class ShardedModel:
     # ---- jitted ----
     def _eval_loss(self, params, batch):
         """The loss of one batch (GPT: mean next-token loss; BERT: MLM + SOP), no dropout, no gradient."""
-        return jax.shard_map(self._local_eval_loss, mesh=self.mesh, in_specs=(self.param_specs, P(DATA)),
+        return jax.shard_map(self._local_eval_loss, mesh=self.mesh, in_specs=(self.param_specs, BATCH),
                              out_specs=P())(self.forward_params(params), batch)
 
 

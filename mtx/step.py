@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtx.objectives import micro_loss
 from mtx.optim import learning_rate_schedule
-from mtx.parallel.mesh import DATA, MODEL, PIPELINE
+from mtx.parallel.mesh import BATCH, DATA, MODEL, PIPELINE
 from mtx.parallel.one_f_one_b import one_f_one_b
 from mtx.parallel.overlap import LayerReduction, accumulator, gather_shard, layer_hook, reduction_kind
 from mtx.parallel.pipeline import pipelined_loss
@@ -299,7 +299,7 @@ class TrainStep:
         key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
         loss, grads = jax.shard_map(
             self._local_loss_and_grads, mesh=self.mesh,
-            in_specs=(model.master_specs, P(DATA), P(), P()), out_specs=(P(), model.master_specs),
+            in_specs=(model.master_specs, BATCH, P(), P()), out_specs=(P(), model.master_specs),
         )(params, batch, key, jnp.asarray(scale, jnp.float32))
         return loss, grads
 

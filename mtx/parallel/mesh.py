@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "pipeline", "model")
 DATA, PIPELINE, MODEL = AXES
+BATCH = P(DATA)  # a batch's layout (tokens, targets, masks: rows first): rows split over "data", whole on each stage
 
 
 def resolve_sizes(data: int, pipeline: int, model: int, num_devices: int) -> tuple[int, int, int]:
