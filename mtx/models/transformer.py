@@ -313,8 +313,8 @@ class ParallelMLP(nnx.Module):
             if self.bias_swiglu_fusion:
                 return self.fc2(elementwise.swiglu(gate_BSF, up_BSF))
             return self.fc2(jax.nn.silu(gate_BSF) * up_BSF)
-        if self.bias_gelu_fusion:
-            return self.fc2(self.fc1(x_BSD, gelu=True))
+        if self.bias_gelu_fusion:  # the bias add and GeLU in one function whose backward recomputes them from X A
+            return self.fc2(elementwise.bias_gelu(*self.fc1(x_BSD, skip_bias_add=True)))
         return self.fc2(jax.nn.gelu(self.fc1(x_BSD), approximate=True))
 
 

@@ -72,12 +72,16 @@ class ColumnParallelLinear(nnx.Module):
         self.comm_overlap = comm_overlap and sequence_parallel and not gather_output
         self.dtype = dtype
 
-    def __call__(self, x_BSD, *, gelu: bool = False):
+    def __call__(self, x_BSD, *, skip_bias_add: bool = False):
         """(B, S, D) replicated (or this rank's rows (B / tp, S, D) with sequence parallelism) -> (B, S, F / tp) on
-        this rank, or (B, S, F) replicated with gather_output. gelu: GeLU(X A + b), the bias add and GeLU in one
-        function whose backward recomputes them from X A (`elementwise.bias_gelu`)."""
-        return self._matmuls(x_BSD, [self.kernel[...].astype(self.dtype)],
-                             None if self.bias is None else [self.bias[...].astype(self.dtype)], gelu=gelu)[0]
+        this rank, or (B, S, F) replicated with gather_output. skip_bias_add: (X A, b) instead, the bias left to the
+        caller to add with what follows (Megatron's option: the MLP's bias + GeLU in one function,
+        `elementwise.bias_gelu`)."""
+        bias = None if self.bias is None else self.bias[...].astype(self.dtype)
+        assert not (skip_bias_add and self.gather_output), "skip_bias_add returns this rank's bias columns"
+        y = self._matmuls(x_BSD, [self.kernel[...].astype(self.dtype)],
+                          None if bias is None or skip_bias_add else [bias])[0]
+        return (y, bias) if skip_bias_add else y
 
     def split_call(self, x_BSD, parts: int, part_dim: int):
         """The same Y = X A + b as `parts` matmuls, one per interleaved group of output columns.
@@ -119,7 +123,7 @@ class ColumnParallelLinear(nnx.Module):
         y = x_BSD @ kernel
         return y if bias is None else y + bias
 
-    def _matmuls(self, x, kernels, biases, *, gelu: bool = False):
+    def _matmuls(self, x, kernels, biases):
         spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
         if self.comm_overlap:
             ys = self._gathered_matmuls(x, kernels)
@@ -128,9 +132,7 @@ class ColumnParallelLinear(nnx.Module):
             ys = [jnp.einsum(spec, x, kernel) for kernel in kernels]
         outs = []
         for j, y in enumerate(ys):
-            if gelu:
-                y = elementwise.bias_gelu(y, None if biases is None else biases[j])
-            elif biases is not None:
+            if biases is not None:
                 y = y + biases[j]
             outs.append(gather_from_model_parallel(y) if self.gather_output else y)
         return outs
