@@ -168,7 +168,7 @@ def lambada_tokens(tokenizer, text: str) -> tuple[list[int], int]:
     return ([tokenizer.eod] if shared == 0 else []) + ids, len(ids) - shared
 
 
-def lambada_example(ids: Sequence[int], k: int, seq_length: int):
+def _lambada_example(ids: Sequence[int], k: int, seq_length: int):
     """(S,) inputs, targets and mask of one example's ids; the mask covers the last k targets (the target word).
     A context longer than the window loses its oldest tokens."""
     if k > seq_length:
@@ -191,7 +191,7 @@ def lambada_accuracy(score: ScoreFn, batch_size: int, tokenizer, texts: Sequence
     s = min(seq_length, 8 * math.ceil(max((len(ids) - 1 for ids, _ in examples), default=1) / 8))
     correct, nll_sum, target_tokens = 0, 0.0, 0
     for first in _bar(range(0, len(examples), batch_size), progress, "lambada", unit="batch"):
-        inputs, targets, mask = map(np.stack, zip(*(lambada_example(ids, k, s)
+        inputs, targets, mask = map(np.stack, zip(*(_lambada_example(ids, k, s)
                                                     for ids, k in examples[first: first + batch_size])))
         nll, hit = score(inputs, targets, mask)
         correct += int(np.sum(np.all(hit | (mask == 0), axis=1)))

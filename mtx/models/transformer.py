@@ -46,15 +46,15 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ha
     """Causal (or, with causal=False, bidirectional) softmax(Q K^T / sqrt(H)) V over this rank's heads; scores and
     softmax in float32.
 
-    mask_BS: see `segment_mask`. Attention dropout acts on this rank's own heads: `hashes` are the (rows, cols) of
-    `dropout_hashes`, drawn from each head's own (model-parallel) key; None is no dropout.
+    mask_BS: see `_segment_mask`. Attention dropout acts on this rank's own heads: `hashes` are the (rows, cols) of
+    `_dropout_hashes`, drawn from each head's own (model-parallel) key; None is no dropout.
     """
     s, h = q_BSNH.shape[1], q_BSNH.shape[-1]
     scores_BNQK = jnp.einsum("bqnh,bknh->bnqk", q_BSNH, k_BSNH, preferred_element_type=jnp.float32)
     scores_BNQK = scores_BNQK / math.sqrt(h)
     allowed = jnp.tril(jnp.ones((s, s), jnp.bool_))[None, None] if causal else None
     if mask_BS is not None:
-        keys_allowed = segment_mask(mask_BS)
+        keys_allowed = _segment_mask(mask_BS)
         allowed = keys_allowed if allowed is None else allowed & keys_allowed
     if allowed is not None:
         scores_BNQK = jnp.where(allowed, scores_BNQK, jnp.finfo(jnp.float32).min)
@@ -66,7 +66,7 @@ def attention_core(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, dropout_rate=0.0, ha
     return jnp.einsum("bnqk,bknh->bqnh", probs_BNQK.astype(v_BSNH.dtype), v_BSNH)
 
 
-def dropout_hashes(keys_B, heads: int, length: int):
+def _dropout_hashes(keys_B, heads: int, length: int):
     """The attention-dropout hashes ((B, n_local, S) rows and cols) of this rank's heads, from the sequences'
     keys folded with each head's global index: the same masks for a head whichever rank computes it."""
     return attention_dropout_hashes(model_parallel_keys(keys_B, heads), length)
@@ -91,13 +91,13 @@ def dropout_draws(cfg: ModelConfig, keys_B, length: int, *, sequence_parallel: b
     where a layer's own draws made XLA's program more than twice as large, docs/benchmarks.md 8f)."""
     own_B = sequence_parallel_rows(keys_B) if sequence_parallel else keys_B
     heads = cfg.num_attention_heads // model_size()
-    attention = dropout_hashes(fold(keys_B, 0), heads, length) if cfg.attention_dropout > 0.0 else None
+    attention = _dropout_hashes(fold(keys_B, 0), heads, length) if cfg.attention_dropout > 0.0 else None
     residual = [position_hashes(fold(own_B, site), length, cfg.hidden_size) if cfg.hidden_dropout > 0.0 else None
                 for site in (1, 2)]
     return Draws(attention, *residual)
 
 
-def segment_mask(mask_BS):
+def _segment_mask(mask_BS):
     """(B, S) segment ids -> (B, 1, Q, K) which keys each query may attend to: those of its own segment, never a 0
     (padding). BERT's 0/1 padding mask is the one-segment case; GPT's --reset-attention-mask numbers the packed
     documents 1, 2, ... (mtx/data/documents.py), which makes the causal mask block-diagonal. A padding query (0)
@@ -112,7 +112,7 @@ def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, causal=True):
 
     BERT's padding mask (bidirectional, 0/1) goes in as each row's count of real keys: its real tokens are a prefix
     of the row (mtx/data/bert_dataset.py fills rows from the start), so "the first n keys" is exactly
-    `segment_mask`'s rule, padding queries included, and cuDNN takes it. Other masks (GPT's document ids) need the
+    `_segment_mask`'s rule, padding queries included, and cuDNN takes it. Other masks (GPT's document ids) need the
     full (S, S) mask, which cuDNN's entry point does not take: XLA's implementation then."""
     half = q_BSNH.dtype in (jnp.bfloat16, jnp.float16)
     if mask_BS is not None and not causal:
@@ -121,7 +121,7 @@ def fused_attention(q_BSNH, k_BSNH, v_BSNH, *, mask_BS=None, causal=True):
         return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, key_value_seq_lengths=real_keys_B,
                                             implementation="cudnn" if _gpu() and half else None)
     gpu = _gpu() and half and mask_BS is None
-    mask = None if mask_BS is None else segment_mask(mask_BS)
+    mask = None if mask_BS is None else _segment_mask(mask_BS)
     return jax.nn.dot_product_attention(q_BSNH, k_BSNH, v_BSNH, mask=mask, is_causal=causal,
                                         implementation="cudnn" if gpu else None)
 
@@ -148,14 +148,14 @@ def local_kv_heads(cfg: ModelConfig) -> int:
     return cfg.query_groups // tp if cfg.query_groups % tp == 0 else 1
 
 
-def repeat_groups(kv_BSGH, heads: int):
+def _repeat_groups(kv_BSGH, heads: int):
     """(B, S, g, H) keys or values of g groups -> (B, S, heads, H), each group repeated to its heads (query head j
     of this rank uses local group j // (heads / g))."""
     repeat = heads // kv_BSGH.shape[2]
     return jnp.repeat(kv_BSGH, repeat, axis=2) if repeat > 1 else kv_BSGH
 
 
-def cached_attention_core(q_BTNH, k_BSGH, v_BSGH, start_B):
+def _cached_attention_core(q_BTNH, k_BSGH, v_BSGH, start_B):
     """Attention of T new queries at absolute positions start_B + t over a (B, S_max) cache of g key/value heads,
     in float32; the N query heads are viewed as (g, N / g), so each group's keys serve its heads without copies.
 
@@ -173,7 +173,7 @@ def cached_attention_core(q_BTNH, k_BSGH, v_BSGH, start_B):
     return ctx_BTGNH.reshape(b, t, n, h)
 
 
-def write_rows(cache_BSGH, new_BTGH, start_B, write=None):
+def _write_rows(cache_BSGH, new_BTGH, start_B, write=None):
     """Writes row b's T new entries at slots start_B[b] .. start_B[b] + T - 1 of the cache.
 
     write: optional bool (a pipeline stage that is not on its tick): False keeps the old entries (selecting among
@@ -231,7 +231,7 @@ class ParallelSelfAttention(nnx.Module):
         rows (at positions 0 .. S - 1). mask_BS and the dropout hashes (Draws.attention) cover the whole
         microbatch."""
         q, k, v = self._project(x_BSD, jnp.arange(x_BSD.shape[1]))
-        k, v = (repeat_groups(a, q.shape[2]) for a in (k, v))  # (B, S, n_local, H) each
+        k, v = (_repeat_groups(a, q.shape[2]) for a in (k, v))  # (B, S, n_local, H) each
         return self.proj(self._attend(q, k, v, mask_BS, hashes))
 
     def _project(self, x_BSD, positions):
@@ -281,8 +281,8 @@ class ParallelSelfAttention(nnx.Module):
         """
         b, t, _ = x_BTD.shape
         q, k, v = self._project(x_BTD, start_B[:, None] + jnp.arange(t))  # q (B, T, n_local, H); k, v (B, T, g, H)
-        cache = KVCache(write_rows(cache.k, k, start_B, write), write_rows(cache.v, v, start_B, write))
-        ctx_BTNH = cached_attention_core(q, cache.k, cache.v, start_B)
+        cache = KVCache(_write_rows(cache.k, k, start_B, write), _write_rows(cache.v, v, start_B, write))
+        ctx_BTNH = _cached_attention_core(q, cache.k, cache.v, start_B)
         return self.proj(ctx_BTNH.reshape(b, t, -1)), cache
 
 

@@ -272,7 +272,7 @@ def pipeline_ticks(stage_fn, inputs_M, schedule: Schedule, state=None):
     return ys_T[p - 1:], state  # the last stage finishes microbatch t - (P - 1) at tick t
 
 
-def last_stage_to_all(x):
+def _last_stage_to_all(x):
     """The last stage's value of x on every stage (a psum of x masked to the last stage)."""
     last = jax.lax.axis_index(PIPELINE) == jax.lax.axis_size(PIPELINE) - 1
     return jax.lax.psum(jnp.where(last, x, jnp.zeros((), x.dtype)), PIPELINE)
@@ -280,7 +280,7 @@ def last_stage_to_all(x):
 
 def last_stage_to_each(x):
     """The last stage's value of x on every stage, sent to each of the others by a ppermute of one pair (varying over
-    "pipeline", where last_stage_to_all's psum makes it invariant). Under autodiff the gradients come back the same
+    "pipeline", where _last_stage_to_all's psum makes it invariant). Under autodiff the gradients come back the same
     way, summed on the last stage in x's dtype. For the spread head (mtx/parallel/one_f_one_b.py) the psum was an
     all-reduce of the (B, S, D) output (30 ms a step on one of 2 H200s, its waits included) and its transpose, met
     only where the fp32 LayerNorm read the invariant value, an fp32 all-reduce (docs/benchmarks.md 4l, 4m)."""
@@ -291,7 +291,7 @@ def last_stage_to_each(x):
     return out
 
 
-def pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None, mask_MBS=None):
+def _pipelined_hidden(model, x0_MBSD, schedule: Schedule, *, keys_MB=None, mask_MBS=None):
     """Runs this stage's layers over the M microbatches, GPipe style; returns (M, B, S, D) final-layer outputs (B / tp
     rows each with sequence parallelism), meaningful on the last stage only. `model` is the local (this stage's)
     model; x0 the embeddings; mask_MBS the padding masks (BERT), which every stage reads for the microbatch it is
@@ -320,7 +320,7 @@ def pipelined_loss(model, objective, batch_M, schedule: Schedule, counts, *, key
     x0_MBSD = x0_BSD.reshape(m, x0_BSD.shape[0] // m, s, -1)  # (M, B / tp, S, D) with sequence parallelism
     mask = objective.attention_mask(jax.tree.map(lambda a: a.reshape(m * b, *a.shape[2:]), batch_M))
     mask_MBS = None if mask is None else mask.reshape(m, b, s)  # whole microbatches: the layers gather all rows
-    hidden_MBSD = pipelined_hidden(model, x0_MBSD, schedule, keys_MB=keys_MB, mask_MBS=mask_MBS)
+    hidden_MBSD = _pipelined_hidden(model, x0_MBSD, schedule, keys_MB=keys_MB, mask_MBS=mask_MBS)
     # Spread the last stage's outputs over all stages: M padded up to a multiple of P, M' / P microbatches each.
     share = math.ceil(m / p)
     last = jax.lax.axis_index(PIPELINE) == p - 1
@@ -348,8 +348,8 @@ def _rank_major(a_MB):
 def pipelined_final_hidden(model, tokens_BS, schedule: Schedule):
     """(B, S) ids -> (B, S, D) final hidden states after the final LayerNorm on every stage (no dropout), replicated
     over "model"; for evaluation, as one microbatch (`schedule`: `Schedule.forward_only`)."""
-    hidden_BSD = pipelined_hidden(model, model.embed(tokens_BS)[None], schedule)[0]
-    return model.final_hidden(last_stage_to_all(hidden_BSD))
+    hidden_BSD = _pipelined_hidden(model, model.embed(tokens_BS)[None], schedule)[0]
+    return model.final_hidden(_last_stage_to_all(hidden_BSD))
 
 
 def pipelined_decode(model, x_BTD, cache, start_B, schedule: Schedule):
@@ -362,4 +362,4 @@ def pipelined_decode(model, x_BTD, cache, start_B, schedule: Schedule):
         return model.transform_cached(x_in_BTD, cache, start_B, real_layers=real_layers, write=on_tick)
 
     ys_BTD, cache = pipeline_ticks(stage_fn, vary(x_BTD, [PIPELINE])[None], schedule, cache)
-    return last_stage_to_all(ys_BTD[0]), cache
+    return _last_stage_to_all(ys_BTD[0]), cache
