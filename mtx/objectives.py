@@ -35,6 +35,10 @@ class NextTokenPrediction:
     positions) and "segments" (the attention mask: no attention across documents).
     """
 
+    # 1F1B may spread the head over the stages by vocabulary (`head_loss`'s pipeline_share): the loss is the output
+    # layer's logits' cross-entropy alone (mtx/parallel/one_f_one_b.py)
+    head_spreads_over_stages = True
+
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
 
@@ -82,6 +86,8 @@ class MaskedLMAndSentenceOrder:
 
     Batch fields (Megatron's BERT dataset): text, types, padding_mask, labels, loss_mask (B, S); is_random (B,).
     """
+
+    head_spreads_over_stages = False  # its heads (masked LM, sentence order) run on the last stage
 
     def __init__(self, cfg: Config):
         self.binary_head, self.mlm_positions = cfg.model.bert_binary_head, cfg.mlm_positions

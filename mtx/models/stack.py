@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -26,6 +26,7 @@ from mtx.kernels.collective_matmul import KERNEL_OUTPUT
 from mtx.kernels.elementwise import STATISTICS
 from mtx.models.transformer import KVCache, TransformerLayer, dropout_draws, local_kv_heads
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
+from mtx.parallel.pipeline import RealLayers
 from mtx.parallel.ops import vary, vary_like
 from mtx.parallel.random import fold
 
@@ -35,14 +36,6 @@ from mtx.parallel.random import fold
 KV_CACHE_SPEC = KVCache(P(PIPELINE, DATA, None, MODEL, None), P(PIPELINE, DATA, None, MODEL, None))
 
 LAYER_INPUT = "layer_input"  # checkpoint name of each layer's input (what `full` recomputation keeps)
-
-
-class RealLayers(NamedTuple):
-    """How many of a pipeline stage's held layers are real (a traced scalar; the rest are padding of an uneven
-    layout), and the counts it can take (static, sorted)."""
-
-    count: jax.Array
-    choices: tuple[int, ...]
 
 
 _SAVED_PRIMITIVES = ("dot_product_attention_fwd", "pallas_call", "psum", "all_gather", "reduce_scatter", "ppermute")

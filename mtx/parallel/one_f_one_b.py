@@ -320,12 +320,10 @@ def _typed(x):
 
 
 def _head_spreads(objective, graphdef, params, p) -> bool:
-    """Whether the head's logits are spread over the P stages by vocabulary (GPT's next-token loss, whose tied
-    output layer's vocab-parallel slice divides by P); BERT's heads run on the last stage."""
-    from mtx.objectives import NextTokenPrediction
-
+    """Whether the head's logits are spread over the P stages by vocabulary: an objective that allows it (GPT's
+    next-token loss; BERT's heads run on the last stage) and a vocab-parallel slice that divides by P."""
     rows = nnx.merge(graphdef, params).embedding.embedding.shape[0]
-    return isinstance(objective, NextTokenPrediction) and rows % p == 0
+    return objective.head_spreads_over_stages and rows % p == 0
 
 
 def _first_embedding(graphdef, params, objective, microbatch):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,14 @@ import numpy as np
 
 from mtx.parallel.mesh import MODEL, PIPELINE
 from mtx.parallel.ops import vary
+
+
+class RealLayers(NamedTuple):
+    """How many of a pipeline stage's held layers are real (a traced scalar; the rest are padding of an uneven
+    layout), and the counts it can take (static, sorted)."""
+
+    count: jax.Array
+    choices: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -170,8 +179,6 @@ class Schedule:
     def local_layers(self, chunk=0):
         """Inside shard_map: (global index of this device's chunk's first layer, how many of its slots are real
         layers, or None when the virtual stages are even), for ParallelTransformer's first_layer and real_layers."""
-        from mtx.models.stack import RealLayers
-
         k = chunk * self.stages + jax.lax.axis_index(PIPELINE)
         counts = jnp.asarray(self.counts)
         first_layer = jnp.concatenate([jnp.zeros((1,), counts.dtype), jnp.cumsum(counts)[:-1]])[k]
