@@ -27,10 +27,11 @@ UNUSED = ("load", "save", "run_dir", "data_path", "tensorboard_dir", "wandb_proj
 
 def refuse_unused_flags(cfg) -> None:
     from mtx.config import FIELD_SECTION
+    from mtx.schema_checks import flag_name
 
     given = [name for name in UNUSED if getattr(getattr(cfg, FIELD_SECTION[name]), name) not in (None, (), False)]
     if given:
-        raise ValueError(f"--{given[0].replace('_', '-')} is a train.py flag the benchmark does not use (it times "
+        raise ValueError(f"{flag_name(given[0])} is a train.py flag the benchmark does not use (it times "
                          "random weights on synthetic batches); drop it.")
 
 

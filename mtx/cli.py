@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
-from mtx.schema_checks import LIMITS, RANGES, check_unused_flags, field_types, in_range
+from mtx.schema_checks import LIMITS, RANGES, check_unused_flags, field_types, flag_name, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -71,7 +71,7 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
         schema_default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         default = argparse.SUPPRESS if defaults is None else defaults.get(name, schema_default)
         shown = schema_default if defaults is None else default
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         kw = dict(dest=name, default=default,
                   help=f"{helps.get(name, f.metadata['help'])} (default: {shown})".replace("%", "%%"))
         kind = _scalar_type(hint)
@@ -92,7 +92,7 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
 def flag_for(name: str, value) -> str:
     """The train.py flag (with its value) that sets field `name` to `value`: "--hidden-size 64", "--swiglu" or
     "--no-swiglu" for a boolean, "--ffn-hidden-size none" for an optional setting's None."""
-    flag = "--" + name.replace("_", "-")
+    flag = flag_name(name)
     if isinstance(value, bool):
         return flag if value else _off_flag(name)
     if value is None:

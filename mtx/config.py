@@ -19,7 +19,7 @@ from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
 from mtx.files import not_a_file
-from mtx.schema_checks import check_combinations, check_field, described as _f
+from mtx.schema_checks import check_combinations, check_field, described as _f, flag_name
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class Config:
         for target, sources in DERIVED.items():
             given = [s for s in sources if getattr(getattr(new, FIELD_SECTION[s]), s) is not None]
             if target in flat and given:
-                raise ValueError(f"--{_flag(given[0])} sets --{_flag(target)}; pass only one of the two.")
+                raise ValueError(f"{flag_name(given[0])} sets {flag_name(target)}; pass only one of the two.")
         return new
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -323,10 +323,6 @@ FIELD_TYPES = {name: hint for cls in SECTIONS.values() for name, hint in get_typ
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -26,6 +26,7 @@ from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, say_
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import is_mtx_config
+from mtx.schema_checks import flag_name
 
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
 # vocabulary size, which comes from the tokenizer (a mismatch is refused), nor what shapes no parameter (NOT_SHAPING).
@@ -84,7 +85,7 @@ def from_checkpoint(cfg: Config, saved: Config) -> Config:
     changed = {name: value for name, value in taken.items() if current[name] != value}
     if changed and is_main_process():
         for name, value in changed.items():
-            flag = "--" + name.replace("_", "-")
+            flag = flag_name(name)
             why = (f"the checkpoint's RNG state; pass --no-load-rng to use {flag} {current[name]}" if name == "seed"
                    else "--use-checkpoint-args: the checkpoint's arguments win")
             print(f"mtx: --load {t.load}: {name} = {value!r} from the checkpoint, not {flag} {current[name]!r} "

@@ -66,6 +66,11 @@ FLOAT32_TINY = 1.1754944e-38  # the smallest normal float32: a nonzero number be
 MAX_PARAMETERS, MAX_SCORES = 2**40, 2**48
 
 
+def flag_name(field: str) -> str:
+    """A config field's command-line flag: hidden_size -> --hidden-size (Megatron's spelling)."""
+    return "--" + field.replace("_", "-")
+
+
 def in_range(value, valid: str) -> bool:
     """Whether a number lies in a range written as in RANGES."""
     if valid.endswith(" or -1"):
@@ -92,7 +97,7 @@ _KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str:
 def check_field(name: str, hint, value: Any) -> None:
     """One field's type (config files and Python callers can pass anything) and numeric range; `hint` is its resolved
     annotation."""
-    flag = "--" + name.replace("_", "-")
+    flag = flag_name(name)
     kinds, optional = field_types(hint)
     if value is None and optional:
         return
@@ -216,12 +221,12 @@ def check_unused_flags(cfg, given) -> None:
               "leave it out (--bias-swiglu-fusion is SwiGLU's)."))
     for names, on, enabler, fix in rules:
         for name in set(names) & set(given):
-            _check(on, f"--{name.replace('_', '-')} only acts with {enabler}; {fix}")
+            _check(on, f"{flag_name(name)} only acts with {enabler}; {fix}")
 
 
 def unsaved_checkpoints(t) -> str | None:
     """A notice when flags ask for checkpoints that no --save will hold (a resumed run may pass them on purpose)."""
-    flags = [f"--{name.replace('_', '-')}" for name in ("save_interval", "async_save", "keep_last_n_checkpoints",
+    flags = [flag_name(name) for name in ("save_interval", "async_save", "keep_last_n_checkpoints",
                                                          "keep_checkpoint_every") if getattr(t, name)]
     if flags and not t.save:
         return f"mtx: {' '.join(flags)} without --save: this run writes no checkpoint; pass --save DIR to keep them."
@@ -243,7 +248,7 @@ def _check_megatron_flags(cfg) -> None:
            f"--profile-step-end {t.profile_step_end} must be after --profile-step-start {t.profile_step_start}.")
     documents = [f for f in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(d, f)]
     _check(not documents or not m.is_bert,
-           f"--{documents[0].replace('_', '-') if documents else ''} acts on GPT's packed documents; BERT's samples "
+           f"{flag_name(documents[0]) if documents else ''} acts on GPT's packed documents; BERT's samples "
            "are sentence pairs: drop it for --model-type bert.")
 
 

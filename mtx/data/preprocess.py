@@ -32,6 +32,7 @@ from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
 from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from mtx.files import check_new_files, not_a_file, read_text, refuse_empty, refuse_repeats
+from mtx.schema_checks import flag_name
 
 _tokenizer = None  # one per worker process, built by _init
 
@@ -118,7 +119,7 @@ _PATH_FLAGS = {"input": "JSONL or plain-text files", "tfds": "a TensorFlow Datas
 def _refuse_empty_paths(args) -> None:
     """Refuses an empty (or blank) value of a path flag: --input "" was once "--input .: is a directory"."""
     for dest, fix in _PATH_FLAGS.items():
-        refuse_empty(getattr(args, dest), "--" + dest.replace("_", "-"), fix)
+        refuse_empty(getattr(args, dest), flag_name(dest), fix)
 
 
 def _check_prefix(prefix: str) -> None:
