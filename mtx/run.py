@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +25,9 @@ from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable, forget_new_run_dir
-from mtx.metrics import MetricsLogger, Progress, check_trackers, seconds_since_process_start, throughput
-from mtx.parallel.mesh import DATA, MODEL, check_tensor_parallel_fits, make_mesh
+from mtx.loop_controls import Profiler, Startup, StopRequests
+from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
+from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
 from mtx.schema_checks import unsaved_checkpoints
 from mtx.sharded_model import ShardedModel
@@ -145,7 +144,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         else:
             state = train_step.init_state()
         start = int(jax.device_get(jax.block_until_ready(state).step))
-        startup = _Startup(entered, state_ready=time.perf_counter())
+        startup = Startup(entered, state_ready=time.perf_counter())
         if main:
             _print_banner(cfg, mesh, model, start)
 
@@ -162,8 +161,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size, rows.slice),
                                                         rows),
                            range(start, t.train_iters), depth=cfg.data.prefetch_depth, times=batch_times)
-        profiler = _Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
-        with _StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
+        profiler = Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
+        with StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
             for step, batch in zip(range(start, t.train_iters), batches):
                 profiler.before(step)
                 state, metrics = train_step(state, batch)
@@ -236,84 +235,6 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     return result
 
 
-class _StopRequests:
-    """Why training should stop before --train-iters, checked after each step: SIGTERM or SIGINT (with
-    --exit-signal-handler, the default: the step finishes, a checkpoint is saved, the process exits 0; a second
-    SIGINT interrupts at once), --exit-interval, --exit-duration-in-mins. With several processes all must stop at the
-    same step: signals and the clock are agreed on at logging steps (a host sync there anyway), the interval is the
-    same everywhere."""
-
-    def __init__(self, t):
-        self.t, self.start, self.signal, self.previous = t, time.monotonic(), None, {}
-
-    def __enter__(self) -> "_StopRequests":
-        if self.t.exit_signal_handler and threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # (None: set outside Python)
-        self.previous = {}
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
-
-    def reason(self, step: int) -> str | None:
-        t = self.t
-        if t.exit_interval and step % t.exit_interval == 0:
-            return f"--exit-interval {t.exit_interval}"
-        minutes = (time.monotonic() - self.start) / 60
-        local = (f"{self.signal} received" if self.signal else f"--exit-duration-in-mins {t.exit_duration_in_mins}"
-                 if t.exit_duration_in_mins and minutes >= t.exit_duration_in_mins else None)
-        if jax.process_count() == 1:
-            return local
-        if step % t.log_interval:
-            return None
-        from jax.experimental import multihost_utils
-
-        anyone = bool(np.any(multihost_utils.process_allgather(np.int32(local is not None))))
-        return local or ("another process was asked to stop" if anyone else None)
-
-
-class _Profiler:
-    """--profile: a jax.profiler trace of steps --profile-step-start + 1 .. --profile-step-end (0-based loop steps
-    start .. end - 1, as Megatron counts), written by process 0 into `log_dir` (TensorBoard's profile plugin reads
-    <dir>/plugins/profile). The trace is stopped when the traced steps are done, or when the run leaves the loop
-    early (a stop request, an error)."""
-
-    def __init__(self, t, log_dir, *, enabled: bool):
-        self.t, self.log_dir, self.enabled, self.running = t, Path(log_dir), enabled and t.profile, False
-        self.done = t.profile_step_start  # steps completed so far in the trace's window
-
-    def before(self, step: int) -> None:
-        if self.enabled and step == self.t.profile_step_start:
-            jax.profiler.start_trace(str(self.log_dir))
-            self.running = True
-
-    def after(self, step: int, metrics) -> None:
-        if self.running:
-            self.done = step + 1
-            if self.done == self.t.profile_step_end:
-                jax.block_until_ready(metrics)  # the traced steps' device work, not just their dispatch
-                self.stop()
-
-    def stop(self) -> None:
-        if self.running:
-            self.running = False
-            jax.profiler.stop_trace()
-            print(f"mtx: profile of steps {self.t.profile_step_start + 1}..{self.done} written to {self.log_dir} "
-                  "(TensorBoard's profile tab)")
-
-    def __enter__(self) -> "_Profiler":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:
     """Mean validation loss over `iters` batches (the same batches at every evaluation)."""
     losses = [model.eval_loss(params, model.put_batch(dataset.batch("valid", i, batch_size)))
@@ -338,7 +259,7 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
           f"{cfg.model.num_params() / 1e6:.2f}M parameters (vocab {m.vocab_size} padded to {m.padded_vocab_size})")
     if m.llama_blocks():
         print(f"mtx: Llama's blocks: {' '.join(m.llama_blocks())}")
-    print(f"mtx: mesh data={mesh.shape['data']} pipeline={mesh.shape['pipeline']} model={mesh.shape['model']} on "
+    print(f"mtx: mesh data={mesh.shape[DATA]} pipeline={mesh.shape[PIPELINE]} model={mesh.shape[MODEL]} on "
           f"{mesh.size} {jax.devices()[0].platform} device(s); {model.num_microbatches} microbatch(es) of "
           f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")
     if cfg.tp_comm_overlap:
@@ -352,37 +273,6 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
         chunks = f" x {sch.virtual} virtual stages" if sch.virtual > 1 else ""
         print(f"mtx: pipeline schedule {sch.kind}: {sch.stages} stages{chunks}, layers {list(sch.counts)}, "
               f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble (p-1)/(v m+p-1) = {sch.bubble:.1%}")
-
-
-class _Startup:
-    """Where the time to the first step went, as Megatron's "time to initialize" and setup timers: the process's
-    start up to train() (Python, imports, flag parsing), train() up to a ready state (checks, data, model, the
-    state initialized or loaded), and the first step (tracing it, compiling it or loading it from the compilation
-    cache, running it). Printed when the first step is done; its seconds go into the first metrics record."""
-
-    def __init__(self, entered: float, state_ready: float):
-        since_start = seconds_since_process_start()
-        now = time.perf_counter()
-        self.process_start = None if since_start is None else now - since_start  # on the perf_counter clock
-        self.entered, self.state_ready, self.fields = entered, state_ready, {}
-
-    def first_step_done(self, now: float) -> str:
-        self.fields = {"startup_state_s": self.state_ready - self.entered,
-                       "startup_first_step_s": now - self.state_ready}
-        if self.process_start is not None:
-            self.fields = {"startup_s": now - self.process_start,
-                           "startup_to_train_s": max(self.entered - self.process_start, 0.0), **self.fields}
-        f = self.fields
-        total = f"{f['startup_s']:.1f} s after the process started" if "startup_s" in f else "done"
-        before = f"{f['startup_to_train_s']:.1f} s to train(), " if "startup_to_train_s" in f else ""
-        return (f"mtx: first step {total} ({before}{f['startup_state_s']:.1f} s to the initialized or loaded state, "
-                f"{f['startup_first_step_s']:.1f} s for the first step: tracing, compiling or loading it from the "
-                "compilation cache, running it)")
-
-    def take(self) -> dict:
-        """The startup fields once (for the first record written after the first step), then nothing."""
-        fields, self.fields = self.fields, {}
-        return fields
 
 
 def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float, devices: int,
