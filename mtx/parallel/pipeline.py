@@ -206,14 +206,14 @@ class SlotExchange:
 
     @classmethod
     def plan(cls, schedule: Schedule, stored_rows: int) -> "SlotExchange":
-        p, per_device = schedule.stages, schedule.virtual * schedule.slots
-        layers_DJ = schedule.slot_layers().reshape(p, per_device)
+        p, per_device = schedule.stages, schedule.virtual * schedule.slots  # suffix _PJ: stage, slot J of its own
+        layers_PJ = schedule.slot_layers().reshape(p, per_device)
         if stored_rows != sum(schedule.counts):  # contiguous blocks of L / P layers
-            source_DJ, row_DJ = np.divmod(layers_DJ, stored_rows)
+            source_PJ, row_PJ = np.divmod(layers_PJ, stored_rows)
         else:  # the whole stack on every device
-            source_DJ, row_DJ = np.arange(p)[:, None] + 0 * layers_DJ, layers_DJ
-        offset_DJ = (np.arange(p)[:, None] - source_DJ) % p
-        wanted = [[row_DJ[(d + o) % p][offset_DJ[(d + o) % p] == o] for d in range(p)] for o in range(p)]
+            source_PJ, row_PJ = np.arange(p)[:, None] + 0 * layers_PJ, layers_PJ
+        offset_PJ = (np.arange(p)[:, None] - source_PJ) % p
+        wanted = [[row_PJ[(d + o) % p][offset_PJ[(d + o) % p] == o] for d in range(p)] for o in range(p)]
         width = [max(len(rows) for rows in wanted[o]) for o in range(p)]
         sends = tuple(np.array([np.pad(rows, (0, width[o] - len(rows))) for rows in wanted[o]], np.int32)
                       .reshape(p, width[o]) for o in range(1, p))
@@ -221,8 +221,8 @@ class SlotExchange:
         gather = np.zeros((p, per_device), np.int32)
         for d in range(p):
             for o in range(p):
-                at = np.flatnonzero(offset_DJ[d] == o)
-                gather[d, at] = row_DJ[d, at] if o == 0 else starts[o] + np.arange(len(at))
+                at = np.flatnonzero(offset_PJ[d] == o)
+                gather[d, at] = row_PJ[d, at] if o == 0 else starts[o] + np.arange(len(at))
         return cls(sends, gather)
 
     def __call__(self, stored):
@@ -322,9 +322,9 @@ def pipelined_loss(model, objective, batch_M, schedule: Schedule, counts, *, key
     b = jax.tree.leaves(batch_M)[0].shape[1]
     # With sequence parallelism each model rank embeds its rows of every microbatch: order the rows rank-major.
     rows = _rank_major if model.sequence_parallel else (lambda a: a.reshape(-1, *a.shape[2:]))
-    x0_BSD = objective.embed(model, jax.tree.map(rows, batch_M), None if keys_MB is None else rows(keys_MB))
-    s = x0_BSD.shape[1]
-    x0_MBSD = x0_BSD.reshape(m, x0_BSD.shape[0] // m, s, -1)  # (M, B / tp, S, D) with sequence parallelism
+    x0 = objective.embed(model, jax.tree.map(rows, batch_M), None if keys_MB is None else rows(keys_MB))  # (M B, S, D)
+    s = x0.shape[1]
+    x0_MBSD = x0.reshape(m, x0.shape[0] // m, s, -1)  # (M, B / tp, S, D) with sequence parallelism
     mask = objective.attention_mask(jax.tree.map(lambda a: a.reshape(m * b, *a.shape[2:]), batch_M))
     mask_MBS = None if mask is None else mask.reshape(m, b, s)  # whole microbatches: the layers gather all rows
     hidden_MBSD = _pipelined_hidden(model, x0_MBSD, schedule, keys_MB=keys_MB, mask_MBS=mask_MBS)
