@@ -299,7 +299,7 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtx.cli import with_negative_values
+    from mtx.cli import unset_nones, with_negative_values
     from mtx.devices import simulate_cpu_devices
 
     try:
@@ -312,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if simulate_cpu_devices(max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
                             * max(a.pipeline_model_parallel_size, 1)):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # "none" unsets an optional setting, as in train.py (--recompute-granularity none)
-    flags = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in vars(a).items() if k != "json"}
+    flags = unset_nones({k: v for k, v in vars(a).items() if k != "json"})  # as train.py's (--recompute-granularity none)
     try:
         cfg = audit_config(**flags)
     except ValueError as e:

@@ -274,15 +274,17 @@ def _is_negative_number(token: str) -> bool:
     return token.startswith("-")
 
 
+def unset_nones(values: dict) -> dict:
+    """"none" (any case) read as None: a flag's way to turn an optional setting of a preset off, e.g.
+    --recompute-granularity none."""
+    return {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in values.items()}
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """Flags (and an optional preset) -> a Config. Bad flags raise ValueError, one line naming them: an unknown flag
     with the closest one mtx has, a missing or mistyped value with its flag."""
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(with_negative_values(argv))
-    if unknown:
-        parser.refuse_unknown_flags(unknown)  # "unknown flag --hiden-size; did you mean --hidden-size?"
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    values = vars(args)
+    values = vars(build_parser().parse_args(with_negative_values(argv)))  # "unknown flag --hiden-size; did you mean
+    # --hidden-size?"
     preset = values.pop("config", None)
     fields = load_preset(preset) if preset else {}
     for target, sources in DERIVED.items():  # a count the command line sets replaces the preset's way of setting it
@@ -290,8 +292,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
             for name in (target, *sources):
                 fields.pop(name, None)
     fields.update({k: tuple(v) if k == "data_path" else v for k, v in values.items()})
-    # "none" turns an optional setting of a preset off, e.g. --recompute-granularity none
-    fields = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in fields.items()}
-    cfg = Config().replace(**fields)
+    cfg = Config().replace(**unset_nones(fields))
     check_unused_flags(cfg, values)
     return cfg
