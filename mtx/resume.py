@@ -41,16 +41,19 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
     load = Path(t.load)
     if not is_checkpoint_dir(load):
         if is_mtx_config(load / "config.json"):  # an mtx run directory without a finished step
+            saved = json.loads((load / "config.json").read_text())  # readable JSON: is_mtx_config
+            if problem := config_problem(saved):
+                raise ValueError(f"--load {load}: {problem} (config.json of its unfinished run); start a new run "
+                                 "in a new directory, or put back the config.json the run wrote.")
+            if not _saved_into(saved["training"].get("save"), load):  # metrics only: a finished run, not a crash
+                raise ValueError(f"--load {load} holds no checkpoint: its run wrote metrics only (--run-dir, without "
+                                 "--save there); pass a directory written by --save.")
             if t.finetune:
                 raise ValueError(f"--finetune needs the weights of a finished checkpoint, and --load {load} holds "
                                  "none (its run stopped before the first save completed).")
             if is_main_process():
                 print(f"mtx: --load {load} holds no finished checkpoint (its run stopped before the first save "
                       "completed); starting it again from step 0.")
-            saved = json.loads((load / "config.json").read_text())  # readable JSON: is_mtx_config
-            if problem := config_problem(saved):
-                raise ValueError(f"--load {load}: {problem} (config.json of its unfinished run); start a new run "
-                                 "in a new directory, or put back the config.json the run wrote.")
             return None, (), Config.from_dict(saved)
         raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
     ckpt = Checkpointer(load)
@@ -70,6 +73,12 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
         return step, set_aside, ckpt.saved_config(step)
     finally:
         ckpt.close()
+
+
+def _saved_into(save, directory: Path) -> bool:
+    """Whether a run whose --save was `save` (as it was given, maybe relative to another working directory) saved
+    into `directory`."""
+    return save is not None and (Path(save).resolve() == directory.resolve() or Path(save).name == directory.name)
 
 
 def from_checkpoint(cfg: Config, saved: Config) -> Config:

@@ -140,6 +140,22 @@ def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
     assert steps == [1, 2] and (path / "2").is_dir()
 
 
+def test_a_finished_run_without_checkpoints_is_not_restarted(saved, tmp_path):
+    """A run directory of --run-dir alone (a finished run's config and metrics, no --save) is no unfinished
+    checkpointing run: --load refuses it rather than restart it over its records (it replaced them once)."""
+    path = tmp_path / "metrics_only"
+    path.mkdir()
+    config = json.loads((saved[0] / "config.json").read_text())
+    config["training"].update(save=None, run_dir=str(path))
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copy(saved[0] / "metrics.jsonl", path / "metrics.jsonl")
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    for save in (path, tmp_path / "new"):
+        with pytest.raises(ValueError, match=f"--load {path} holds no checkpoint: its run wrote metrics only"):
+            prepare(TINY.replace(train_iters=2, seed=7, load=str(path), save=str(save)))
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before and not (tmp_path / "new").exists()
+
+
 def test_signals_and_exit_flags_stop_after_a_step_with_a_checkpoint(saved, tmp_path, monkeypatch, capsys):
     """SIGTERM mid-run, --exit-interval and --exit-duration-in-mins each stop after the step, save it, and say how to
     resume; resuming continues the same trajectory."""
