@@ -119,7 +119,7 @@ def load_state(train_step, ckpt: Checkpointer, cfg: Config, step: int):
     t = cfg.training
     abstract = train_step.abstract_state()
     if t.load_optim and not t.finetune:
-        return ckpt.restore(abstract, cfg, step=step)
+        return _loss_scale_for(ckpt.restore(abstract, cfg, step=step), ckpt.saved_config(step).training, t)
     from mtx.state import state_with_params
 
     fresh = state_with_params(train_step.model, ckpt.restore_params(abstract, cfg, step))
@@ -127,6 +127,22 @@ def load_state(train_step, ckpt: Checkpointer, cfg: Config, step: int):
         return fresh
     shardings = jax.tree.map(lambda x: x.sharding, fresh)
     return jax.jit(lambda s: _at_step(s, step), out_shardings=shardings, donate_argnums=0)(fresh)
+
+
+def _loss_scale_for(state, saved, t):
+    """The restored state with a loss scale for this run's precision: a run that changes --fp16 on resuming starts
+    the scale afresh (1 without fp16, --initial-loss-scale with it; the saved one would scale a loss that is not
+    unscaled, or not scale an fp16 one), keeping the count of skipped steps that the lr schedule discounts."""
+    if saved.fp16 == t.fp16:
+        return state
+    from mtx.optim import LossScale
+
+    fresh = LossScale.create(t)._replace(skipped=state.loss_scale.skipped)
+    if is_main_process():
+        print(f"mtx: the checkpoint was trained {'with' if saved.fp16 else 'without'} --fp16 and this run "
+              f"{'is not' if saved.fp16 else 'is'}: the loss scale starts at {float(fresh.scale):g}.")
+    return state._replace(loss_scale=jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), fresh,
+                                                  state.loss_scale))
 
 
 def _at_step(state, step: int):
