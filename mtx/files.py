@@ -171,6 +171,11 @@ def is_mtx_metrics(path: Path) -> bool:
     return isinstance(record, dict) and "step" in record
 
 
+def same_path(a, b) -> bool:
+    """Whether two paths name one file or directory, however spelt (relative, a trailing slash, a link)."""
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
 def is_mtx_config(path: Path) -> bool:
     """Whether `path` is a config.json that mtx wrote (a run directory's, or a checkpoint's)."""
     try:

@@ -25,7 +25,7 @@ from mtx.architecture import NOT_SHAPING
 from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, say_passed_over
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
-from mtx.files import is_mtx_config
+from mtx.files import is_mtx_config, same_path
 from mtx.schema_checks import flag_name
 
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
@@ -62,14 +62,14 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
         step, broken = ckpt.intact_step(t.ckpt_step, t.load)
         say_passed_over(t.load, broken, step, "resuming from", file=sys.stdout)
         later = [s for s in steps if s > step]
-        if t.save and Path(t.save) == load and any(s not in broken for s in later):
+        if t.save and same_path(t.save, load) and any(s not in broken for s in later):
             raise ValueError(f"resuming {t.load} from step {step} would overwrite its later steps; pass a new "
                              "--save directory.")
         if step > t.train_iters and not t.finetune:  # it would build its mesh, train nothing and say nothing; at
             # the last step itself (a finished run requeued, or sampled) there is nothing to do, as in Megatron-LM
             raise ValueError(f"--train-iters {t.train_iters} is before step {step} of --load {t.load}; pass a larger "
                              "--train-iters to train on from it.")
-        set_aside = tuple(load / str(s) for s in later) if t.save and Path(t.save) == load else ()
+        set_aside = tuple(load / str(s) for s in later) if t.save and same_path(t.save, load) else ()
         return step, set_aside, ckpt.saved_config(step)
     finally:
         ckpt.close()
@@ -78,7 +78,7 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
 def _saved_into(save, directory: Path) -> bool:
     """Whether a run whose --save was `save` (as it was given, maybe relative to another working directory) saved
     into `directory`."""
-    return save is not None and (Path(save).resolve() == directory.resolve() or Path(save).name == directory.name)
+    return save is not None and (same_path(save, directory) or Path(save).name == directory.name)
 
 
 def from_checkpoint(cfg: Config, saved: Config) -> Config:

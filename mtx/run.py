@@ -24,7 +24,7 @@ from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
-from mtx.files import check_run_dir, check_writable, forget_new_run_dir
+from mtx.files import check_run_dir, check_writable, forget_new_run_dir, same_path
 from mtx.loop_controls import Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
@@ -82,6 +82,9 @@ def prepare(cfg: Config) -> Plan:
         check_compatible(saved.model, cfg.model, t.load)
         if not t.finetune:
             check_same_batches(saved, cfg)
+        if t.profile and not t.finetune and t.profile_step_start < load_step:
+            raise ValueError(f"--profile-step-start {t.profile_step_start} is before step {load_step}, where this run "
+                             f"resumes from --load {t.load}: pass a window after it.")
     resuming = bool(t.load) and not t.finetune  # a fine-tuned run is a new run: new metrics, from step 0
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, "--save" if t.save else "--run-dir")  # never over a file mtx did not write
@@ -90,11 +93,11 @@ def prepare(cfg: Config) -> Plan:
             check_writable(path, flag)
     if jax.default_backend() != "cpu":  # before the first compilation; CPU runs compile quickly and leave it off
         use_compilation_cache(t.compilation_cache_dir)
-    if t.save and is_checkpoint_dir(t.save) and not (resuming and Path(t.load) == Path(t.save)):
+    if t.save and is_checkpoint_dir(t.save) and not (resuming and same_path(t.load, t.save)):
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")
     # A run appends to (and on resuming, trims) only its own metrics: those of the directory it resumes from
-    if (run_dir / "metrics.jsonl").exists() and not (resuming and run_dir.resolve() == Path(t.load).resolve()):
+    if (run_dir / "metrics.jsonl").exists() and not (resuming and same_path(run_dir, t.load)):
         raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
                          f"--run-dir (or --save), or pass --load {run_dir} to resume it (or restart it, if it "
                          "stopped before its first checkpoint).")
@@ -132,7 +135,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
                              keep_every=t.keep_checkpoint_every) if t.save else None
         if plan.load_step is not None:
-            loader = saver if saver and Path(t.load) == Path(t.save) else Checkpointer(t.load)
+            loader = saver if saver and same_path(t.load, t.save) else Checkpointer(t.load)
             try:
                 state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
             except CheckpointError:  # one line from train.py; no new run directory left behind

@@ -45,7 +45,8 @@ RANGES = {
     "lr_warmup_fraction": "[0, 1]", "lr_warmup_samples": ">= 0", "lr_decay_samples": ">= 1",
     # training
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
-    "initial_loss_scale": "> 0", "loss_scale_window": ">= 1", "min_loss_scale": "> 0", "log_interval": ">= 1",
+    "initial_loss_scale": "(0, 4294967296]", "loss_scale_window": ">= 1", "min_loss_scale": "(0, 4294967296]",
+    "log_interval": ">= 1",
     "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
     "keep_checkpoint_every": ">= 1", "generate_tokens": ">= 0", "train_samples": ">= 0",
@@ -210,7 +211,7 @@ def _check_checkpointing(t) -> None:
 def check_unused_flags(cfg, given) -> None:
     """A flag given on the command line (`given`: the field names) whose feature is off would do nothing: refused,
     naming what turns it on. Only given flags: a preset's setting is fine when a flag turns its feature off."""
-    m, t, again = cfg.model, cfg.training, "pass that too, or leave it out."
+    m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
     rules = ((("wandb_exp_name", "wandb_save_dir"), t.wandb_project, "--wandb-project NAME", again),
              (("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope", again),
              (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
@@ -218,7 +219,17 @@ def check_unused_flags(cfg, given) -> None:
              (("initial_loss_scale", "loss_scale_window", "min_loss_scale"), t.fp16, "--fp16", again),
              (("bias_swiglu_fusion",), m.swiglu or not m.bias_swiglu_fusion, "--swiglu", again),
              (("bias_gelu_fusion",), not m.swiglu or not m.bias_gelu_fusion, "the GeLU MLP, not --swiglu",
-              "leave it out (--bias-swiglu-fusion is SwiGLU's)."))
+              "leave it out (--bias-swiglu-fusion is SwiGLU's)."),
+             (("mask_prob", "short_seq_prob", "mlm_head_positions", "bert_binary_head", "num_tokentypes"), m.is_bert,
+              "--model-type bert", "leave it out for GPT."),
+             (("pipeline_schedule",), p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size 2 or more",
+              again),
+             (("sequence_parallel",), p.tensor_model_parallel_size > 1 or not p.sequence_parallel,
+              "--tensor-model-parallel-size 2 or more", again),
+             (("tp_comm_overlap",), p.tensor_model_parallel_size > 1 or not p.tp_comm_overlap,
+              "--tensor-model-parallel-size 2 or more", again),
+             (("profile_step_start", "profile_step_end"), t.profile, "--profile", again),
+             (("eval_iters",), t.eval_interval > 0, "--eval-interval N (N > 0)", again))
     for names, on, enabler, fix in rules:
         for name in set(names) & set(given):
             _check(on, f"{flag_name(name)} only acts with {enabler}; {fix}")
@@ -246,6 +257,17 @@ def _check_megatron_flags(cfg) -> None:
            f"{t.recompute_granularity}; pass one of the two.")
     _check(not t.profile or t.profile_step_end > t.profile_step_start,
            f"--profile-step-end {t.profile_step_end} must be after --profile-step-start {t.profile_step_start}.")
+    _check(not t.profile or t.profile_step_end <= t.train_iters,
+           f"--profile traces steps {t.profile_step_start + 1}..{t.profile_step_end}, beyond --train-iters "
+           f"{t.train_iters}: no trace would be written; pass --profile-step-start and --profile-step-end inside the "
+           "run.")
+    for name, samples in (("train_samples", t.train_samples), ("lr_warmup_samples", o.lr_warmup_samples)):
+        _check(not samples or samples >= t.global_batch_size,  # 0 steps: no training, or no warmup unasked
+               f"{flag_name(name)} {samples} is less than one --global-batch-size {t.global_batch_size}; pass at "
+               "least one step's samples (or 0).")
+    _check(not t.fp16 or t.min_loss_scale <= t.initial_loss_scale,
+           f"--min-loss-scale {t.min_loss_scale:g} is above --initial-loss-scale {t.initial_loss_scale:g}; the scale "
+           "starts at the initial one and never halves below the minimum.")
     documents = [f for f in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(d, f)]
     _check(not documents or not m.is_bert,
            f"{flag_name(documents[0]) if documents else ''} acts on GPT's packed documents; BERT's samples "

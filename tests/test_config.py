@@ -93,13 +93,13 @@ def test_boolean_flags_undo_a_preset(tmp_path):
     from mtx.cli import parse_config
 
     preset = tmp_path / "p.toml"
-    preset.write_text("scan_layers = false\nsequence_parallel = true\nbert_binary_head = false\n")
+    preset.write_text("scan_layers = false\nsequence_parallel = true\nuse_flash_attn = true\n")
     cfg = parse_config(["--config", str(preset)])
-    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.model.bert_binary_head) == (False, True, False)
-    cfg = parse_config(["--config", str(preset), "--scan-layers", "--no-sequence-parallel", "--bert-binary-head"])
-    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.model.bert_binary_head) == (True, False, True)
-    cfg = parse_config(["--no-scan-layers", "--sequence-parallel", "--bert-no-binary-head"])  # the defaults' flags
-    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.model.bert_binary_head) == (False, True, False)
+    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.training.use_flash_attn) == (False, True, True)
+    cfg = parse_config(["--config", str(preset), "--scan-layers", "--no-sequence-parallel", "--no-use-flash-attn"])
+    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.training.use_flash_attn) == (True, False, False)
+    cfg = parse_config(["--no-scan-layers", "--sequence-parallel", "--use-flash-attn"])  # the defaults' flags
+    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.training.use_flash_attn) == (False, True, True)
     assert parse_config(["--sequence-parallel", "--no-sequence-parallel"]).parallel.sequence_parallel is False  # last wins
 
 
@@ -161,7 +161,7 @@ def test_every_numeric_field_has_a_range():
     (["--hidden-dropout", "1"], "--hidden-dropout must be in [0, 1), got 1.0."),
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1 or -1, got 0."),
     (["--clip-grad", "inf"], "--clip-grad must be >= 0, got inf."),
-    (["--mask-prob", "0"], "--mask-prob must be in (0, 1), got 0.0."),
+    (["--model-type", "bert", "--mask-prob", "0"], "--mask-prob must be in (0, 1), got 0.0."),
     (["--min-lr", "0.1", "--lr", "0.01"], "--min-lr 0.1 is above --lr 0.01"),
 ])
 def test_numbers_out_of_range_fail_with_the_flag_named(argv, message):
@@ -280,6 +280,12 @@ def test_numbers_float32_or_the_model_cannot_hold_are_refused(argv, message):
     (["--rotary-base", "5e5"], "--position-embedding-type rope"),
     (["--position-embedding-type", "rope", "--rope-scaling-factor", "8"], "--use-rope-scaling"),
     (["--loss-scale-window", "10"], "--fp16"),
+    (["--mask-prob", "0.3"], "--model-type bert"), (["--bert-no-binary-head"], "--model-type bert"),
+    (["--mlm-head-positions", "all"], "--model-type bert"),
+    (["--pipeline-schedule", "gpipe"], "--pipeline-model-parallel-size 2 or more"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "1"], "--tensor-model-parallel-size 2 or more"),
+    (["--profile-step-start", "1", "--profile-step-end", "2"], "--profile"),
+    (["--eval-iters", "5", "--eval-interval", "0"], "--eval-interval N (N > 0)"),
 ])
 def test_a_flag_whose_feature_is_off_is_refused(argv, enabler):
     """Given on the command line, a setting of a feature that is off is refused; from a preset it is not (a flag may
@@ -287,5 +293,6 @@ def test_a_flag_whose_feature_is_off_is_refused(argv, enabler):
     with pytest.raises(ValueError, match=re.escape(f"only acts with {enabler}; ")):
         parse_config(argv)
     parse_config(["--no-bias-swiglu-fusion", "--swiglu", "--no-bias-gelu-fusion"])  # the off forms are harmless
+    parse_config(["--no-sequence-parallel", "--no-tp-comm-overlap"])
     cfg = parse_config(["--config", "configs/llama_8b.toml", "--no-use-rope-scaling"])
     assert not cfg.model.use_rope_scaling and cfg.model.rope_scaling_factor != 1

@@ -156,6 +156,20 @@ def test_a_finished_run_without_checkpoints_is_not_restarted(saved, tmp_path):
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before and not (tmp_path / "new").exists()
 
 
+def test_load_and_save_spelt_two_ways_resume(saved, tmp_path, monkeypatch):
+    """--load and --save naming one directory through a link or a relative path resume it (were "--save holds
+    checkpoints of another run; pass --load")."""
+    path = tmp_path / "run"
+    shutil.copytree(saved[0], path)
+    (tmp_path / "link").symlink_to(path)
+    monkeypatch.chdir(tmp_path)
+    for load, save in ((tmp_path / "link", path), (path, "run")):
+        assert prepare(TINY.replace(train_iters=6, load=str(load), save=str(save))).load_step == 4
+    with pytest.raises(ValueError, match="--profile-step-start 3 is before step 4, where this run resumes"):
+        prepare(TINY.replace(train_iters=20, load=str(path), save=str(path), profile=True, profile_step_start=3,
+                             profile_step_end=6))
+
+
 def test_signals_and_exit_flags_stop_after_a_step_with_a_checkpoint(saved, tmp_path, monkeypatch, capsys):
     """SIGTERM mid-run, --exit-interval and --exit-duration-in-mins each stop after the step, save it, and say how to
     resume; resuming continues the same trajectory."""
