@@ -35,6 +35,9 @@ from mtx.step import TrainStep
 
 
 SAMPLE_PROMPT = "The "
+# Steps (on the CPU) and evaluation batches dispatched ahead of the devices at most: waiting only once per log
+# interval, XLA's CPU collectives aborted with 100 or more steps queued (a rendezvous timeout, rc 134; 32: none).
+MAX_IN_FLIGHT = 32
 
 
 @dataclass
@@ -156,6 +159,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
                            loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
         pending, interval_start, interval_steps = [], time.perf_counter(), 0
+        cpu = jax.default_backend() == "cpu"
         # Batches from worker processes (each with its own copy of the dataset) or this process's prefetch thread.
         workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
         source = workers or dataset
@@ -171,6 +175,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 state, metrics = train_step(state, batch)
                 profiler.after(step, metrics)
                 pending.append((step + 1, metrics))
+                if cpu and len(pending) % MAX_IN_FLIGHT == 0:  # a long log interval: bound the steps queued
+                    jax.block_until_ready(metrics)
                 if step == start:  # the first step compiles: time the interval from its end
                     jax.block_until_ready(metrics)
                     interval_start, _ = time.perf_counter(), batch_times.take()
@@ -240,9 +246,11 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
 
 def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:
     """Mean validation loss over `iters` batches (the same batches at every evaluation)."""
-    losses = [model.eval_loss(params, model.put_batch(dataset.batch("valid", i, batch_size)))
-              for i in range(iters)]
-    return float(np.mean(jax.device_get(losses)))
+    losses = []
+    for start in range(0, iters, MAX_IN_FLIGHT):
+        losses += jax.device_get([model.eval_loss(params, model.put_batch(dataset.batch("valid", i, batch_size)))
+                                  for i in range(start, min(start + MAX_IN_FLIGHT, iters))])
+    return float(np.mean(losses))
 
 
 def sample_text(model: ShardedModel, params, dataset, num_tokens: int, seed: int) -> str:

@@ -267,3 +267,20 @@ def test_a_process_builds_and_places_only_the_rows_its_devices_hold():
         np.testing.assert_array_equal(second.block(batch[second.slice], index), batch[index])
     placed = model.put_batch(batch.astype(np.int32), HostRows(0, 16, 16))
     np.testing.assert_array_equal(np.asarray(placed), batch)
+
+
+def test_the_cpu_never_queues_more_than_max_in_flight_steps_or_batches(tmp_path, monkeypatch):
+    """With a long log interval (or many evaluation batches) every step was dispatched before one wait, and XLA's
+    CPU collectives aborted the process (rc 134) with 100 or more queued: the loop waits every MAX_IN_FLIGHT steps,
+    evaluation fetches its losses in chunks of that many."""
+    import mtx.run
+
+    monkeypatch.setattr(mtx.run, "MAX_IN_FLIGHT", 4)
+    waits, fetched = [], []
+    block, get = jax.block_until_ready, jax.device_get
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: (waits.append(1), block(x))[1])
+    monkeypatch.setattr(jax, "device_get", lambda x: (fetched.append(len(x) if isinstance(x, list) else 1), get(x))[1])
+    r = run(tmp_path, "queued", train_iters=10, log_interval=100, eval_interval=10, eval_iters=9)
+    assert len(r.losses) == 10
+    assert len(waits) >= 1 + 2  # the first step's, then after 4 and 8 more queued
+    assert fetched[-4:] == [10, 4, 4, 1], fetched  # the interval's 10 steps, then 9 evaluation losses 4 at a time
