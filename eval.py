@@ -78,12 +78,14 @@ def build_parser() -> OneLineParser:
 
 
 def main(argv=None) -> int:
+    from mtx.devices import devices
     from mtx.distributed import initialize_from, is_main_process, watch_peers
     from mtx.eval_tasks import prepare
 
     try:  # bad input fails here, in one line that names the fix, before any device work
         args = build_parser().parse_args(with_negative_values(argv))
         initialize_from(args)  # before any device is asked for
+        devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         load, task = prepare(args)  # mtx/eval_tasks.py
         loaded = load()
     except ValueError as e:  # every process finds the same bad input

@@ -14,12 +14,14 @@ simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GP
 
 def main(argv=None) -> int:
     from mtx.cli import parse_config
+    from mtx.devices import devices
     from mtx.distributed import initialize_from, watch_peers
 
     try:  # bad input fails here, in one line that names the fix, before any device work
         cfg = parse_config(argv)
         # Multi-host: join the other processes before anything asks JAX for a device.
         initialize_from(cfg.parallel)
+        devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         from mtx.run import prepare, train
 
         plan = prepare(cfg)
@@ -48,6 +50,10 @@ def main(argv=None) -> int:
     except TrackerError as e:  # W&B would not start (process 0; the others then find it gone)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves): out at once
+        print("error: interrupted by a second SIGINT before the run could save; the checkpoints it finished (with "
+              "--save) are intact, and --load resumes from the newest.", file=sys.stderr)
+        return 130
     except jax.errors.JaxRuntimeError as e:
         if (message := lost_peer(e, cfg.training.save)) is None:
             raise

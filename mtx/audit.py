@@ -300,7 +300,7 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     from mtx.cli import unset_nones, with_negative_values
-    from mtx.devices import simulate_cpu_devices
+    from mtx.devices import devices, simulate_cpu_devices
 
     try:
         a = build_parser().parse_args(with_negative_values(argv))
@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if simulate_cpu_devices(max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
                             * max(a.pipeline_model_parallel_size, 1)):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = unset_nones({k: v for k, v in vars(a).items() if k != "json"})  # as train.py's (--recompute-granularity none)
+    flags = unset_nones({k: v for k, v in vars(a).items() if k != "json"})  # as train.py's: --recompute-granularity none
     try:
+        devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         cfg = audit_config(**flags)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

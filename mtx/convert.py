@@ -25,6 +25,7 @@ import numpy as np
 
 from mtx.cli import OneLineParser, ranged
 from mtx.config import Config, ModelConfig
+from mtx.devices import devices
 from mtx.errors import first_line
 from mtx.files import check_writable, refuse_empty
 from mtx.hf_checks import BUFFERS, check as _check, padded, validated
@@ -332,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--ckpt-step", type=ranged(int, ">= 0"), default=None, help="step to convert (default: latest)")
     try:
         args = parser.parse_args(argv)
+        devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         if args.command == "from-hf":
             cfg = from_hf(args.hf_dir, args.save, seed=args.seed)
             m = cfg.model

@@ -43,6 +43,26 @@ def simulate_cpu_devices(n: int = 8) -> bool:
     return True
 
 
+def devices() -> list:
+    """jax.devices(), or a one-line ValueError naming the environment setting when JAX cannot start its backend
+    (JAX_PLATFORMS naming a platform this install lacks; XLA_FLAGS asking for 0 CPU devices)."""
+    import jax
+
+    try:
+        return jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        asked = f"JAX_PLATFORMS={platforms}" if platforms.strip() else "this machine"
+        count = next((flag for flag in os.environ.get("XLA_FLAGS", "").split() if _FLAG in flag), None)
+        if count is not None and count.rsplit("=", 1)[-1].strip() in ("0", ""):
+            raise ValueError(f"XLA_FLAGS {count} asks for no CPU devices; pass a count of 1 or more (mtx sets 8 "
+                             "when XLA_FLAGS names none).") from None
+        reason = str(e).strip().splitlines()[0].split(" (set JAX_PLATFORMS")[0][:200] if str(e).strip() else (
+            "its plugin did not load")
+        raise ValueError(f"JAX cannot start the backend of {asked} ({reason}); unset JAX_PLATFORMS (or set it to "
+                         "cpu), or install jax for that platform.") from None
+
+
 def use_compilation_cache(path: str | None) -> Path | None:
     """Points JAX's persistent compilation cache at `path` (`~` expanded, created if missing) and returns it; None
     leaves JAX's setting alone; a path it cannot use is refused in one line. Programs that took over a second to

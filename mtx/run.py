@@ -22,7 +22,7 @@ from mtx.config import Config
 from mtx.data import build_dataset, say_what_data_overrides
 from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
-from mtx.devices import check_accelerator, use_compilation_cache
+from mtx.devices import check_accelerator, devices, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable, forget_new_run_dir, same_path
 from mtx.loop_controls import Profiler, Startup, StopRequests
@@ -63,7 +63,7 @@ class Plan:
 
 def prepare(cfg: Config) -> Plan:
     """Everything that can fail on bad input, with no device work: config, data, directories, checkpoint."""
-    num_devices = len(jax.devices())
+    num_devices = len(devices())
     for warning in (check_accelerator(), unsaved_checkpoints(cfg.training)):
         if warning and is_main_process():
             print(warning, file=sys.stderr)

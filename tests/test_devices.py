@@ -73,3 +73,18 @@ def test_gpus_left_unused_are_reported(monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS")
     monkeypatch.setattr(devices, "visible_gpus", lambda: [])
     assert devices.check_accelerator() is None
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"JAX_PLATFORMS": "nosuchplatform"}, "JAX cannot start the backend of JAX_PLATFORMS=nosuchplatform ("),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=0"}, "asks for no CPU devices; pass a count of 1 or more"),
+])
+def test_a_backend_jax_cannot_start_is_one_line(env, said):
+    """JAX_PLATFORMS naming a platform this install lacks, or no CPU devices: train.py says so in one line, exit
+    status 2, before anything else (was a traceback from the first jax.devices())."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, os.path.join(root, "train.py"), "--train-iters", "1"], capture_output=True,
+                         text=True, env={**os.environ, "XLA_FLAGS": "", **env}, timeout=120)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1 and said in errors[0], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr

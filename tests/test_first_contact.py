@@ -173,3 +173,16 @@ def test_the_run_directory_line_names_the_tracker_directories():
     cfg = parse_config(["--save", "ck", "--wandb-project", "p", "--wandb-save-dir", "w/"])
     assert run_files(cfg, Path("ck")) == ("mtx: run directory ck/ (config.json, metrics.jsonl, wandb_run_id, "
                                            "checkpoints); Weights & Biases files in w/")
+
+
+def test_a_second_ctrl_c_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
+    """The first SIGINT finishes the step and saves; a second raises KeyboardInterrupt wherever the loop is (a
+    traceback through the prefetch thread's join, once): one line naming what is intact, exit status 130."""
+    import mtx.run
+
+    def interrupted(plan):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mtx.run, "train", interrupted)
+    status, lines = _run(capsys, "train.py", ["--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r")])
+    assert status == 130 and len(lines) == 1 and lines[0].startswith("error: interrupted by a second SIGINT"), lines
