@@ -139,6 +139,8 @@ def _written_by_mtx(entry: Path) -> bool:
         return is_mtx_metrics(entry)
     if entry.name in (WANDB_ID, WANDB_ID + ".tmp"):
         return entry.is_file()
+    if entry.is_dir() and entry.name.isdigit() and not any(entry.iterdir()):
+        return True  # a step emptied since it was written (a resume sets it aside; nothing in it to lose)
     if looks_like_step(entry) or entry.is_dir() and (".orbax-checkpoint-tmp" in entry.name
                                                     or re.fullmatch(r"\d+\.(broken\d*|deleting)", entry.name)):
         return True  # a checkpoint step (orbax names its steps by number; unfinished ones get a tmp suffix; a

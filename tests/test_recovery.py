@@ -156,6 +156,18 @@ def test_a_finished_run_without_checkpoints_is_not_restarted(saved, tmp_path):
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before and not (tmp_path / "new").exists()
 
 
+def test_an_emptied_step_is_set_aside_like_a_broken_one(saved, tmp_path, capsys):
+    """A step directory emptied since: resumed from the newest intact step, it is said to be broken and set aside
+    (the run-directory check then called it a file mtx did not write, refusing the resume it had just announced)."""
+    path = tmp_path / "run"
+    shutil.copytree(saved[0], path)
+    shutil.rmtree(path / "4")
+    (path / "4").mkdir()
+    plan = prepare(TINY.replace(train_iters=6, load=str(path), save=str(path)))
+    assert plan.load_step == 2 and plan.set_aside == (path / "4",)
+    assert "step 4 is broken (" in capsys.readouterr().out
+
+
 def test_load_and_save_spelt_two_ways_resume(saved, tmp_path, monkeypatch):
     """--load and --save naming one directory through a link or a relative path resume it (were "--save holds
     checkpoints of another run; pass --load")."""
