@@ -40,6 +40,10 @@ def _check_run_dir(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path} is a file, not a directory; pass a directory path.")
     if path.is_dir():
         foreign = sorted(entry.name for entry in path.iterdir() if not _written_by_mtx(entry))
+        if foreign == ["config.json"] and any(_is_step(entry) for entry in path.iterdir()):
+            raise ValueError(f"{flag} {path}: its config.json is not the one mtx wrote (damaged or replaced), beside "
+                             "its checkpoints; put back the run's config.json (each step keeps a copy: "
+                             "<step>/config/metadata), or choose a new directory.")
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise ValueError(f"{flag} {path} holds files mtx did not write ({shown}); mtx never writes over them: "

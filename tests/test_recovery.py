@@ -166,6 +166,9 @@ def test_an_emptied_step_is_set_aside_like_a_broken_one(saved, tmp_path, capsys)
     plan = prepare(TINY.replace(train_iters=6, load=str(path), save=str(path)))
     assert plan.load_step == 2 and plan.set_aside == (path / "4",)
     assert "step 4 is broken (" in capsys.readouterr().out
+    (path / "config.json").write_text("{")  # the run's own config, damaged: named as such, not as a user's file
+    with pytest.raises(ValueError, match="its config.json is not the one mtx wrote .damaged or replaced., beside"):
+        prepare(TINY.replace(train_iters=6, load=str(path), save=str(path)))
 
 
 def test_load_and_save_spelt_two_ways_resume(saved, tmp_path, monkeypatch):
