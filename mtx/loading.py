@@ -25,6 +25,10 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size, data_parallel_size=data_parallel_size,
             **overrides)
+        layers, pp = cfg.model.num_layers, pipeline_model_parallel_size
+        if layers % pp:  # (training's uneven layouts are not taken here: the flags say what evaluation takes)
+            raise ValueError(f"--load {load} holds {layers} layers, which do not split evenly over "
+                             f"--pipeline-model-parallel-size {pp}; pass a size that divides {layers}.")
         cfg = _fit_batch(cfg).validate(len(jax.devices()))
         p = cfg.parallel
         model = ShardedModel(cfg, make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size,
