@@ -74,6 +74,9 @@ def check_coordinator(address: str | None, num_processes: int | None, process_id
     if num_processes is None or process_id is None:
         raise ValueError("--coordinator-address needs --num-processes and --process-id (this process's rank, "
                          "0 .. num-processes - 1); or pass --coordinator-address auto under SLURM/MPI/TPU.")
+    if process_id >= num_processes:
+        raise ValueError(f"--process-id {process_id} must be below --num-processes {num_processes} (ranks are "
+                         f"0 .. {num_processes - 1}).")
 
 
 def _runtime_library():

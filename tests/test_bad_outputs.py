@@ -174,6 +174,7 @@ def test_a_saved_config_with_a_value_mtx_refuses_is_the_steps_fault(saved, tmp_p
     ("localhost:abc", 2, 0, "is not HOST:PORT"),  # "did not start on [::]:abc ... is the port free?" once
     (None, 2, 1, "--num-processes and --process-id join processes through --coordinator-address"),  # ignored once
     ("localhost:1234", None, 0, "--coordinator-address needs --num-processes and --process-id"),
+    ("localhost:1234", 2, 5, "--process-id 5 must be below --num-processes 2"),  # was JAX's wording, after joining
 ])
 def test_multi_process_flags_are_checked_before_joining(address, processes, rank, message):
     from mtx.distributed import check_coordinator, initialize
