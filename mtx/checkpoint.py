@@ -246,11 +246,12 @@ class Checkpointer:
         args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
                                       restore_args=ocp.checkpoint_utils.construct_restore_args(item))
         # (a manager of its own: orbax binds a manager's item to one handler, and this one saves with StandardSave)
-        reader = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
-        try:
-            return self._read(step, reader, args)["params"]
-        finally:
-            reader.close()
+        with _orbax_quiet():  # its warnings about a read-only manager ("Given directory is read only"): by design
+            reader = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
+            try:
+                return self._read(step, reader, args)["params"]
+            finally:
+                reader.close()
 
     def _read(self, step: int, manager, args):
         try:
