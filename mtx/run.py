@@ -26,7 +26,7 @@ from mtx.devices import check_accelerator, devices, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
 from mtx.files import check_run_dir, check_writable, forget_new_run_dir, same_path
 from mtx.loop_controls import Profiler, Startup, StopRequests
-from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
+from mtx.metrics import MetricsLogger, Progress, TrackerError, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
 from mtx.schema_checks import unsaved_checkpoints
@@ -131,8 +131,13 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
                  dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
-    logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step, wandb=wandb,
-                           resumed_at=(plan.load_step or 0) if t.load and not t.finetune else None)
+    try:
+        logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step, wandb=wandb,
+                               resumed_at=(plan.load_step or 0) if t.load and not t.finetune else None)
+    except TrackerError:  # W&B would not start: one line from train.py, no new run directory left behind
+        if created:
+            forget_new_run_dir(run_dir)
+        raise
     saver = workers = batches = None  # closed in the finally below, whatever fails after this point
     try:
         saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,

@@ -167,6 +167,7 @@ def test_wandb_that_will_not_start_is_one_line(tmp_path, capsys, monkeypatch):
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert err == ["error: --wandb-project p: W&B did not start (UsageError: api_key not configured (no-tty)); run "
                    "`wandb login`, or set WANDB_MODE=offline to keep the run on disk."]
+    assert not (tmp_path / "r").exists()  # the run directory it made is taken back (its config.json was left once)
 
 
 def test_a_diverged_loss_is_written_as_strict_json(tmp_path):
