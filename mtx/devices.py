@@ -63,6 +63,15 @@ def devices() -> list:
                          "cpu), or install jax for that platform.") from None
 
 
+def count_source() -> str:
+    """Where a simulated CPU device count came from, for a message about the count: " (XLA_FLAGS
+    --xla_force_host_platform_device_count=N)" when that flag sets it and JAX runs on the CPU, else ""."""
+    flag = next((f for f in os.environ.get("XLA_FLAGS", "").split() if _FLAG in f), None)
+    if flag is None or "jax" not in sys.modules or sys.modules["jax"].default_backend() != "cpu":
+        return ""
+    return f" (XLA_FLAGS {flag})"
+
+
 def use_compilation_cache(path: str | None) -> Path | None:
     """Points JAX's persistent compilation cache at `path` (`~` expanded, created if missing) and returns it; None
     leaves JAX's setting alone; a path it cannot use is refused in one line. Programs that took over a second to

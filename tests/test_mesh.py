@@ -18,8 +18,12 @@ def test_model_is_the_innermost_axis():
     assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]  # consecutive devices share a tensor-parallel group
 
 
-@pytest.mark.parametrize("sizes,needle", [((-1, 1, 3), "not divisible"), ((2, 1, 8), "only 8 exist"),
-                                          ((1, 1, 0), "--tensor-model-parallel-size")])
+# the simulated devices' count is named with the XLA_FLAGS that set it (tests/conftest.py sets 8)
+FLAG = r" \(XLA_FLAGS --xla_force_host_platform_device_count=8\)"
+
+
+@pytest.mark.parametrize("sizes,needle", [((-1, 1, 3), "8 devices" + FLAG + " are not divisible"),
+                                          ((2, 1, 8), "only 8 exist" + FLAG), ((1, 1, 0), "--tensor-model-parallel-size")])
 def test_impossible_sizes_are_refused(sizes, needle):
     with pytest.raises(ValueError, match=needle):
         make_mesh(*sizes)
