@@ -17,28 +17,13 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
+from mtx.config import DERIVED, FIELD_TYPES, MEGATRON_UNIMPLEMENTED, SECTIONS, Config, load_preset
 from mtx.schema_checks import LIMITS, RANGES, check_unused_flags, field_types, flag_name, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
 _OFF_FLAGS = {"bert_binary_head": "--bert-no-binary-head"}
 _SECTION_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
-# Megatron-LM flags of everyday scripts that mtx does not implement: refused by name, never silently ignored (any
-# other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
-MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
-    use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
-    expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
-    rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
-    no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
-    accumulate-allreduce-grads-in-fp32 recompute-method
-    recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
-    end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
-    fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
-    log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
-    log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
-    """.split())
 # Every field of every section by its (unique) name: the dataclass field and its resolved annotation.
 _SCHEMA = {f.name: (f, FIELD_TYPES[f.name]) for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 

@@ -321,6 +321,23 @@ FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.f
 FIELD_TYPES = {name: hint for cls in SECTIONS.values() for name, hint in get_type_hints(cls).items()}
 
 
+# Megatron-LM flags of everyday scripts that mtx does not implement: refused by name, never silently ignored (any
+# other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
+MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
+    use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
+    expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
+    rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
+    no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
+    accumulate-allreduce-grads-in-fp32 recompute-method
+    recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
+    end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
+    fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
+    train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
+    log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
+    log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
+    """.split())
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -350,6 +367,9 @@ def load_preset(path: str | Path) -> dict[str, Any]:
         spelled[field] = key
     values = {k.replace("-", "_"): v for k, v in values.items()}
     unknown = sorted(set(values) - set(FIELD_SECTION))
+    if megatron := [name for name in unknown if flag_name(name) in MEGATRON_UNIMPLEMENTED]:  # as the flags say
+        raise ValueError(f"--config {path} sets {', '.join(megatron)}: Megatron-LM's {flag_name(megatron[0])}"
+                         f"{' and more' if megatron[1:] else ''}, which mtx does not implement; remove it.")
     if unknown:
         raise ValueError(f"--config {path} sets unknown field(s) {', '.join(unknown)}; remove or rename them.")
     values = {k: _coerce(k, v) for k, v in values.items()}

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mtx.cli import MEGATRON_UNIMPLEMENTED, build_parser, parse_config
+from mtx.cli import build_parser, parse_config
+from mtx.config import MEGATRON_UNIMPLEMENTED
 from mtx.config import Config, load_preset
 from mtx.data.documents import document_fields
 from mtx.evaluation import make_scorer
@@ -71,7 +72,11 @@ def test_megatron_flags_in_conflict_are_refused(flags, message):
         Config().replace(**flags).validate()
 
 
-def test_unimplemented_megatron_flags_say_so():
+def test_unimplemented_megatron_flags_say_so(tmp_path):
+    preset = tmp_path / "moe.toml"
+    preset.write_text("hidden_size = 64\nnum_experts = 4\n")  # in a preset too (was "unknown field")
+    with pytest.raises(ValueError, match="sets num_experts: Megatron-LM's --num-experts, which mtx does not implement"):
+        parse_config(["--config", str(preset)])
     parse_config(["--recompute-activations", "--eod-mask-loss", "--profile", "--use-rope-scaling"])  # implemented
     with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it.$"):
         parse_config(["--num-experts", "8", "--lr", "1e-3"])
