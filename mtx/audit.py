@@ -74,6 +74,10 @@ def audit_config(*, hidden_size: int, num_attention_heads: int, seq_length: int,
     With pipeline stages, the step holds num_microbatches (default 2 x stages) microbatches per data rank and
     num_layers (default 2 x stages x virtual stages) layers."""
     pp, dp = pipeline_model_parallel_size, max(data_parallel_size, 1)
+    if num_microbatches is not None and pp == 1 and data_parallel_size == 1:  # only the layer: one micro batch
+        raise ValueError("--num-microbatches sets the microbatches of the pipelined step or of the data-parallel "
+                         "one's accumulation; pass --pipeline-model-parallel-size or --data-parallel-size 2 or more "
+                         "with it, or leave it out.")
     m = num_microbatches or (2 * pp if pp > 1 else 1)
     return Config().replace(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length,

@@ -273,6 +273,8 @@ def test_a_batch_larger_than_the_examples_is_cut_to_them(checkpoint):
     (["lambada", "--load", "CKPT", "--data-path", "WIKI"], "line 1 is not a JSON object"),
     (["generate", "--load", "CKPT", "--prompt", "hi", "--top-p", "0"], "--top-p"),
     (["generate", "--load", "CKPT", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--load", "CKPT", "--prompt", "hi", "--temperature", "0", "--top-k", "5"],
+     "--temperature 0 samples nothing (greedy)"),  # accepted once, the filter doing nothing
     (["generate", "--load", "CKPT", "--prompt", "\udcff\udcfe"], "--prompt is not valid UTF-8"),  # bytes ff fe
     (["wikitext", "--load", "NOCKPT", "--data-path", "WIKI"], "holds no checkpoint"),
     (["wikitext", "--load", "CKPT", "--data-path", "WIKI", "--vocab-file", "GPT2"], "--merge-file"),

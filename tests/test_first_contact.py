@@ -148,6 +148,8 @@ def test_audit_takes_none_for_no_recompute(capsys):
     assert audit.main(argv) == 0
     assert json.loads(capsys.readouterr().out)["config"]["recompute_granularity"] is None
     assert parse_config(["--recompute-granularity", "none"]).training.recompute_granularity is None
+    assert audit.main(["--num-microbatches", "3"]) == 2  # one stage, one data rank: nothing would take them
+    assert "--num-microbatches sets the microbatches of the pipelined step" in capsys.readouterr().err
 
 
 def test_train_prints_the_run_directory_at_start_and_end(tmp_path, capsys):
