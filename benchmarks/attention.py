@@ -12,9 +12,11 @@ a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+from mtx.cli import ranged  # noqa: E402
 from mtx.kernels.flash_attention import Blocks, flash_attention  # noqa: E402
 from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
 from mtx.parallel.random import attention_dropout_hashes  # noqa: E402
@@ -42,20 +45,24 @@ def timed(fn, args, repeats: int) -> float:
 
 
 def parse_blocks(text: str) -> Blocks:
-    """'q,k,big,small,warps,warps_backward,stages' -> Blocks."""
-    return Blocks(*(int(x) for x in text.split(",")))
+    """'q,k,big,small,warps,warps_backward,stages' -> Blocks; an argparse `type`, so a bad one is refused by name."""
+    parts = text.split(",")
+    if len(parts) != len(dataclasses.fields(Blocks)) or not all(re.fullmatch("[0-9]+", x) and int(x) for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not q,k,big,small,warps,warps_backward,stages (positive "
+                                         "integers, e.g. 64,64,64,64,4,4,2)")
+    return Blocks(*map(int, parts))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=96)
-    ap.add_argument("--rate", type=float, default=0.1)
-    ap.add_argument("--causal", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--blocks", nargs="*", default=["64,64,64,64,4,4,2"],
+    ap.add_argument("--batch", type=ranged(int, ">= 1"), default=16)
+    ap.add_argument("--seq", type=ranged(int, ">= 1"), default=1024)
+    ap.add_argument("--heads", type=ranged(int, ">= 1"), default=16)
+    ap.add_argument("--head-dim", type=ranged(int, ">= 1"), default=96)
+    ap.add_argument("--rate", type=ranged(float, "[0, 1)"), default=0.1, help="attention dropout rate")
+    ap.add_argument("--causal", type=ranged(int, "[0, 1]"), default=1, help="1: causal (GPT), 0: not (BERT)")
+    ap.add_argument("--repeats", type=ranged(int, "[1, 10000]"), default=20)
+    ap.add_argument("--blocks", nargs="*", type=parse_blocks, default=[Blocks(64, 64, 64, 64, 4, 4, 2)],
                     help="kernel tiles to try, each q,k,big,small,warps,warps_backward,stages")
     a = ap.parse_args(argv)
     b, s, n, h, causal = a.batch, a.seq, a.heads, a.head_dim, bool(a.causal)
@@ -110,8 +117,8 @@ def main(argv=None) -> int:
     record("cudnn", lambda q, k, v, hashes: cudnn(q, k, v), 0.0)
     record("xla", xla(0.0), 0.0, check=True)
     record("xla", xla(a.rate), a.rate, check=True)
-    for text in a.blocks:
-        blocks = parse_blocks(text)
+    for blocks in a.blocks:
+        text = ",".join(map(str, dataclasses.astuple(blocks)))
         record(f"kernel {text}", kernel(0.0, blocks), 0.0, check=True)
         record(f"kernel {text}", kernel(a.rate, blocks), a.rate, check=True)
     print(f"\n{'variant':34} {'rate':>5} {'ms':>8}  worst error (out, grads)")
@@ -120,6 +127,9 @@ def main(argv=None) -> int:
         worst = f"{errs.get('out', float('nan')):.2e} {max([errs[x] for x in errs if x != 'out'] or [np.nan]):.2e}"
         print(f"{row['variant']:34} {row['rate']:5.2f} {row.get('ms', float('nan')):8.3f}  {worst}"
               f"  {row.get('error', '')[:80]}")
+    if not any("ms" in row for row in rows):
+        print("error: no variant ran; see each line's error.", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,7 +11,8 @@ all-reduce, x 1 for a ring `ppermute` of one shard), i.e. what each GPU link car
 collectives wait on the kernels before them), divided by `--iters`. One dispatch per run keeps the host's per-call
 launch cost out; each call's time includes the one-element update that ties it to the call before and whatever
 synchronization XLA places between that kernel and the collective (which a layer pays too). Environment variables
-(NCCL_*) and XLA_FLAGS apply as set, so one setting per process. Forward only: a backward moves the same bytes the other way.
+(NCCL_*) and XLA_FLAGS apply as set, so one setting per process. Forward only: a backward moves the same bytes the
+other way.
 
 `peer_all_gather` and `peer_reduce_scatter` are the same exchanges through mtx's peer-memory kernels
 (mtx/kernels/collective_matmul.py, `--tp-comm-overlap`; Hopper GPUs, the axis spanning every device), with the
@@ -37,6 +38,8 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 from mtx.files import json_line  # noqa: E402
 
 simulate_cpu_devices(8)
+
+from mtx.cli import ranged  # noqa: E402
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute", "peer_all_gather", "peer_reduce_scatter")
 PEER_WIDTH = {"peer_all_gather": 128, "peer_reduce_scatter": 64}  # the thin matmul's other dimension
@@ -182,22 +185,24 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=None, help="size of the model axis (default: all devices)")
+    p.add_argument("--devices", type=ranged(int, ">= 2"), default=None,
+                   help="size of the model axis (default: all devices)")
     p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
-    p.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 4],
+    p.add_argument("--sizes-mb", nargs="+", type=ranged(float, "(0, 100000]"), default=[1, 4],
                    help="whole-tensor sizes in MB (1e6 bytes); 1.2B at micro batch 16 moves 50 MB per collective")
-    p.add_argument("--width", type=int, default=1536, help="row width (the hidden size)")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--width", type=ranged(int, "[1, 1000000]"), default=1536, help="row width (the hidden size)")
+    p.add_argument("--iters", type=ranged(int, "[1, 10000]"), default=50)
+    p.add_argument("--repeats", type=ranged(int, "[1, 10000]"), default=5)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args(argv)
-    if args.out:
-        from mtx.files import check_json_lines
+    from mtx.files import check_json_lines, refuse_empty
 
-        try:
+    try:
+        refuse_empty(args.out, "--out", "a file to append the results to, or drop --out")
+        if args.out:
             check_json_lines(args.out, "--out")
-        except ValueError as e:
-            p.error(str(e))
+    except ValueError as e:
+        p.error(str(e))
 
     import jax
 
@@ -212,5 +217,13 @@ def main(argv=None) -> list[dict]:
                                      repeats=args.repeats)), args.out)
 
 
+def cli(argv=None) -> int:
+    """main as a command: exit status 1 when nothing was measured (each line says why its collective cannot run)."""
+    if not any("time_us" in r for r in main(argv)):
+        print("error: no collective was measured; each line says why.", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -37,6 +37,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere
 TINY = os.path.join(ROOT, "configs", "tiny.toml")  # the training checks' model, whatever the working directory
+from mtx.cli import ranged  # noqa: E402
 from mtx.kernels import flash_attention as flash  # noqa: E402
 from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
 from mtx.parallel.random import attention_dropout_hashes  # noqa: E402
@@ -188,13 +189,13 @@ def collective_matmul(tokens: int, hidden: int, ffn: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--slack", type=float, default=2.0,
+    parser.add_argument("--batch", type=ranged(int, ">= 1"), default=16)
+    parser.add_argument("--seq", type=ranged(int, ">= 1"), default=512)
+    parser.add_argument("--heads", type=ranged(int, ">= 1"), default=16)
+    parser.add_argument("--head-dim", type=ranged(int, ">= 1"), default=64)
+    parser.add_argument("--slack", type=ranged(float, ">= 0"), default=2.0,
                         help="fail when a fused error exceeds slack x XLA bf16's (plus 1e-3)")
-    parser.add_argument("--loss-tol", type=float, default=0.05,
+    parser.add_argument("--loss-tol", type=ranged(float, ">= 0"), default=0.05,
                         help="flash_training, tp_comm_overlap_training: largest loss difference allowed between "
                         "the two bf16 curves")
     a = parser.parse_args(argv)

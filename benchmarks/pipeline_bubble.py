@@ -15,47 +15,62 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    from bench import measure
-
-    from mtx.cli import parse_config
     from mtx.devices import simulate_cpu_devices
-    from mtx.files import check_json_lines, json_line
 
     simulate_cpu_devices(8)
 
+    from benchmarks.bench import check_mesh, measure
+    from mtx.cli import parse_config, ranged
+    from mtx.files import check_json_lines, json_line, refuse_empty
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--pp", type=ranged(int, ">= 2"), default=2, help="pipeline stages of the pipelined step")
+    ap.add_argument("--microbatches", type=ranged(int, "[1, 10000]"), nargs="+", default=[2, 4, 8])
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b", "interleaved"])
-    ap.add_argument("--virtual", type=int, default=2, help="virtual stages of the interleaved schedule")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--virtual", type=ranged(int, ">= 2"), default=None,
+                    help="virtual stages of the interleaved schedule (default: 2)")
+    ap.add_argument("--steps", type=ranged(int, "[1, 10000]"), default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("flags", nargs="*", help="train.py flags, after --")
     a = ap.parse_args(argv)
-    try:
+    virtual = 2 if a.virtual is None else a.virtual
+    try:  # every config checked against the devices before anything is measured
+        if a.virtual is not None and "interleaved" not in a.schedules:
+            raise ValueError(f"--virtual {a.virtual} is for the interleaved schedule; add interleaved to --schedules "
+                             "or drop --virtual.")
+        refuse_empty(a.json, "--json", "a file to append the results to, or drop --json")
         base = parse_config(a.flags)
         if a.json:
             check_json_lines(a.json, "--json")
+        mb = base.training.micro_batch_size
+        runs = []  # per microbatch count: the step without pipelining, and the pipelined step of each schedule
+        for m in a.microbatches:
+            common = dict(global_batch_size=mb * m, data_parallel_size=1, tensor_model_parallel_size=1)
+            flat = base.replace(pipeline_model_parallel_size=1, **common)
+            piped = [(schedule, base.replace(pipeline_model_parallel_size=a.pp, **common, **(
+                {"pipeline_schedule": "1f1b", "virtual_pipeline_model_parallel_size": virtual}
+                if schedule == "interleaved" else {"pipeline_schedule": schedule}))) for schedule in a.schedules]
+            for what, cfg in [("without pipelining", flat), *piped]:
+                try:
+                    check_mesh(cfg)
+                except ValueError as e:
+                    raise ValueError(f"--pp {a.pp}, --microbatches {m}, {what}: {e}") from None
+            runs.append((m, flat, piped))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    mb = base.training.micro_batch_size
     rows = []
-    for m in a.microbatches:
-        common = dict(global_batch_size=mb * m, data_parallel_size=1, tensor_model_parallel_size=1)
-        flat = measure(base.replace(pipeline_model_parallel_size=1, **common), steps=a.steps)
-        for schedule in a.schedules:
-            flags = ({"pipeline_schedule": "1f1b", "virtual_pipeline_model_parallel_size": a.virtual}
-                     if schedule == "interleaved" else {"pipeline_schedule": schedule})
-            piped = measure(base.replace(pipeline_model_parallel_size=a.pp, **common, **flags), steps=a.steps)
+    for m, flat_cfg, piped_cfgs in runs:
+        flat = measure(flat_cfg, steps=a.steps)
+        for schedule, cfg in piped_cfgs:
+            piped = measure(cfg, steps=a.steps)
             measured = 1 - flat["step_s"] / (a.pp * piped["step_s"])
             row = {"pp": a.pp, "microbatches": m, "schedule": schedule,
-                   "virtual": a.virtual if schedule == "interleaved" else 1, "t1_s": flat["step_s"],
+                   "virtual": virtual if schedule == "interleaved" else 1, "t1_s": flat["step_s"],
                    "tp_s": piped["step_s"], "speedup": flat["step_s"] / piped["step_s"],
                    "ideal_bubble": piped["pipeline"]["ideal_bubble"], "measured_bubble": measured,
                    "t1_peak_mem_gib": flat["peak_mem_gib"], "tp_peak_mem_gib": piped["peak_mem_gib"],

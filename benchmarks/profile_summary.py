@@ -39,6 +39,9 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from mtx.cli import ranged  # noqa: E402
+
 CLASSES = (  # first match wins
     ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective|permute|send|recv", re.I)),
     ("attention", re.compile(r"cudnn|flash|fmha|fprop|dgrad|sdpa|attention", re.I)),
@@ -64,7 +67,11 @@ def find_trace(trace_dir: str | Path) -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _load(trace_path: Path) -> list[dict]:
-    data = json.load(gzip.open(trace_path))
+    try:
+        with gzip.open(trace_path) as fh:
+            data = json.load(fh)
+    except (OSError, EOFError, ValueError) as e:  # not gzip, cut short, not JSON
+        raise ValueError(f"{trace_path} is not a readable trace ({e}); profile the step again.") from None
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
@@ -241,35 +248,40 @@ def format_summary(s: dict, step_ms: float | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace_dir")
-    ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (times are divided by it)")
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--device", type=int, default=0, help="which device of the trace (e.g. a later pipeline stage)")
+    ap.add_argument("--steps", type=ranged(int, "[1, 10000]"), default=1,
+                    help="steps the trace holds (times are divided by it)")
+    ap.add_argument("--top", type=ranged(int, ">= 1"), default=25)
+    ap.add_argument("--device", type=ranged(int, ">= 0"), default=0,
+                    help="which device of the trace (e.g. a later pipeline stage)")
     ap.add_argument("--ticks", action="store_true", help="a pipelined step's ticks, lined up over --devices")
-    ap.add_argument("--devices", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--devices", type=ranged(int, ">= 0"), nargs="+", default=[0, 1])
     ap.add_argument("--calls", metavar="REGEX", help="the matching kernels' durations by their place in a cycle of "
                     "--cycle calls (e.g. 'mosaic' --cycle 4 --segments 2: each peer-memory kernel of a layer)")
-    ap.add_argument("--cycle", type=int, default=1)
-    ap.add_argument("--segments", type=int, default=1, help="equal runs of a step's calls (forward, backward: 2)")
+    ap.add_argument("--cycle", type=ranged(int, ">= 1"), default=1)
+    ap.add_argument("--segments", type=ranged(int, ">= 1"), default=1,
+                    help="equal runs of a step's calls (forward, backward: 2)")
     args = ap.parse_args(argv)
-    if args.calls:
-        try:
+    try:  # a missing or unreadable trace: one line naming it
+        if not Path(args.trace_dir).is_dir():
+            raise ValueError(f"{args.trace_dir} is not a directory; pass the directory a trace was written into "
+                             "(bench.py --profile DIR).")
+        if args.calls:
             rows = calls(args.trace_dir, args.calls, cycle=args.cycle, segments=args.segments, steps=args.steps,
                          device=args.device)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if not rows:
-            print(f"error: no kernel of the trace matches --calls {args.calls!r}; pass part of a kernel's name.",
-                  file=sys.stderr)
-            return 2
-        for r in rows:
-            print(f"  segment {r['segment']} place {r['place']}: {r['calls']} calls, median {r['median_us']:.1f} us "
-                  f"(least {r['min_us']:.1f}, most {r['max_us']:.1f}), {r['ms_per_step']:.2f} ms a step")
-        return 0
-    if args.ticks:
-        print(format_ticks(tick_summary(args.trace_dir, args.devices, steps=args.steps, top=args.top)))
-        return 0
-    print(format_summary(summarize(args.trace_dir, steps=args.steps, top=args.top, device=args.device)))
+            if not rows:
+                raise ValueError(f"no kernel of the trace matches --calls {args.calls!r}; pass part of a kernel's "
+                                 "name.")
+            text = "\n".join(f"  segment {r['segment']} place {r['place']}: {r['calls']} calls, median "
+                             f"{r['median_us']:.1f} us (least {r['min_us']:.1f}, most {r['max_us']:.1f}), "
+                             f"{r['ms_per_step']:.2f} ms a step" for r in rows)
+        elif args.ticks:
+            text = format_ticks(tick_summary(args.trace_dir, args.devices, steps=args.steps, top=args.top))
+        else:
+            text = format_summary(summarize(args.trace_dir, steps=args.steps, top=args.top, device=args.device))
+    except (ValueError, OSError, EOFError) as e:  # OSError: FileNotFoundError (no trace in it), a bad gzip file
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, when run as a script from anywhere
+from mtx.cli import ranged  # noqa: E402  (no jax: the rows run in their own processes)
 # The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
 # recompute everything but the matmuls, layers unrolled.
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
@@ -308,9 +309,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=["1gpu"], choices=sorted(ROWS))
     ap.add_argument("--only", nargs="*", default=None, help="run only rows whose name contains one of these")
     ap.add_argument("--skip", nargs="*", default=(), help="leave out rows whose name contains one of these")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--timeout", type=int, default=240, help="seconds per row")
+    ap.add_argument("--steps", type=ranged(int, "[1, 10000]"), default=5)
+    ap.add_argument("--warmup", type=ranged(int, "[0, 10000]"), default=2)
+    ap.add_argument("--timeout", type=ranged(int, "[1, 1000000]"), default=240, help="seconds per row")
+    ap.add_argument("--list", action="store_true", help="print the names of the --rows groups' rows and run none")
     ap.add_argument("--out", default=None, help="append each row's record (JSON) to this file")
     ap.add_argument("--baseline", nargs="+", default=(),
                     help="files of records of earlier rows (e.g. the 1-GPU ones) to scale against")
@@ -326,7 +328,23 @@ def main(argv=None) -> int:
         if not sep or not key:
             ap.error(f"--env {item!r}: expected KEY=VALUE, e.g. --env NCCL_PROTO=Simple")
         extra_env[key] = value
+    if args.list:
+        print("\n".join(f"{group}: {row['name']}" for group in args.rows for row in ROWS[group]))
+        return 0
+    selected = [row for group in ([] if args.table_only else args.rows) for row in ROWS[group]
+                if not (args.only and not any(s in row["name"] for s in args.only))
+                and not any(s in row["name"] for s in args.skip)]
+    from mtx.files import refuse_empty
+
     try:  # bad input fails here, before any row runs (rows can take hours)
+        if not args.table_only and not selected:
+            rows = " ".join(args.rows)
+            named = " and ".join(f"{flag} {' '.join(map(shlex.quote, words))}"
+                                 for flag, words in (("--only", args.only), ("--skip", args.skip)) if words)
+            raise ValueError(f"no row of --rows {rows} matches {named}; python benchmarks/suite.py --rows {rows} "
+                             "--list prints the row names.")
+        for flag in ("--out", "--plot", "--baseline"):
+            refuse_empty(getattr(args, flag[2:]), flag, "a file, or drop " + flag)
         earlier = _read_records(args.baseline)
         if args.out:
             from mtx.files import check_json_lines
@@ -343,20 +361,20 @@ def main(argv=None) -> int:
     from mtx.files import json_line  # strict JSON: a diverged row's NaN as null
 
     records = []
-    for group in [] if args.table_only else args.rows:
-        for row in ROWS[group]:
-            if (args.only and not any(s in row["name"] for s in args.only)) or any(s in row["name"] for s in args.skip):
-                continue
-            if extra_env:  # named for the table; the 1-GPU baseline is still found by base_name
-                row = {**row, "name": row["name"] + "".join(f", {k}={v}" for k, v in extra_env.items()),
-                       "base_name": row["name"], "env": {**(row.get("env") or {}), **extra_env}}
-            rec = run_row(row, args.steps, args.warmup, args.timeout)
-            print(json_line({"name": rec["name"], **rec["result"]}), flush=True)
-            records.append(rec)
-            if args.out:
-                with open(args.out, "a") as fh:
-                    fh.write(json_line(rec) + "\n")
+    for row in selected:
+        if extra_env:  # named for the table; the 1-GPU baseline is still found by base_name
+            row = {**row, "name": row["name"] + "".join(f", {k}={v}" for k, v in extra_env.items()),
+                   "base_name": row["name"], "env": {**(row.get("env") or {}), **extra_env}}
+        rec = run_row(row, args.steps, args.warmup, args.timeout)
+        print(json_line({"name": rec["name"], **rec["result"]}), flush=True)
+        records.append(rec)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(json_line(rec) + "\n")
     print(table(earlier + records))
+    if records and all("error" in r["result"] for r in records):  # nothing measured: never a success
+        print("error: every row failed; the table says why.", file=sys.stderr)
+        return 1
     if args.plot:
         try:
             print(f"wrote {plot(earlier + records, args.plot)}")

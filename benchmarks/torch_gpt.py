@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+from mtx.cli import ranged  # noqa: E402  (the standard library only: no jax needed)
+
+# the timing flags' ranges, as bench.py's; every other number (a size, rope-base, eps) is positive
+RANGES = {"steps": "[1, 10000]", "warmup": "[0, 10000]"}
 
 
 class Block(nn.Module):
@@ -55,7 +63,9 @@ def parse_args(sizes, argv=None, doc=__doc__):
         if isinstance(default, bool):
             ap.add_argument(f"--{name}", action="store_true")
         else:
-            ap.add_argument(f"--{name}", type=type(default), default=default)
+            kind = type(default)
+            ap.add_argument(f"--{name}", type=ranged(kind, RANGES.get(name, ">= 1" if kind is int else "> 0")),
+                            default=default)
     ap.add_argument("--device", default="cuda", help="cpu: an eager smoke test (no torch.compile, no fused AdamW)")
     return ap.parse_args(argv)
 

@@ -29,7 +29,7 @@ from mtx.loop_controls import Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, TrackerError, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
-from mtx.schema_checks import unsaved_checkpoints
+from mtx.schema_checks import flag_name
 from mtx.sharded_model import ShardedModel
 from mtx.step import TrainStep
 
@@ -64,7 +64,7 @@ class Plan:
 def prepare(cfg: Config) -> Plan:
     """Everything that can fail on bad input, with no device work: config, data, directories, checkpoint."""
     num_devices = len(devices())
-    for warning in (check_accelerator(), unsaved_checkpoints(cfg.training)):
+    for warning in (check_accelerator(), _unsaved_checkpoints(cfg.training)):
         if warning and is_main_process():
             print(warning, file=sys.stderr)
     cfg.validate(num_devices)
@@ -247,6 +247,15 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         if main:
             print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
     return result
+
+
+def _unsaved_checkpoints(t) -> str | None:
+    """A notice when flags ask for checkpoints that no --save will hold (a resumed run may pass them on purpose)."""
+    flags = [flag_name(name) for name in ("save_interval", "async_save", "keep_last_n_checkpoints",
+                                          "keep_checkpoint_every") if getattr(t, name)]
+    if flags and not t.save:
+        return f"mtx: {' '.join(flags)} without --save: this run writes no checkpoint; pass --save DIR to keep them."
+    return None
 
 
 def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:

@@ -46,8 +46,7 @@ RANGES = {
     # training
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
     "initial_loss_scale": "(0, 4294967296]", "loss_scale_window": ">= 1", "min_loss_scale": "(0, 4294967296]",
-    "log_interval": ">= 1",
-    "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
+    "log_interval": ">= 1", "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
     "keep_checkpoint_every": ">= 1", "generate_tokens": ">= 0", "train_samples": ">= 0",
     "profile_step_start": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
@@ -233,15 +232,6 @@ def check_unused_flags(cfg, given) -> None:
     for names, on, enabler, fix in rules:
         for name in set(names) & set(given):
             _check(on, f"{flag_name(name)} only acts with {enabler}; {fix}")
-
-
-def unsaved_checkpoints(t) -> str | None:
-    """A notice when flags ask for checkpoints that no --save will hold (a resumed run may pass them on purpose)."""
-    flags = [flag_name(name) for name in ("save_interval", "async_save", "keep_last_n_checkpoints",
-                                                         "keep_checkpoint_every") if getattr(t, name)]
-    if flags and not t.save:
-        return f"mtx: {' '.join(flags)} without --save: this run writes no checkpoint; pass --save DIR to keep them."
-    return None
 
 
 def _check_megatron_flags(cfg) -> None:

@@ -1,5 +1,6 @@
 """The benchmark scripts run on CPU (so CI keeps them working), and the plain-JAX baseline is the same model as mtx."""
 
+import importlib
 import json
 import re
 import subprocess
@@ -270,6 +271,65 @@ def test_bench_bad_requests_are_one_line(capsys, argv, fix):
                          check=bench.check_mesh) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and fix in err and not measured
+
+
+def _status_and_errors(main, argv, capsys):
+    """main(argv) -> (its exit status, whether returned or raised by argparse; the lines of stderr that say error)."""
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    return status, [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+
+
+@pytest.mark.parametrize("script, argv, fix", [
+    ("pipeline_bubble", ["--steps", "0", "--schedules", "gpipe"], "argument --steps: must be in [1, 10000], got 0"),
+    ("pipeline_bubble", ["--pp", "0"], "argument --pp: must be >= 2, got 0"),  # the config check's traceback, once
+    ("pipeline_bubble", ["--microbatches", "0"], "argument --microbatches: must be in [1, 10000], got 0"),
+    ("pipeline_bubble", ["--virtual", "-1"], "argument --virtual: must be >= 2, got -1"),  # once accepted
+    ("pipeline_bubble", ["--virtual", "3"], "--virtual 3 is for the interleaved schedule"),
+    ("pipeline_bubble", ["--pp", "16", "--", "--config", "configs/tiny.toml", "--num-layers", "16"],
+     "--pp 16, --microbatches 2, gpipe: the mesh data x pipeline x model = 1 x 16 x 1 needs 16 devices"),
+    ("pipeline_bubble", ["--schedules", "interleaved", "--", "--config", "configs/tiny.toml"], "interleaved: --num"),
+    ("collectives", ["--iters", "0", "--sizes-mb", "0.01"], "argument --iters: must be in [1, 10000], got 0"),
+    ("collectives", ["--sizes-mb", "-1"], "argument --sizes-mb: must be in (0, 100000], got -1"),  # once ran
+    ("collectives", ["--width", "0"], "argument --width: must be in [1, 1000000], got 0"),
+    ("collectives", ["--out", ""], "--out is empty"),
+    ("attention", ["--seq", "0", "--repeats", "1"], "argument --seq: must be >= 1, got 0"),  # every row an error
+    ("attention", ["--rate", "1.5"], "argument --rate: must be in [0, 1), got 1.5"),  # once accepted
+    ("attention", ["--causal", "2"], "argument --causal: must be in [0, 1], got 2"),
+    ("attention", ["--blocks", "64,64"], "argument --blocks: '64,64' is not q,k,big,small,warps,warps_backward"),
+    ("gpu_checks", ["--slack", "-1"], "argument --slack: must be >= 0, got -1"),
+    ("suite", ["--steps", "0", "--rows", "1gpu", "--out", "X.jsonl"], "argument --steps: must be in [1, 10000]"),
+    ("suite", ["--warmup", "-1"], "argument --warmup: must be in [0, 10000], got -1"),
+    ("suite", ["--timeout", "0"], "argument --timeout: must be in [1, 1000000], got 0"),
+    ("suite", ["--rows", "1gpu", "--only", "nomatch"], "no row of --rows 1gpu matches --only nomatch; python "
+     "benchmarks/suite.py --rows 1gpu --list prints the row names."),  # once an empty table, exit 0
+])
+def test_benchmark_bad_flags_are_one_line(monkeypatch, capsys, script, argv, fix):
+    """A benchmark script's bad flag (every number is range-checked) or request: one error line naming it, exit
+    status 2, before anything is measured."""
+    module = importlib.import_module(f"benchmarks.{script}")
+    for target, name in ((bench, "measure"), (module, "measure"), (module, "run_row"), (module, "timed")):
+        if hasattr(target, name):
+            monkeypatch.setattr(target, name, lambda *a, **kw: pytest.fail("measured"))
+    status, errors = _status_and_errors(module.main, argv, capsys)
+    assert status == 2 and len(errors) == 1 and fix in errors[0], errors
+
+
+def test_benchmarks_that_measured_nothing_fail(monkeypatch, capsys, tmp_path):
+    """A benchmark whose every measurement failed exits with status 1 and says so; never 0."""
+    from benchmarks import attention, collectives, suite
+
+    monkeypatch.setattr(attention, "timed", lambda *a: 1 / 0)
+    shape = ["--batch", "1", "--seq", "8", "--heads", "1", "--head-dim", "8", "--blocks"]
+    assert _status_and_errors(attention.main, shape, capsys) == (1, ["error: no variant ran; see each line's error."])
+    monkeypatch.setattr(collectives, "measure", lambda *a, **kw: [{"error": "cannot run here"}])
+    assert _status_and_errors(collectives.cli, ["--collectives", "peer_all_gather"], capsys) == (
+        1, ["error: no collective was measured; each line says why."])
+    monkeypatch.setattr(suite, "run_row", lambda row, *a: {**row, "result": {"error": "out of memory"}})
+    assert _status_and_errors(suite.main, ["--rows", "1gpu", "--only", "1.2B, 1 GPU, mb 24"], capsys) == (
+        1, ["error: every row failed; the table says why."])
 
 
 def test_bench_appends_to_an_existing_json_file(tmp_path):

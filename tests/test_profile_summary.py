@@ -89,6 +89,33 @@ def test_profile_calls_by_their_place_in_a_layer(tmp_path, capsys):
                                  "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "segment 1 place 1: 2 calls, median 40.5 us (least 40.0, most 41.0), 0.08 ms a step" in out
-    for bad, said in ((["--calls", "nothing"], "no kernel of the trace matches"), (["--calls", "("], "no regular"),
-                      (["--calls", "mosaic", "--cycle", "0"], "each must be at least 1")):
+    for bad, said in ((["--calls", "nothing"], "no kernel of the trace matches"), (["--calls", "("], "no regular")):
         assert profile_summary.main([str(tmp_path / "t"), *bad]) == 2 and said in capsys.readouterr().err
+    with pytest.raises(ValueError, match="each must be at least 1"):  # the function's own check, for callers
+        profile_summary.calls(tmp_path / "t", "mosaic", cycle=0)
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["/nonexistent"], "error: /nonexistent is not a directory; pass the directory a trace was written into"),
+    (["EMPTY"], "error: no perfetto_trace.json.gz under"),  # FileNotFoundError tracebacks, once
+    (["BAD"], "perfetto_trace.json.gz is not a readable trace"),
+    (["EMPTY", "--steps", "0"], "argument --steps: must be in [1, 10000], got 0"),  # once a ZeroDivisionError
+    (["EMPTY", "--top", "0"], "argument --top: must be >= 1, got 0"),
+    (["EMPTY", "--device", "-1"], "argument --device: must be >= 0, got -1"),  # once every device's events
+    (["EMPTY", "--ticks", "--devices", "0", "-1"], "argument --devices: must be >= 0, got -1"),
+    (["EMPTY", "--calls", "mosaic", "--cycle", "0"], "argument --cycle: must be >= 1, got 0"),
+    (["EMPTY", "--calls", "mosaic", "--segments", "0"], "argument --segments: must be >= 1, got 0"),
+])
+def test_profile_summary_bad_requests_are_one_line(tmp_path, capsys, argv, fix):
+    """A missing directory, one without a trace or with a broken one, and every bad number: one error line naming
+    it, exit status 2."""
+    (tmp_path / "EMPTY").mkdir()
+    (tmp_path / "BAD").mkdir()
+    (tmp_path / "BAD" / "perfetto_trace.json.gz").write_bytes(gzip.compress(b"{cut short"))
+    argv = [str(tmp_path / a) if a in ("EMPTY", "BAD") else a for a in argv]
+    try:
+        status = profile_summary.main(argv)
+    except SystemExit as e:  # argparse's refusal
+        status = e.code
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert status == 2 and len(errors) == 1 and fix in errors[0], errors
