@@ -21,7 +21,7 @@ _COMMON_FIELDS = ("load", "ckpt_step", "vocab_file", "merge_file", "tokenizer_ty
                   "micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                   "data_parallel_size", "bf16", "coordinator_address", "num_processes", "process_id",
                   "distributed_timeout", "distributed_timeout_minutes")
-_COMMON_DEFAULTS = {"micro_batch_size": None, "tensor_model_parallel_size": 1}
+_COMMON_DEFAULTS = {"micro_batch_size": None, "tensor_model_parallel_size": 1, "bf16": None}
 _COMMON_HELPS = {
     "load": "checkpoint directory (written by train.py --save)",
     "ckpt_step": "checkpoint step to load; None: the latest",
@@ -32,6 +32,7 @@ _COMMON_HELPS = {
     "tokenizer_model": "HuggingFaceTokenizer: a local directory holding tokenizer.json, or that file; None: the "
                        "checkpoint's",
     "micro_batch_size": "sequences per data-parallel rank and batch; None: the checkpoint's",
+    "bf16": "bf16 compute (--no-bf16: float32); None: the checkpoint's precision",
 }
 
 

@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     except TrackerError as e:  # W&B would not start (process 0; the others then find it gone)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves): out at once
-        print("error: interrupted by a second SIGINT before the run could save; the checkpoints it finished (with "
-              "--save) are intact, and --load resumes from the newest.", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves), or one before the loop
+        print("error: interrupted (SIGINT) before the run could save; the checkpoints it finished (with --save) are "
+              "intact, and --load resumes from the newest.", file=sys.stderr)
         return 130
     except jax.errors.JaxRuntimeError as e:
         if (message := lost_peer(e, cfg.training.save)) is None:

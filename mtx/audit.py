@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if simulate_cpu_devices(max(a.tensor_model_parallel_size, 1) * max(a.data_parallel_size, 1)
                             * max(a.pipeline_model_parallel_size, 1)):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = unset_nones({k: v for k, v in vars(a).items() if k != "json"})  # as train.py's: --recompute-granularity none
+    flags = unset_nones({k: v for k, v in vars(a).items() if k != "json"})  # --recompute-granularity none, as train.py
     try:
         devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         cfg = audit_config(**flags)

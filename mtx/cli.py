@@ -17,8 +17,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mtx.config import DERIVED, FIELD_TYPES, MEGATRON_UNIMPLEMENTED, SECTIONS, Config, load_preset
-from mtx.schema_checks import LIMITS, RANGES, check_unused_flags, field_types, flag_name, in_range
+from mtx.config import DERIVED, FIELD_SECTION, FIELD_TYPES, MEGATRON_UNIMPLEMENTED, SECTIONS, Config, load_preset
+from mtx.schema_checks import LIMITS, RANGES, field_types, flag_name, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -257,6 +257,42 @@ def _is_negative_number(token: str) -> bool:
     except ValueError:
         return False
     return token.startswith("-")
+
+
+def check_unused_flags(cfg, given) -> None:
+    """A flag given on the command line (`given`: the field names) whose feature is off would do nothing: refused,
+    naming what turns it on. Only given flags, and not their off forms (False, or "none"): a preset's setting is fine
+    when a flag turns its feature off. With --use-checkpoint-args the model comes from the checkpoint later
+    (mtx/resume.py): the rules that depend on it are left out."""
+    m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
+    given = {name for name in given if _value(cfg, name) not in (None, False)}
+    by_model = ((("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope", again),
+                (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                  "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
+                (("bias_swiglu_fusion",), m.swiglu, "--swiglu", again),
+                (("bias_gelu_fusion",), not m.swiglu, "the GeLU MLP, not --swiglu",
+                 "leave it out (--bias-swiglu-fusion is SwiGLU's)."),
+                (("mask_prob", "short_seq_prob", "mlm_head_positions", "num_tokentypes"), m.is_bert,
+                 "--model-type bert", "leave it out for GPT."),
+                (("label_smoothing", "generate_tokens"), not m.is_bert, "GPT's next-token loss",
+                 "leave it out for --model-type bert."))
+    rules = ((("wandb_exp_name", "wandb_save_dir"), t.wandb_project, "--wandb-project NAME", again),
+             (("initial_loss_scale", "loss_scale_window", "min_loss_scale"), t.fp16, "--fp16", again),
+             (("pipeline_schedule",), p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size 2 or more",
+              again),
+             (("tp_comm_overlap",), p.tensor_model_parallel_size > 1, "--tensor-model-parallel-size 2 or more",
+              again),
+             (("profile_step_start", "profile_step_end"), t.profile, "--profile", again),
+             (("eval_iters",), t.eval_interval > 0, "--eval-interval N (N > 0)", again),
+             *(() if t.use_checkpoint_args else by_model))
+    for names, on, enabler, fix in rules:
+        for name in sorted(set(names) & given) if not on else ():
+            raise ValueError(f"{flag_name(name)} only acts with {enabler}; {fix}")
+
+
+def _value(cfg, name: str):
+    """A field's value in a Config, by its name."""
+    return getattr(getattr(cfg, FIELD_SECTION[name]), name)
 
 
 def unset_nones(values: dict) -> dict:

@@ -45,28 +45,35 @@ def simulate_cpu_devices(n: int = 8) -> bool:
 
 def devices() -> list:
     """jax.devices(), or a one-line ValueError naming the environment setting when JAX cannot start its backend
-    (JAX_PLATFORMS naming a platform this install lacks; XLA_FLAGS asking for 0 CPU devices)."""
+    (JAX_PLATFORMS naming a platform this install lacks; XLA_FLAGS asking for 0 CPU devices). Other errors (a peer
+    lost in a multi-process run's first device query, say) are raised as they are."""
     import jax
 
     try:
         return jax.devices()
     except (RuntimeError, AssertionError) as e:
-        platforms = os.environ.get("JAX_PLATFORMS", "")
-        asked = f"JAX_PLATFORMS={platforms}" if platforms.strip() else "this machine"
-        count = next((flag for flag in os.environ.get("XLA_FLAGS", "").split() if _FLAG in flag), None)
+        count = _count_flag()
         if count is not None and count.rsplit("=", 1)[-1].strip() in ("0", ""):
             raise ValueError(f"XLA_FLAGS {count} asks for no CPU devices; pass a count of 1 or more (mtx sets 8 "
                              "when XLA_FLAGS names none).") from None
-        reason = str(e).strip().splitlines()[0].split(" (set JAX_PLATFORMS")[0][:200] if str(e).strip() else (
-            "its plugin did not load")
-        raise ValueError(f"JAX cannot start the backend of {asked} ({reason}); unset JAX_PLATFORMS (or set it to "
-                         "cpu), or install jax for that platform.") from None
+        text = str(e).strip()
+        platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+        if not platforms or not (isinstance(e, AssertionError) or "Unable to initialize backend" in text):
+            raise
+        reason = text.splitlines()[0].split(" (set JAX_PLATFORMS")[0][:200] if text else "its plugin did not load"
+        raise ValueError(f"JAX cannot start the backend of JAX_PLATFORMS={platforms} ({reason}); unset "
+                         "JAX_PLATFORMS (or set it to cpu), or install jax for that platform.") from None
+
+
+def _count_flag() -> str | None:
+    """The simulated CPU device count flag in $XLA_FLAGS, if it names one."""
+    return next((flag for flag in os.environ.get("XLA_FLAGS", "").split() if _FLAG in flag), None)
 
 
 def count_source() -> str:
     """Where a simulated CPU device count came from, for a message about the count: " (XLA_FLAGS
     --xla_force_host_platform_device_count=N)" when that flag sets it and JAX runs on the CPU, else ""."""
-    flag = next((f for f in os.environ.get("XLA_FLAGS", "").split() if _FLAG in f), None)
+    flag = _count_flag()
     if flag is None or "jax" not in sys.modules or sys.modules["jax"].default_backend() != "cpu":
         return ""
     return f" (XLA_FLAGS {flag})"

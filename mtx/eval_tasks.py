@@ -29,7 +29,9 @@ def prepare(args):
     def load():
         from mtx.loading import load_model
 
-        overrides = {k: v for k, v in (("micro_batch_size", args.micro_batch_size), ("bf16", args.bf16)) if v}
+        overrides = {} if args.micro_batch_size is None else {"micro_batch_size": args.micro_batch_size}
+        if args.bf16 is not None:  # --bf16 or --no-bf16 (fp32) in place of the checkpoint's precision, fp16 too
+            overrides.update(bf16=args.bf16, fp16=False)
         return load_model(args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
                           pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                           data_parallel_size=args.data_parallel_size, ckpt_step=args.ckpt_step, **overrides)

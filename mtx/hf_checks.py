@@ -1,6 +1,7 @@
 """Shared by the Hugging Face converters (mtx/convert.py, mtx/convert_llama.py): a config.json's values validated as
-train.py's flags are, the vocabulary padded with zero rows, and refusals in one line (a ValueError that `python -m mtx.convert` prints, exit status 2).
-Its own module so that the two converters import it, not each other."""
+train.py's flags are, the vocabulary padded with zero rows, and refusals in one line (a ValueError that
+`python -m mtx.convert` prints, exit status 2). Its own module so that the two converters import it, not each
+other."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import optax
 
 from mtx.config import OptimizerConfig, TrainingConfig
 
+MAX_LOSS_SCALE = 2.0**32  # the largest --initial-loss-scale (Megatron's default); growing never goes beyond it
 NO_DECAY = ("bias", "scale")  # the names of biases (any ..._bias too: BERT's lm_bias) and norms' scales
 
 
@@ -68,7 +69,7 @@ class LossScale(NamedTuple):
         if not train.fp16:
             return self
         grow = finite & (self.good_steps + 1 >= train.loss_scale_window)
-        scale = jnp.where(finite, jnp.where(grow, self.scale * 2.0, self.scale),
+        scale = jnp.where(finite, jnp.where(grow, jnp.minimum(self.scale * 2.0, MAX_LOSS_SCALE), self.scale),
                           jnp.maximum(self.scale / 2.0, train.min_loss_scale))
         good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
         skipped = self.skipped + jnp.where(finite, 0, 1)

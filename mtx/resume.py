@@ -45,9 +45,9 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
             if problem := config_problem(saved):
                 raise ValueError(f"--load {load}: {problem} (config.json of its unfinished run); start a new run "
                                  "in a new directory, or put back the config.json the run wrote.")
-            if not _saved_into(saved["training"].get("save"), load):  # metrics only: a finished run, not a crash
-                raise ValueError(f"--load {load} holds no checkpoint: its run wrote metrics only (--run-dir, without "
-                                 "--save there); pass a directory written by --save.")
+            if saved["training"].get("save") is None:  # --run-dir alone (--save writes config.json into itself)
+                raise ValueError(f"--load {load} holds no checkpoint: its run wrote metrics only (it ran without "
+                                 "--save); pass a directory written by --save.")
             if t.finetune:
                 raise ValueError(f"--finetune needs the weights of a finished checkpoint, and --load {load} holds "
                                  "none (its run stopped before the first save completed).")
@@ -73,12 +73,6 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
         return step, set_aside, ckpt.saved_config(step)
     finally:
         ckpt.close()
-
-
-def _saved_into(save, directory: Path) -> bool:
-    """Whether a run whose --save was `save` (as it was given, maybe relative to another working directory) saved
-    into `directory`."""
-    return save is not None and (same_path(save, directory) or Path(save).name == directory.name)
 
 
 def from_checkpoint(cfg: Config, saved: Config) -> Config:

@@ -35,8 +35,9 @@ from mtx.step import TrainStep
 
 
 SAMPLE_PROMPT = "The "
-# Steps (on the CPU) and evaluation batches dispatched ahead of the devices at most: waiting only once per log
-# interval, XLA's CPU collectives aborted with 100 or more steps queued (a rendezvous timeout, rc 134; 32: none).
+# Steps and evaluation batches dispatched ahead of the CPU's devices at most: waiting only once per log interval,
+# XLA's CPU collectives aborted with 100 or more steps queued (a rendezvous timeout, rc 134; 32: none). GPUs queue
+# as before (a wait per log interval).
 MAX_IN_FLIGHT = 32
 
 
@@ -85,9 +86,13 @@ def prepare(cfg: Config) -> Plan:
         check_compatible(saved.model, cfg.model, t.load)
         if not t.finetune:
             check_same_batches(saved, cfg)
-        if t.profile and not t.finetune and t.profile_step_start < load_step:
-            raise ValueError(f"--profile-step-start {t.profile_step_start} is before step {load_step}, where this run "
-                             f"resumes from --load {t.load}: pass a window after it.")
+        if t.profile and not t.finetune and t.profile_step_start < load_step:  # a requeued command line, say
+            traced = t.profile_step_end > load_step
+            if is_main_process():
+                print(f"mtx: --profile's steps {t.profile_step_start + 1}..{t.profile_step_end} begin before step "
+                      f"{load_step}, where this run resumes: " + (f"tracing steps {load_step + 1}.."
+                      f"{t.profile_step_end}." if traced else "no trace."))
+            cfg = cfg.replace(**(dict(profile_step_start=load_step) if traced else dict(profile=False)))
     resuming = bool(t.load) and not t.finetune  # a fine-tuned run is a new run: new metrics, from step 0
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     check_run_dir(run_dir, "--save" if t.save else "--run-dir")  # never over a file mtx did not write
@@ -180,8 +185,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 state, metrics = train_step(state, batch)
                 profiler.after(step, metrics)
                 pending.append((step + 1, metrics))
-                if cpu and len(pending) % MAX_IN_FLIGHT == 0:  # a long log interval: bound the steps queued
-                    jax.block_until_ready(metrics)
+                if cpu and len(pending) >= MAX_IN_FLIGHT:  # a long log interval: bound the steps queued
+                    jax.block_until_ready(pending[-MAX_IN_FLIGHT][1])
                 if step == start:  # the first step compiles: time the interval from its end
                     jax.block_until_ready(metrics)
                     interval_start, _ = time.perf_counter(), batch_times.take()
@@ -192,7 +197,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 final = step + 1 == t.train_iters
                 result.stopped = None if final else stops.reason(step + 1)
                 if (step + 1) % t.log_interval == 0 or final or result.stopped is not None:
-                    fetched = jax.device_get(pending)  # the only host sync of the interval
+                    fetched = jax.device_get(pending)  # the interval's host sync (and on the CPU the waits above)
                     elapsed = time.perf_counter() - interval_start
                     result.losses.update((s, float(m["loss"])) for s, m in fetched)
                     record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
@@ -200,6 +205,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                     console.update(logger.log(record), len(fetched))
                     pending, interval_steps = [], 0
                 if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
+                    if cpu and pending:  # the evaluation's batches queue behind the steps still running
+                        jax.block_until_ready(pending[-1][1])
                     val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape[DATA])
                     if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
                         logger.log({"step": step + 1, "val_loss": val})
@@ -260,10 +267,11 @@ def _unsaved_checkpoints(t) -> str | None:
 
 def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:
     """Mean validation loss over `iters` batches (the same batches at every evaluation)."""
+    chunk = MAX_IN_FLIGHT if jax.default_backend() == "cpu" else iters  # the CPU's bound on queued work
     losses = []
-    for start in range(0, iters, MAX_IN_FLIGHT):
+    for start in range(0, iters, chunk):
         losses += jax.device_get([model.eval_loss(params, model.put_batch(dataset.batch("valid", i, batch_size)))
-                                  for i in range(start, min(start + MAX_IN_FLIGHT, iters))])
+                                  for i in range(start, min(start + chunk, iters))])
     return float(np.mean(losses))
 
 

@@ -13,8 +13,9 @@ import dataclasses
 import math
 import types
 import typing
-from pathlib import Path
 from typing import Any
+
+from mtx.files import same_path
 
 
 def described(default: Any, help: str) -> Any:
@@ -134,8 +135,6 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
     _check(o.min_lr <= o.lr or o.lr_decay_style == "constant",
            f"--min-lr {o.min_lr} is above --lr {o.lr}; the schedule decays from --lr down to --min-lr.")
-    _check(p.process_id is None or p.num_processes is None or p.process_id < p.num_processes,
-           f"--process-id {p.process_id} must be below --num-processes {p.num_processes}.")
     check_saved_combinations(cfg)
     tp = p.tensor_model_parallel_size
     _check(m.num_attention_heads % tp == 0,
@@ -164,7 +163,7 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
            f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
     _check(t.mlm_head_positions in ("masked", "all"),
            f"--mlm-head-positions must be masked or all, got {t.mlm_head_positions!r}.")
-    _check_architecture(cfg)
+    _check_model_against_run(cfg)
     _check_checkpointing(t)
     _check_megatron_flags(cfg)
     if num_devices is not None:
@@ -196,42 +195,15 @@ def _check_checkpointing(t) -> None:
                      ("--ckpt-step", t.ckpt_step is not None), ("--no-load-optim", not t.load_optim),
                      ("--no-load-rng", not t.load_rng)):
         _check(not on or t.load, f"{flag} reads the checkpoint of --load; pass --load DIR with it.")
-    _check(not t.save or not t.run_dir or Path(t.save).absolute() == Path(t.run_dir).absolute(),
+    _check(not t.save or not t.run_dir or same_path(t.save, t.run_dir),
            f"--save {t.save} is the run's directory too (its metrics and config go beside the checkpoints), so "
            f"--run-dir {t.run_dir} would go unused; drop --run-dir.")
-    _check(t.save or not t.load or not t.run_dir or Path(t.run_dir).absolute() != Path(t.load).absolute(),
+    _check(t.save or not t.load or not t.run_dir or not same_path(t.run_dir, t.load),
            f"--run-dir {t.run_dir} is --load's directory, whose metrics this run would change without saving a "
            f"checkpoint there; pass --save {t.run_dir} to resume into it, or a new --run-dir.")
-    _check(not t.finetune or not t.save or not t.load or Path(t.save).absolute() != Path(t.load).absolute(),
+    _check(not t.finetune or not t.save or not t.load or not same_path(t.save, t.load),
            f"--finetune starts again from step 0, so its checkpoints would take the step numbers of --load {t.load}; "
            "pass a new --save directory.")
-
-
-def check_unused_flags(cfg, given) -> None:
-    """A flag given on the command line (`given`: the field names) whose feature is off would do nothing: refused,
-    naming what turns it on. Only given flags: a preset's setting is fine when a flag turns its feature off."""
-    m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
-    rules = ((("wandb_exp_name", "wandb_save_dir"), t.wandb_project, "--wandb-project NAME", again),
-             (("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope", again),
-             (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-               "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
-             (("initial_loss_scale", "loss_scale_window", "min_loss_scale"), t.fp16, "--fp16", again),
-             (("bias_swiglu_fusion",), m.swiglu or not m.bias_swiglu_fusion, "--swiglu", again),
-             (("bias_gelu_fusion",), not m.swiglu or not m.bias_gelu_fusion, "the GeLU MLP, not --swiglu",
-              "leave it out (--bias-swiglu-fusion is SwiGLU's)."),
-             (("mask_prob", "short_seq_prob", "mlm_head_positions", "bert_binary_head", "num_tokentypes"), m.is_bert,
-              "--model-type bert", "leave it out for GPT."),
-             (("pipeline_schedule",), p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size 2 or more",
-              again),
-             (("sequence_parallel",), p.tensor_model_parallel_size > 1 or not p.sequence_parallel,
-              "--tensor-model-parallel-size 2 or more", again),
-             (("tp_comm_overlap",), p.tensor_model_parallel_size > 1 or not p.tp_comm_overlap,
-              "--tensor-model-parallel-size 2 or more", again),
-             (("profile_step_start", "profile_step_end"), t.profile, "--profile", again),
-             (("eval_iters",), t.eval_interval > 0, "--eval-interval N (N > 0)", again))
-    for names, on, enabler, fix in rules:
-        for name in set(names) & set(given):
-            _check(on, f"{flag_name(name)} only acts with {enabler}; {fix}")
 
 
 def _check_megatron_flags(cfg) -> None:
@@ -276,7 +248,7 @@ def check_saved_combinations(cfg) -> None:
            f"--max-position-embeddings {m.max_positions} is smaller than --seq-length {m.seq_length}; "
            "raise it to at least the sequence length.")
     _check_model_type(cfg)
-    _check_model_architecture(m)
+    _check_model_shapes(m)
     hf = d.tokenizer_type == "HuggingFaceTokenizer"
     _check(hf == (d.tokenizer_model is not None),
            "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding tokenizer.json, or "
@@ -301,9 +273,9 @@ def _check_model_type(cfg) -> None:
                               "use at least 8.")
 
 
-def _check_architecture(cfg) -> None:
+def _check_model_against_run(cfg) -> None:
     """The model's sizes against the micro batch, its key/value groups against TP, rope against the data's
-    documents (the model's own combinations: _check_model_architecture)."""
+    documents (the model's own combinations: _check_model_shapes)."""
     m, d, tp = cfg.model, cfg.data, cfg.parallel.tensor_model_parallel_size
     scores = cfg.training.micro_batch_size * m.num_attention_heads * m.seq_length ** 2
     _check(scores <= MAX_SCORES,
@@ -321,7 +293,7 @@ def _check_architecture(cfg) -> None:
            "document attends to itself alone; pass --reset-attention-mask too.")
 
 
-def _check_model_architecture(m) -> None:
+def _check_model_shapes(m) -> None:
     """The model's sizes together; Llama's blocks (mtx/architecture.py): names, the rotary dimensions, the key/value
     groups against the heads, and BERT, which they do not combine with."""
     _check(m.padded_vocab_size <= LIMITS[int],

@@ -94,12 +94,11 @@ def test_boolean_flags_undo_a_preset(tmp_path):
 
     preset = tmp_path / "p.toml"
     preset.write_text("scan_layers = false\nsequence_parallel = true\nuse_flash_attn = true\n")
-    cfg = parse_config(["--config", str(preset)])
-    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.training.use_flash_attn) == (False, True, True)
-    cfg = parse_config(["--config", str(preset), "--scan-layers", "--no-sequence-parallel", "--no-use-flash-attn"])
-    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.training.use_flash_attn) == (True, False, False)
-    cfg = parse_config(["--no-scan-layers", "--sequence-parallel", "--use-flash-attn"])  # the defaults' flags
-    assert (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.training.use_flash_attn) == (False, True, True)
+    values = lambda cfg: (cfg.training.scan_layers, cfg.parallel.sequence_parallel, cfg.training.use_flash_attn)
+    assert values(parse_config(["--config", str(preset)])) == (False, True, True)
+    assert values(parse_config(["--config", str(preset), "--scan-layers", "--no-sequence-parallel",
+                                "--no-use-flash-attn"])) == (True, False, False)
+    assert values(parse_config(["--no-scan-layers", "--sequence-parallel", "--use-flash-attn"])) == (False, True, True)
     assert parse_config(["--sequence-parallel", "--no-sequence-parallel"]).parallel.sequence_parallel is False  # last wins
 
 
@@ -280,10 +279,10 @@ def test_numbers_float32_or_the_model_cannot_hold_are_refused(argv, message):
     (["--rotary-base", "5e5"], "--position-embedding-type rope"),
     (["--position-embedding-type", "rope", "--rope-scaling-factor", "8"], "--use-rope-scaling"),
     (["--loss-scale-window", "10"], "--fp16"),
-    (["--mask-prob", "0.3"], "--model-type bert"), (["--bert-no-binary-head"], "--model-type bert"),
-    (["--mlm-head-positions", "all"], "--model-type bert"),
+    (["--mask-prob", "0.3"], "--model-type bert"), (["--mlm-head-positions", "all"], "--model-type bert"),
+    (["--model-type", "bert", "--label-smoothing", "0.1"], "GPT's next-token loss"),
     (["--pipeline-schedule", "gpipe"], "--pipeline-model-parallel-size 2 or more"),
-    (["--sequence-parallel", "--tensor-model-parallel-size", "1"], "--tensor-model-parallel-size 2 or more"),
+    (["--tp-comm-overlap", "--tensor-model-parallel-size", "1"], "--tensor-model-parallel-size 2 or more"),
     (["--profile-step-start", "1", "--profile-step-end", "2"], "--profile"),
     (["--eval-iters", "5", "--eval-interval", "0"], "--eval-interval N (N > 0)"),
 ])
@@ -293,6 +292,10 @@ def test_a_flag_whose_feature_is_off_is_refused(argv, enabler):
     with pytest.raises(ValueError, match=re.escape(f"only acts with {enabler}; ")):
         parse_config(argv)
     parse_config(["--no-bias-swiglu-fusion", "--swiglu", "--no-bias-gelu-fusion"])  # the off forms are harmless
-    parse_config(["--no-sequence-parallel", "--no-tp-comm-overlap"])
+    parse_config(["--no-sequence-parallel", "--no-tp-comm-overlap", "--wandb-project", "none", "--wandb-exp-name",
+                  "none", "--bert-no-binary-head"])
+    parse_config(["--sequence-parallel", "--tensor-model-parallel-size", "1"])  # off at TP 1, as Megatron turns it
+    # the model of --use-checkpoint-args is the checkpoint's, read later: a BERT one takes --mask-prob
+    parse_config(["--load", "ck", "--use-checkpoint-args", "--mask-prob", "0.2", "--bias-swiglu-fusion"])
     cfg = parse_config(["--config", "configs/llama_8b.toml", "--no-use-rope-scaling"])
     assert not cfg.model.use_rope_scaling and cfg.model.rope_scaling_factor != 1

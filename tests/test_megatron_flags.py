@@ -1,6 +1,7 @@
 """Megatron's everyday flags: sample counts, the warmup fraction, the recompute alias, profiling, the multi-host
 timeout, and the document flags of packed GPT samples (the numbers, and the same losses on two meshes)."""
 
+import re
 from pathlib import Path
 
 import jax
@@ -57,7 +58,8 @@ def test_a_count_on_the_command_line_replaces_the_presets_way_of_setting_it():
     (dict(train_samples=8), "--train-samples 8 is less than one --global-batch-size 32"),  # trained 0 steps, exit 0
     (dict(lr_warmup_samples=8), "--lr-warmup-samples 8 is less than one --global-batch-size 32"),
     (dict(profile=True, train_iters=3), "--profile traces steps 11..12, beyond --train-iters 3"),  # wrote nothing
-    (dict(fp16=True, min_loss_scale=1e6, initial_loss_scale=2.0), "--min-loss-scale 1e.06 is above --initial-loss-scale 2;"),
+    (dict(fp16=True, min_loss_scale=1e6, initial_loss_scale=2.0),
+     "--min-loss-scale 1e+06 is above --initial-loss-scale 2"),
     (dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction must be in [0, 1], got 1.5"),
     (dict(train_samples=-1), "--train-samples must be >= 0"),
     (dict(recompute_activations=True, recompute_granularity="full"), "alias of --recompute-granularity selective"),
@@ -68,7 +70,7 @@ def test_a_count_on_the_command_line_replaces_the_presets_way_of_setting_it():
     (dict(tokenizer_model="tok/"), "--tokenizer-type HuggingFaceTokenizer and --tokenizer-model"),
 ])
 def test_megatron_flags_in_conflict_are_refused(flags, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Config().replace(**flags).validate()
 
 

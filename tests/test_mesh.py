@@ -23,7 +23,8 @@ FLAG = r" \(XLA_FLAGS --xla_force_host_platform_device_count=8\)"
 
 
 @pytest.mark.parametrize("sizes,needle", [((-1, 1, 3), "8 devices" + FLAG + " are not divisible"),
-                                          ((2, 1, 8), "only 8 exist" + FLAG), ((1, 1, 0), "--tensor-model-parallel-size")])
+                                          ((2, 1, 8), "only 8 exist" + FLAG),
+                                          ((1, 1, 0), "--tensor-model-parallel-size")])
 def test_impossible_sizes_are_refused(sizes, needle):
     with pytest.raises(ValueError, match=needle):
         make_mesh(*sizes)

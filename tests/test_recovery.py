@@ -171,18 +171,24 @@ def test_an_emptied_step_is_set_aside_like_a_broken_one(saved, tmp_path, capsys)
         prepare(TINY.replace(train_iters=6, load=str(path), save=str(path)))
 
 
-def test_load_and_save_spelt_two_ways_resume(saved, tmp_path, monkeypatch):
+def test_load_and_save_spelt_two_ways_resume(saved, tmp_path, monkeypatch, capsys):
     """--load and --save naming one directory through a link or a relative path resume it (were "--save holds
-    checkpoints of another run; pass --load")."""
+    checkpoints of another run; pass --load"); a --profile window that began before the resumed step traces what is
+    left of it, or nothing, and says so (a requeued command line was refused)."""
     path = tmp_path / "run"
     shutil.copytree(saved[0], path)
     (tmp_path / "link").symlink_to(path)
     monkeypatch.chdir(tmp_path)
     for load, save in ((tmp_path / "link", path), (path, "run")):
         assert prepare(TINY.replace(train_iters=6, load=str(load), save=str(save))).load_step == 4
-    with pytest.raises(ValueError, match="--profile-step-start 3 is before step 4, where this run resumes"):
-        prepare(TINY.replace(train_iters=20, load=str(path), save=str(path), profile=True, profile_step_start=3,
-                             profile_step_end=6))
+    capsys.readouterr()
+    for end, traced in ((6, (True, 4)), (4, (False, 3))):  # the same command line requeued after the window began
+        plan = prepare(TINY.replace(train_iters=20, load=str(path), save=str(path), profile=True, profile_step_start=3,
+                                    profile_step_end=end))
+        assert (plan.cfg.training.profile, plan.cfg.training.profile_step_start) == traced
+    out = capsys.readouterr().out
+    assert "--profile's steps 4..6 begin before step 4, where this run resumes: tracing steps 5..6." in out
+    assert "--profile's steps 4..4 begin before step 4, where this run resumes: no trace." in out
 
 
 def test_signals_and_exit_flags_stop_after_a_step_with_a_checkpoint(saved, tmp_path, monkeypatch, capsys):

@@ -280,7 +280,9 @@ def test_the_cpu_never_queues_more_than_max_in_flight_steps_or_batches(tmp_path,
     block, get = jax.block_until_ready, jax.device_get
     monkeypatch.setattr(jax, "block_until_ready", lambda x: (waits.append(1), block(x))[1])
     monkeypatch.setattr(jax, "device_get", lambda x: (fetched.append(len(x) if isinstance(x, list) else 1), get(x))[1])
-    r = run(tmp_path, "queued", train_iters=10, log_interval=100, eval_interval=10, eval_iters=9)
+    r = run(tmp_path, "queued", train_iters=10, log_interval=100, eval_interval=5, eval_iters=9)
     assert len(r.losses) == 10
-    assert len(waits) >= 1 + 2  # the first step's, then after 4 and 8 more queued
-    assert fetched[-4:] == [10, 4, 4, 1], fetched  # the interval's 10 steps, then 9 evaluation losses 4 at a time
+    # the initial state's and the first step's waits, one a step from the 4th queued on (7), one before evaluating
+    # at step 5 (at step 10 the interval's logging has waited for every step)
+    assert len(waits) == 2 + 7 + 1, len(waits)
+    assert fetched[-7:] == [4, 4, 1, 10, 4, 4, 1], fetched  # 9 evaluation losses 4 at a time, twice

@@ -24,11 +24,10 @@ def resolve_sizes(data: int, pipeline: int, model: int, num_devices: int) -> tup
     for name, size in (("--tensor-model-parallel-size", model), ("--pipeline-model-parallel-size", pipeline)):
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}.")
-    source = count_source()  # a count XLA_FLAGS chose is named with it
     if data == -1:
-        if num_devices % (pipeline * model):
+        if num_devices % (pipeline * model):  # (a count XLA_FLAGS chose is named with it)
             raise ValueError(
-                f"{num_devices} devices{source} are not divisible by --tensor-model-parallel-size {model} x "
+                f"{num_devices} devices{count_source()} are not divisible by --tensor-model-parallel-size {model} x "
                 f"--pipeline-model-parallel-size {pipeline}; choose sizes whose product divides {num_devices}."
             )
         data = num_devices // (pipeline * model)
@@ -37,7 +36,7 @@ def resolve_sizes(data: int, pipeline: int, model: int, num_devices: int) -> tup
     if data * pipeline * model > num_devices:
         raise ValueError(
             f"the mesh data x pipeline x model = {data} x {pipeline} x {model} needs {data * pipeline * model} "
-            f"devices but only {num_devices} exist{source}; lower the parallel sizes."
+            f"devices but only {num_devices} exist{count_source()}; lower the parallel sizes."
         )
     return data, pipeline, model
 
