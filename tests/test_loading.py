@@ -58,3 +58,26 @@ def test_a_checkpoint_loads_on_any_mesh_whatever_its_run_chose(checkpoint, tmp_p
                 model.cfg.training.load, model.cfg.data.reset_attention_mask) == (False, False, None, None, None, False)
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_eval_precision_flags_replace_the_checkpoints(checkpoint, tmp_path):
+    """eval.py's --bf16 / --no-bf16 replace the saved precision, fp16 included (--bf16 on an fp16 checkpoint was
+    refused naming --fp16, which eval.py does not take; --no-bf16 was ignored); without them the checkpoint's."""
+    import importlib.util
+
+    from mtx.eval_tasks import prepare
+
+    spec = importlib.util.spec_from_file_location("eval_script", ROOT / "eval.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, path)
+    (path / "0" / MANIFEST).unlink()
+    metadata = path / "0" / "config" / "metadata"
+    saved = json.loads(metadata.read_text())
+    saved["training"].update(fp16=True)
+    metadata.write_text(json.dumps(saved))
+    for flags, dtype in (([], "float16"), (["--bf16"], "bfloat16"), (["--no-bf16"], "float32")):
+        args = script.build_parser().parse_args(["generate", "--load", str(path), "--prompt", "hi", *flags])
+        model, _ = prepare(args)[0]()
+        assert model.cfg.training.compute_dtype == dtype, flags
