@@ -82,6 +82,9 @@ def device_events(trace_path: Path, device_index: int = 0) -> list[dict]:
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
     first = {pid for pid in device if re.search(rf"/device:(GPU|TPU):{device_index}\b", names[pid])}
+    if device and not first:  # (all devices' events summed, once)
+        held = sorted({int(m.group(1)) for pid in device if (m := re.search(r"/device:(?:GPU|TPU):(\d+)", names[pid]))})
+        raise ValueError(f"--device {device_index}: the trace holds devices {held}; pass one of them.")
     device = first or device
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device and e.get("dur", 0) > 0]
 

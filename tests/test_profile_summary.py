@@ -34,6 +34,8 @@ def test_profile_summary_classes_and_busy_time(tmp_path):
     assert s["top_kernels"][0]["class"] == "matmul" and s["events"] == 5
     with pytest.raises(FileNotFoundError, match="create_perfetto_trace"):
         profile_summary.summarize(tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"--device 3: the trace holds devices \[0\]; pass one of them"):
+        profile_summary.summarize(tmp_path / "t", device=3)  # (it summed every device's events, once)
 
 
 def test_profile_ticks_line_up_the_devices_shifts(tmp_path):
