@@ -48,6 +48,11 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
             if saved["training"].get("save") is None:  # --run-dir alone (--save writes config.json into itself)
                 raise ValueError(f"--load {load} holds no checkpoint: its run wrote metrics only (it ran without "
                                  "--save); pass a directory written by --save.")
+            began = saved["training"].get("load")  # (itself: a restart like this one, killed before saving again)
+            if began is not None and not same_path(began, load):  # step 0 would be fresh weights, not those
+                raise ValueError(f"--load {load} holds no finished checkpoint, and its run began from --load {began} "
+                                 "(a restart from step 0 would drop those weights); start it again from --load "
+                                 f"{began} into a new --save directory.")
             if t.finetune:
                 raise ValueError(f"--finetune needs the weights of a finished checkpoint, and --load {load} holds "
                                  "none (its run stopped before the first save completed).")

@@ -133,6 +133,14 @@ def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
         (path / "config.json").write_text(json.dumps(edited))  # checked as a checkpoint's config is (once: not)
         with pytest.raises(ValueError, match=f"--load {path}: {said}.*config.json of its unfinished run"):
             prepare(TINY.replace(train_iters=2, load=str(path), save=str(path), use_checkpoint_args=True))
+    began = json.loads(json.dumps(config))
+    began["training"].update(load="elsewhere")  # a run that itself resumed (or fine-tuned) from another checkpoint
+    (path / "config.json").write_text(json.dumps(began))
+    with pytest.raises(ValueError, match="its run began from --load elsewhere .a restart from step 0 would drop"):
+        prepare(TINY.replace(train_iters=2, load=str(path), save=str(path)))  # (it restarted from random weights)
+    began["training"].update(load=str(path))  # a restart like this one, killed before its first save: restarts
+    (path / "config.json").write_text(json.dumps(began))
+    assert prepare(TINY.replace(train_iters=2, load=str(path), save=str(path))).load_step is None
     (path / "config.json").write_text(json.dumps(config))
     restarted = train(TINY.replace(train_iters=2, log_interval=1, load=str(path), save=str(path)), progress=False)
     assert [restarted.losses[s] for s in (1, 2)] == [saved[1][s] for s in (1, 2)]
