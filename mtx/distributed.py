@@ -45,7 +45,7 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     joining = 60 * timeout_minutes if timeout_minutes else max(heartbeat_timeout, 60)
     timeouts = dict(initialization_timeout=joining, heartbeat_timeout_seconds=2 * heartbeat_timeout + 10,
                     shutdown_timeout_seconds=max(heartbeat_timeout, 10))
-    with _service_in_child_process(linger=heartbeat_timeout + 10):
+    with _service_in_child_process(linger=heartbeat_timeout + 10), _joined_within(joining):
         if coordinator_address == "auto":
             jax.distributed.initialize(**timeouts)
         else:
@@ -53,6 +53,25 @@ def initialize(coordinator_address: str | None, num_processes: int | None = None
     global _watch
     if jax.process_count() > 1:
         _watch = PeerWatch(heartbeat_timeout)
+
+
+@contextlib.contextmanager
+def _joined_within(seconds: int):
+    """Ends the process in one line, a second before JAX's own deadline, when the others have not joined by then:
+    at the deadline JAX's client aborts from C++ (a fatal log and a stack, exit status 134)."""
+    def give_up():
+        print(f"error: the other processes did not join within {seconds} s (--distributed-timeout-minutes); start "
+              "every process with the same --coordinator-address and --num-processes, each with its own "
+              "--process-id.", file=sys.stderr, flush=True)
+        os._exit(2)  # not sys.exit: the main thread is inside JAX's join
+
+    timer = threading.Timer(max(seconds - 1, 1), give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def check_coordinator(address: str | None, num_processes: int | None, process_id: int | None) -> None:

@@ -186,6 +186,27 @@ def test_multi_process_flags_are_checked_before_joining(address, processes, rank
     _refused("is not HOST:PORT", check_coordinator, "::1", 2, 0)  # unbracketed IPv6: host "::", port 1
 
 
+def test_peers_that_never_join_end_the_process_in_one_line(monkeypatch, capsys):
+    """At --distributed-timeout-minutes JAX's client aborts from C++ (exit status 134, a stack of logs) when the
+    other processes never joined: a second before, mtx ends the process in one line, exit status 2; once joined
+    (the block left), nothing happens."""
+    import threading
+    import time
+
+    from mtx import distributed
+
+    ended = threading.Event()
+    monkeypatch.setattr(distributed.os, "_exit", lambda status: (ended.set(), status))
+    with distributed._joined_within(3):  # the timer fires at 2 s
+        time.sleep(0.5)
+    time.sleep(2)
+    assert not ended.is_set()
+    with distributed._joined_within(2):  # at 1 s, while "joining"
+        assert ended.wait(5)
+    said = "error: the other processes did not join within 2 s (--distributed-timeout-minutes)"
+    assert said in capsys.readouterr().err
+
+
 def test_no_output_goes_inside_a_checkpoint_step(saved, tmp_path):
     """Files added to a step mix with the checkpoint and keep --keep-last-n-checkpoints from pruning it: every output
     path (checked by check_writable) inside a step is refused, the step unchanged."""
