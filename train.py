@@ -14,17 +14,15 @@ simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GP
 
 def main(argv=None) -> int:
     from mtx.cli import parse_config
-    from mtx.devices import devices
     from mtx.distributed import initialize_from, watch_peers
 
     try:  # bad input fails here, in one line that names the fix, before any device work
         cfg = parse_config(argv)
         # Multi-host: join the other processes before anything asks JAX for a device.
         initialize_from(cfg.parallel)
-        devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         from mtx.run import prepare, train
 
-        plan = prepare(cfg)
+        plan = prepare(cfg)  # its first device query refuses a backend JAX cannot start in one line
     except ValueError as e:  # every process finds the same bad input
         if peers := watch_peers():
             peers.finish()

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
-from mtx.cli import ranged  # noqa: E402
+from mtx.cli import COUNT, ranged  # noqa: E402
 from mtx.kernels.flash_attention import Blocks, flash_attention  # noqa: E402
 from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
 from mtx.parallel.random import attention_dropout_hashes  # noqa: E402
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=ranged(int, ">= 1"), default=96)
     ap.add_argument("--rate", type=ranged(float, "[0, 1)"), default=0.1, help="attention dropout rate")
     ap.add_argument("--causal", type=ranged(int, "[0, 1]"), default=1, help="1: causal (GPT), 0: not (BERT)")
-    ap.add_argument("--repeats", type=ranged(int, "[1, 10000]"), default=20)
+    ap.add_argument("--repeats", type=ranged(int, COUNT), default=20)
     ap.add_argument("--blocks", nargs="*", type=parse_blocks, default=[Blocks(64, 64, 64, 64, 4, 4, 2)],
                     help="kernel tiles to try, each q,k,big,small,warps,warps_backward,stages")
     a = ap.parse_args(argv)

@@ -159,13 +159,13 @@ def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None)
 def run_cli(measure_fn, argv=None, check=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
     --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
-    from mtx.cli import (OneLineParser, build_parser, flags_in, parse_config, ranged, unknown_flags_message,
-                         with_negative_values)
+    from mtx.cli import (COUNT, WARMUP, OneLineParser, build_parser, flags_in, parse_config, ranged,
+                         unknown_flags_message, with_negative_values)
     from mtx.files import check_json_lines, check_writable, json_line, refuse_empty
 
     ap = OneLineParser(prog="bench.py", add_help=False)  # --step is no --steps (whole flags, as train.py's)
-    ap.add_argument("--steps", type=ranged(int, "[1, 10000]"), default=10)
-    ap.add_argument("--warmup", type=ranged(int, "[0, 10000]"), default=3)
+    ap.add_argument("--steps", type=ranged(int, COUNT), default=10)
+    ap.add_argument("--warmup", type=ranged(int, WARMUP), default=3)
     ap.add_argument("--json", default=None, help="append the result line to this file")
     ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them "
                     "(train.py's --profile switch is not taken here)")

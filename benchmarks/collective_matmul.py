@@ -41,7 +41,7 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(2)
 
-from mtx.cli import ranged  # noqa: E402
+from mtx.cli import COUNT, ranged  # noqa: E402
 from mtx.errors import first_line  # noqa: E402
 
 SHAPES = {  # name: (pattern, K, N) on one rank
@@ -198,8 +198,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=ranged(int, ">= 1"), default=[512],
                    help="rows after the gather (micro batch x seq); each rank holds tokens / devices")
-    p.add_argument("--iters", type=ranged(int, "[1, 10000]"), default=20)
-    p.add_argument("--repeats", type=ranged(int, "[1, 10000]"), default=5)
+    p.add_argument("--iters", type=ranged(int, COUNT), default=20)
+    p.add_argument("--repeats", type=ranged(int, COUNT), default=5)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--tune", action="store_true",
                    help="try the kernel's tunings (each compiled: minutes a shape) instead of the layers' default one")

@@ -39,7 +39,7 @@ from mtx.files import json_line  # noqa: E402
 
 simulate_cpu_devices(8)
 
-from mtx.cli import ranged  # noqa: E402
+from mtx.cli import COUNT, ranged  # noqa: E402
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute", "peer_all_gather", "peer_reduce_scatter")
 PEER_WIDTH = {"peer_all_gather": 128, "peer_reduce_scatter": 64}  # the thin matmul's other dimension
@@ -191,8 +191,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--sizes-mb", nargs="+", type=ranged(float, "(0, 100000]"), default=[1, 4],
                    help="whole-tensor sizes in MB (1e6 bytes); 1.2B at micro batch 16 moves 50 MB per collective")
     p.add_argument("--width", type=ranged(int, "[1, 1000000]"), default=1536, help="row width (the hidden size)")
-    p.add_argument("--iters", type=ranged(int, "[1, 10000]"), default=50)
-    p.add_argument("--repeats", type=ranged(int, "[1, 10000]"), default=5)
+    p.add_argument("--iters", type=ranged(int, COUNT), default=50)
+    p.add_argument("--repeats", type=ranged(int, COUNT), default=5)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = p.parse_args(argv)
     from mtx.files import check_json_lines, refuse_empty

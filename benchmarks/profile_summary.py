@@ -40,7 +40,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from mtx.cli import ranged  # noqa: E402
+from mtx.cli import COUNT, ranged  # noqa: E402
 
 CLASSES = (  # first match wins
     ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective|permute|send|recv", re.I)),
@@ -251,7 +251,7 @@ def format_summary(s: dict, step_ms: float | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace_dir")
-    ap.add_argument("--steps", type=ranged(int, "[1, 10000]"), default=1,
+    ap.add_argument("--steps", type=ranged(int, COUNT), default=1,
                     help="steps the trace holds (times are divided by it)")
     ap.add_argument("--top", type=ranged(int, ">= 1"), default=25)
     ap.add_argument("--device", type=ranged(int, ">= 0"), default=0,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, when run as a script from anywhere
-from mtx.cli import ranged  # noqa: E402  (no jax: the rows run in their own processes)
+from mtx.cli import COUNT, WARMUP, ranged  # noqa: E402  (no jax: the rows run in their own processes)
 # The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
 # recompute everything but the matmuls, layers unrolled.
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
@@ -309,8 +309,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", default=["1gpu"], choices=sorted(ROWS))
     ap.add_argument("--only", nargs="*", default=None, help="run only rows whose name contains one of these")
     ap.add_argument("--skip", nargs="*", default=(), help="leave out rows whose name contains one of these")
-    ap.add_argument("--steps", type=ranged(int, "[1, 10000]"), default=5)
-    ap.add_argument("--warmup", type=ranged(int, "[0, 10000]"), default=2)
+    ap.add_argument("--steps", type=ranged(int, COUNT), default=5)
+    ap.add_argument("--warmup", type=ranged(int, WARMUP), default=2)
     ap.add_argument("--timeout", type=ranged(int, "[1, 1000000]"), default=240, help="seconds per row")
     ap.add_argument("--list", action="store_true", help="print the names of the --rows groups' rows and run none")
     ap.add_argument("--out", default=None, help="append each row's record (JSON) to this file")

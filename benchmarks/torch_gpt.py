@@ -18,10 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
-from mtx.cli import ranged  # noqa: E402  (the standard library only: no jax needed)
+from mtx.cli import COUNT, WARMUP, ranged  # noqa: E402  (the standard library only: no jax needed)
 
 # the timing flags' ranges, as bench.py's; every other number (a size, rope-base, eps) is positive
-RANGES = {"steps": "[1, 10000]", "warmup": "[0, 10000]"}
+RANGES = {"steps": COUNT, "warmup": WARMUP}
 
 
 class Block(nn.Module):

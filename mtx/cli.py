@@ -235,6 +235,11 @@ def _strict(kind: type):
 STRICT = {int: _strict(int), float: _strict(float)}
 
 
+# The tools' counts of timed steps, repeats and iterations, and of warm-up steps: enough to measure, never a run
+# that goes on until killed (`--steps 1e20` once did)
+COUNT, WARMUP = "[1, 10000]", "[0, 10000]"
+
+
 def ranged(kind: type, valid: str):
     """An argparse `type` for a tool's own numeric flag: parses with `kind` and refuses values outside `valid` (a
     range written as in mtx/schema_checks.py's RANGES), so argparse names the flag in its one-line error."""
@@ -261,8 +266,8 @@ def _is_negative_number(token: str) -> bool:
 
 def check_unused_flags(cfg, given) -> None:
     """A flag given on the command line (`given`: the field names) whose feature is off would do nothing: refused,
-    naming what turns it on. Only given flags, and not their off forms (False, or "none"): a preset's setting is fine
-    when a flag turns its feature off. With --use-checkpoint-args the model comes from the checkpoint later
+    naming what turns it on. Only given flags, and not their off forms (False, 0 or "none"): a preset's setting is
+    fine when a flag turns its feature off. With --use-checkpoint-args the model comes from the checkpoint later
     (mtx/resume.py): the rules that depend on it are left out."""
     m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
     given = {name for name in given if _value(cfg, name) not in (None, False)}
