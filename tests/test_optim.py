@@ -60,6 +60,11 @@ def test_loss_scale_halves_on_overflow_and_grows_after_a_window():
     for _ in range(5):
         ls = ls.update(jnp.asarray(False), train)
     assert float(ls.scale) == 256.0  # floor
+    top = TrainingConfig(fp16=True, initial_loss_scale=2.0**32, loss_scale_window=1)
+    ls = LossScale.create(top)
+    for _ in range(3):  # a good window at the largest scale the flags allow: no growth past it
+        ls = ls.update(jnp.asarray(True), top)
+    assert float(ls.scale) == 2.0**32
 
 
 def test_fp16_overflow_skips_the_step():
