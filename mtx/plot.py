@@ -209,6 +209,26 @@ def check_png_path(path: str | Path) -> Path:
     return path
 
 
+NOTEBOOK_FIGURES = Path(tempfile.gettempdir()) / "mtx_notebook_figures"  # rendered by the notebooks, never committed
+
+
+def show(fig, name: str) -> Path:
+    """A notebook's figure: written as NOTEBOOK_FIGURES/<name>.png by `save_figure`, closed, and displayed when the
+    notebook runs under IPython (else its path is printed). Returns the file."""
+    NOTEBOOK_FIGURES.mkdir(exist_ok=True)
+    try:
+        path = save_figure(fig, NOTEBOOK_FIGURES / f"{name}.png")
+    finally:
+        pyplot().close(fig)
+    try:
+        from IPython.display import Image, display
+    except ImportError:
+        print("figure:", path)
+    else:
+        display(Image(filename=str(path)))
+    return path
+
+
 def save_figure(fig, path: str | Path) -> Path:
     """Writes a matplotlib figure as a PNG marked as mtx.plot's, under a temporary name renamed when complete, so a
     file of that name is whole or untouched; refuses (ValueError) to replace a file that does not carry the mark."""
@@ -216,7 +236,7 @@ def save_figure(fig, path: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        fig.savefig(tmp, format="png", metadata=dict([MARK]))
+        fig.savefig(tmp, format="png", metadata=dict([MARK]), bbox_inches="tight")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

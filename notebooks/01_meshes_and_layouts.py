@@ -22,7 +22,6 @@
 
 # %%
 import os
-import tempfile
 from pathlib import Path
 
 import mtx
@@ -34,11 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # so the notebook runs from any working directory.
 ROOT = Path(mtx.__file__).resolve().parents[1]
 
-import matplotlib
-
-matplotlib.use("Agg")
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -46,26 +41,11 @@ from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config, load_preset
 from mtx.parallel.mesh import AXES, make_mesh
+from mtx.plot import pyplot, show
 from mtx.sharded_model import ShardedModel
 
 assert len(jax.devices()) == 8, jax.devices()
-FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"  # figures are rendered, never committed
-FIGS.mkdir(exist_ok=True)
-
-
-def show(fig, name):
-    """Saves the figure (Agg backend) and displays the PNG where a notebook frontend exists."""
-    path = FIGS / f"01_{name}.png"
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    assert path.stat().st_size > 0
-    try:
-        from IPython.display import Image, display
-
-        display(Image(filename=str(path)))
-    except ImportError:
-        print("figure:", path)
-
+plt = pyplot()  # matplotlib on its file backend: show() writes each figure, then displays it
 
 # %% [markdown]
 # ## The mesh
@@ -219,7 +199,7 @@ for ax, arr, title, split_axis in [(axes[0], fc1, "fc1 kernel, layer 0: column-p
                 va="center")
     ax.set_xlim(0, n_cols), ax.set_ylim(n_rows, 0)
     ax.set_xlabel(f"columns ({n_cols})"), ax.set_ylabel(f"rows ({n_rows})"), ax.set_title(title, fontsize=9)
-show(fig, "column_and_row_parallel")
+show(fig, "01_column_and_row_parallel")
 
 # %% [markdown]
 # Layer 1 lives on pipeline stage 1 (devices with pipeline index 1), and each block is replicated over the two data

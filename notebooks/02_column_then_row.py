@@ -27,7 +27,6 @@
 
 # %%
 import os
-import tempfile
 from pathlib import Path
 
 import mtx
@@ -39,14 +38,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # so the notebook runs from any working directory.
 ROOT = Path(mtx.__file__).resolve().parents[1]
 
-import matplotlib
-
-matplotlib.use("Agg")
 import math
 
 import jax
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -59,24 +54,10 @@ from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
 from mtx.parallel.ops import f, gather_from_model_parallel, scatter_to_model_parallel
 from mtx.parallel.sharded import init_sharded, partition_specs
+from mtx.plot import pyplot, show
 
 assert len(jax.devices()) == 8
-FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"
-FIGS.mkdir(exist_ok=True)
-
-
-def show(fig, name):
-    path = FIGS / f"02_{name}.png"
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    assert path.stat().st_size > 0
-    try:
-        from IPython.display import Image, display
-
-        display(Image(filename=str(path)))
-    except ImportError:
-        print("figure:", path)
-
+plt = pyplot()  # matplotlib on its file backend: show() writes each figure, then displays it
 
 # %% [markdown]
 # ## Setup: a (2, 1, 4) mesh, the tiny model's widths, a helper that compiles and counts
@@ -320,4 +301,4 @@ for i, (v, r) in enumerate(zip(values, (col_row, row_col, audited, gathered))):
     ax.text(i, v, f"{count(r)} ops\n{v:,}", ha="center", va="bottom", fontsize=8)
 ax.set_yscale("log"), ax.set_ylabel("elements moved per device (fwd + bwd)")
 ax.set_title(f"b={b}, s={S}, D={D}, F={F}, V={V}, tp={TP}", fontsize=9)
-show(fig, "collectives")
+show(fig, "02_collectives")

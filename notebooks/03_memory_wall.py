@@ -34,7 +34,6 @@
 
 # %%
 import os
-import tempfile
 from pathlib import Path
 
 import mtx
@@ -46,11 +45,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # so the notebook runs from any working directory.
 ROOT = Path(mtx.__file__).resolve().parents[1]
 
-import matplotlib
-
-matplotlib.use("Agg")
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -58,28 +53,15 @@ from jax.sharding import PartitionSpec as P
 from mtx.config import Config, load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.parallel.sharded import partition_specs
+from mtx.plot import pyplot, show
 from mtx.sharded_model import build_model
 from mtx.step import TrainStep
 
 assert len(jax.devices()) == 8
-FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"
-FIGS.mkdir(exist_ok=True)
+plt = pyplot()  # matplotlib on its file backend: show() writes each figure, then displays it
 BYTES_PER_PARAM = 4 + 4 + 4 + 4  # fp32 weight + fp32 gradient + fp32 Adam m + fp32 Adam v
 STATE_BYTES_PER_PARAM = 4 + 4 + 4  # what the train state holds between steps: weight, m, v
 GB = 1e9
-
-
-def show(fig, name):
-    path = FIGS / f"03_{name}.png"
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    assert path.stat().st_size > 0
-    try:
-        from IPython.display import Image, display
-
-        display(Image(filename=str(path)))
-    except ImportError:
-        print("figure:", path)
 
 
 # %% [markdown]
@@ -266,4 +248,4 @@ for ax, vary, label in [(axes[0], "tp", "tensor-parallel size (PP = 1)"), (axes[
 axes[0].set_ylabel("GB per device: weights + grads + Adam m, v (fp32)")
 axes[0].legend(fontsize=8)
 fig.suptitle("16 bytes per parameter, before activations", fontsize=10)
-show(fig, "memory_per_device")
+show(fig, "03_memory_per_device")

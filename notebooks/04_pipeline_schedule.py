@@ -23,7 +23,6 @@
 # %%
 import importlib.util
 import os
-import tempfile
 from pathlib import Path
 
 import mtx
@@ -35,15 +34,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # so the notebook runs from any working directory.
 ROOT = Path(mtx.__file__).resolve().parents[1]
 
-import matplotlib
-
-matplotlib.use("Agg")
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
 
 from mtx.config import Config, load_preset
 from mtx.parallel.pipeline import Schedule
+from mtx.plot import pyplot, show
 
 # benchmarks/bench.py is a script beside the package, not part of it: loaded from its file.
 _spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks/bench.py")
@@ -52,21 +48,7 @@ _spec.loader.exec_module(bench)
 measure = bench.measure  # warm-up, then the median time of jitted train steps
 
 assert len(jax.devices()) == 8
-FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"
-FIGS.mkdir(exist_ok=True)
-
-
-def show(fig, name):
-    path = FIGS / f"04_{name}.png"
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    assert path.stat().st_size > 0
-    try:
-        from IPython.display import Image, display
-
-        display(Image(filename=str(path)))
-    except ImportError:
-        print("figure:", path)
+plt = pyplot()  # matplotlib on its file backend: show() writes each figure, then displays it
 
 
 # %% [markdown]
@@ -117,7 +99,7 @@ ax.set_xlim(0, 2 * T), ax.set_ylim(P_, 0)
 ax.set_yticks(np.arange(P_) + 0.5, [f"stage {s}" for s in range(P_)])
 ax.set_xlabel("tick (forward | backward); hatched = bubble")
 ax.set_title(f"GPipe in one scan: P={P_}, M={M_}, bubble (P-1)/(M+P-1) = {schedule.bubble:.0%}", fontsize=10)
-show(fig, "schedule")
+show(fig, "04_schedule")
 assert (backward < 0).sum() == bubble_cells
 
 # %% [markdown]
@@ -156,7 +138,7 @@ fig, axes = plt.subplots(2, 1, figsize=(12, 5.5))
 draw(axes[0], one_f_one_b, f"1F1B, P={P_}, M={M_ + 2}")
 draw(axes[1], interleaved, f"interleaved 1F1B, P={P_}, V=2, M={M_ + 2}")
 axes[1].set_xlabel("tick (top half: forward slot, bottom half: backward slot; hatched = idle)")
-show(fig, "one_f_one_b")
+show(fig, "04_one_f_one_b")
 
 for sched in (one_f_one_b, interleaved):
     m, v = sched.microbatches, sched.virtual
@@ -188,7 +170,7 @@ for p, curve in ideal.items():
     ax.plot(ms, curve, label=f"P = {p}")
 ax.set_xscale("log", base=2), ax.set_xlabel("microbatches M"), ax.set_ylabel("ideal bubble (P-1)/(M+P-1)")
 ax.legend(), ax.grid(alpha=0.3)
-show(fig, "ideal_bubble")
+show(fig, "04_ideal_bubble")
 
 # %% [markdown]
 # ## Measured: pipelined vs unpipelined steps of the tiny model

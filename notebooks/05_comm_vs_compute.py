@@ -22,40 +22,21 @@
 
 # %%
 import os
-import tempfile
-from pathlib import Path
 
 from mtx.devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # 8 simulated CPU devices; XLA reads the flag when JAX starts its backends
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import matplotlib
-
-matplotlib.use("Agg")
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
 
 from mtx.audit import audit_config, audit_layer
 from mtx.config import ModelConfig
+from mtx.plot import pyplot, show
 
 assert len(jax.devices()) == 8
-FIGS = Path(tempfile.gettempdir()) / "mtx_notebooks"
-FIGS.mkdir(exist_ok=True)
-
-
-def show(fig, name):
-    path = FIGS / f"05_{name}.png"
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    assert path.stat().st_size > 0
-    try:
-        from IPython.display import Image, display
-
-        display(Image(filename=str(path)))
-    except ImportError:
-        print("figure:", path)
+plt = pyplot()  # matplotlib on its file backend: show() writes each figure, then displays it
 
 
 # %% [markdown]
@@ -175,7 +156,7 @@ axes[0].set_xlabel("hidden size h"), axes[0].set_ylabel("compute time / all-redu
 axes[0].legend(fontsize=7), axes[0].set_title("per layer, H100 bf16 peak, b=8, s=1024", fontsize=9)
 axes[1].set_xlabel("hidden size h"), axes[1].set_ylabel("ms per layer (fwd + bwd)"), axes[1].set_yscale("log")
 axes[1].legend(fontsize=7), axes[1].set_title("compute falls as 1/tp; all-reduce volume does not", fontsize=9)
-show(fig, "comm_vs_compute")
+show(fig, "05_comm_vs_compute")
 
 # %% [markdown]
 # ## Sequence parallelism: the same bytes, the element-wise work split

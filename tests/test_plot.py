@@ -137,6 +137,19 @@ def test_never_writes_over_foreign_files(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".png")) == ["notes.txt"]  # no tmp files
 
 
+def test_notebook_figures_are_marked_and_never_replace_foreign_files(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(plot, "NOTEBOOK_FIGURES", tmp_path / "figures")
+    monkeypatch.setitem(sys.modules, "IPython", None)  # outside IPython the path is printed
+    plt = plot.pyplot()
+    path = plot.show(plt.subplots()[0], "01_demo")
+    assert path == tmp_path / "figures/01_demo.png" and plot.made_by_mtx_plot(path)
+    assert capsys.readouterr().out == f"figure: {path}\n" and not plt.get_fignums()  # written, then closed
+    path.write_bytes(PNG + b"someone else's image")
+    with pytest.raises(ValueError, match="was not written by mtx.plot"):
+        plot.show(plt.subplots()[0], "01_demo")
+    assert path.read_bytes() == PNG + b"someone else's image" and not plt.get_fignums()
+
+
 def test_without_matplotlib(tmp_path, capsys, monkeypatch):
     good = _run(tmp_path / "good", [_train(1, 5.0)])
     monkeypatch.setitem(sys.modules, "matplotlib", None)
