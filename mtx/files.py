@@ -234,6 +234,19 @@ def not_a_file(path: str | Path) -> str:
     return "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
 
 
+def new_temporary(path: str | Path) -> str:
+    """A new file beside `path` (created here, exclusively, under a name no other file has), readable as `path` will
+    be (the umask's mode, not mkstemp's 0600): an output is written there whole, then renamed onto `path`, so no file
+    of the user's is ever written or removed on the way."""
+    path = Path(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)
+    return temporary
+
+
 def made_by_mtx_plot(path: Path) -> bool:
     """Whether `path` is a PNG carrying mtx.plot's text chunk (Software = mtx.plot)."""
     try:

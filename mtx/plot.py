@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mtx.cli import OneLineParser
-from mtx.files import MARK, check_writable, made_by_mtx_plot, refuse_empty, refuse_repeats
+from mtx.files import MARK, check_writable, made_by_mtx_plot, new_temporary, refuse_empty, refuse_repeats
 
 # file stem -> (y label, [(field, line style)], scale); loss shows training and validation together
 FIGURES = {
@@ -233,8 +233,7 @@ def save_figure(fig, path: str | Path) -> Path:
     """Writes a matplotlib figure as a PNG marked as mtx.plot's, under a temporary name renamed when complete, so a
     file of that name is whole or untouched; refuses (ValueError) to replace a file that does not carry the mark."""
     path = check_png_path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = new_temporary(path)
     try:
         fig.savefig(tmp, format="png", metadata=dict([MARK]), bbox_inches="tight")
         os.replace(tmp, path)

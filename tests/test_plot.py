@@ -1,6 +1,7 @@
 """`python -m mtx.plot`: PNG curves from hand-written metrics.jsonl files (no training), resumed runs, bad input."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -143,6 +144,9 @@ def test_notebook_figures_are_marked_and_never_replace_foreign_files(tmp_path, c
     plt = plot.pyplot()
     path = plot.show(plt.subplots()[0], "01_demo")
     assert path == tmp_path / "figures/01_demo.png" and plot.made_by_mtx_plot(path)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as any file the user writes, not mkstemp's 0600
     assert capsys.readouterr().out == f"figure: {path}\n" and not plt.get_fignums()  # written, then closed
     path.write_bytes(PNG + b"someone else's image")
     with pytest.raises(ValueError, match="was not written by mtx.plot"):

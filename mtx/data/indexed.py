@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from mtx.files import new_temporary
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -58,7 +59,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"indexed datasets store {', '.join(str(np.dtype(t)) for t in DTYPES.values())}, not "
                              f"{self.dtype}; pass one of those.")
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
-        self._bin_tmp = _new_temporary(self.prefix, ".bin")
+        self._bin_tmp = new_temporary(f"{self.prefix}.bin")
         self._idx_tmp = None
         self._bin = open(self._bin_tmp, "wb")
         self._sizes: list[int] = []
@@ -92,7 +93,7 @@ class IndexedDatasetWriter:
         sizes = np.asarray(self._sizes, np.int32)
         starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)[:-1]]).astype(np.int64)
         pointers = starts * self.dtype.itemsize  # byte offsets: the sequences lie back to back
-        self._idx_tmp = _new_temporary(self.prefix, ".idx")
+        self._idx_tmp = new_temporary(f"{self.prefix}.idx")
         with open(self._idx_tmp, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
@@ -118,17 +119,6 @@ class IndexedDatasetWriter:
 
     def __exit__(self, kind, *exc) -> None:
         self.abort() if kind is not None else self.close()
-
-
-def _new_temporary(prefix: str, suffix: str) -> str:
-    """A file of a name no other file has (created here, exclusively) beside PREFIX + suffix, readable as that file
-    will be: the writer's output takes its place at `close()`, and no file of the user's is ever written or removed."""
-    fd, path = tempfile.mkstemp(prefix=f".{Path(prefix).name}{suffix}.", suffix=".tmp", dir=Path(prefix).parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-    return path
 
 
 class IndexedDataset:
