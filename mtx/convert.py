@@ -86,7 +86,7 @@ def config_to_hf(m: ModelConfig) -> dict:
         "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
         "n_inner": None if m.ffn_size == 4 * m.hidden_size else m.ffn_size,
         "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
-        "layer_norm_epsilon": m.layernorm_epsilon, "initializer_range": m.init_method_std,
+        "layer_norm_epsilon": m.epsilon, "initializer_range": m.init_method_std,
         "summary_type": "cls_index", "summary_use_proj": True, "summary_activation": None,
         "summary_proj_to_labels": True, "summary_first_dropout": 0.1,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mtx.convert import config_from_hf, from_hf, main, params_from_hf, read_hf, to_hf
+from mtx.architecture import ModelConfig
+from mtx.convert import config_from_hf, config_to_hf, from_hf, main, params_from_hf, read_hf, to_hf
 from mtx.loading import load_model
 from mtx.parallel.ops import gather_from_model_parallel
 
@@ -140,6 +141,13 @@ def test_round_trip_is_exact(converted):
     assert config_from_hf(hf).model == config_from_hf(original).model
     # the weights as readable as config.json (safetensors wrote them 0600)
     assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
+
+
+def test_the_epsilon_the_model_computes_with_is_exported():
+    """--norm-epsilon (Megatron-Core's name) is the epsilon the layers use, whichever flag set it."""
+    for m in (ModelConfig(norm_epsilon=0.01), ModelConfig(layernorm_epsilon=0.01)):
+        assert config_to_hf(m)["layer_norm_epsilon"] == m.epsilon == 0.01
+        assert config_from_hf(config_to_hf(m)).model.epsilon == 0.01
 
 
 def test_names_without_prefix_and_tied_lm_head(tmp_path):
