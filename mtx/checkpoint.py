@@ -45,15 +45,19 @@ class CheckpointError(ValueError):
 
 
 @contextlib.contextmanager
-def _orbax_quiet():
-    """orbax's warnings (absl) off while it scans steps: a broken step gets mtx's own one line instead."""
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
+def _orbax_quiet(asyncio_too: bool = False):
+    """orbax's warnings (absl) off while it scans steps: a broken step gets mtx's own one line instead. With
+    `asyncio_too`, also asyncio's report of every read task that failed beside the first (a step whose bytes are
+    damaged: each array's read fails, and asyncio logs each one's traceback at shutdown)."""
+    loggers = [logging.getLogger("absl")] + ([logging.getLogger("asyncio")] if asyncio_too else [])
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL if logger.name == "asyncio" else logging.ERROR)
     try:
         yield
     finally:
-        absl.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 # Besides the model: what a resume (the seed, the batch sizes) and evaluation (the micro batch, the tokenizer) read
@@ -255,7 +259,8 @@ class Checkpointer:
 
     def _read(self, step: int, manager, args):
         try:
-            restored = manager.restore(step, args=ocp.args.Composite(state=args))
+            with _orbax_quiet(asyncio_too=True):
+                restored = manager.restore(step, args=ocp.args.Composite(state=args))
         except Exception as e:  # damage the file record could not see (same size, different bytes)
             older = [s for s in self.steps() if s < step]
             raise CheckpointError(

@@ -93,7 +93,7 @@ def test_resuming_past_a_broken_step_keeps_it_and_retraces_the_run(saved, tmp_pa
     assert (path / "4.broken").is_dir() and {p.name for p in path.iterdir()} >= {"2", "4", "6", "4.broken"}
 
 
-def test_no_intact_step_and_unreadable_arrays_are_one_line_errors(saved, tmp_path):
+def test_no_intact_step_and_unreadable_arrays_are_one_line_errors(saved, tmp_path, caplog):
     path = _damaged(saved, tmp_path, "deleted")
     (path / "2" / "config" / "metadata").write_text("")
     with pytest.raises(ValueError, match="step 4 is broken .*no step is intact: start a new run"):
@@ -112,6 +112,13 @@ def test_no_intact_step_and_unreadable_arrays_are_one_line_errors(saved, tmp_pat
     with pytest.raises(CheckpointError, match=r"step 4 could not be read"):
         train(plan, progress=False)
     assert not (tmp_path / "c").exists()
+    # Every array's bytes changed: each read task fails, and asyncio would log each one's traceback at shutdown
+    for data in (path / "4" / "state").rglob("d/*"):
+        data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))
+    plan = prepare(TINY.replace(train_iters=6, load=str(path), run_dir=str(tmp_path / "d")))
+    with pytest.raises(CheckpointError, match=r"step 4 could not be read"):
+        train(plan, progress=False)
+    assert not [r for r in caplog.records if r.name == "asyncio"]
 
 
 def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
