@@ -141,6 +141,7 @@ class OneLineParser(argparse.ArgumentParser):
         but a second --config would drop the whole first preset, and a second list (--data-path A --data-path B)
         the first one's values: refused."""
         argv = list(sys.argv[1:] if args is None else args)
+        self._refuse_undecodable(argv)
         given = list(flags_in(argv))
         if given.count("--config") > 1:
             self.error("--config given twice; pass one preset (and flags to change it).")
@@ -148,6 +149,20 @@ class OneLineParser(argparse.ArgumentParser):
             if action.nargs in ("+", "*") and (twice := [f for f in action.option_strings if given.count(f) > 1]):
                 self.error(f"{twice[0]} given twice; pass all its values after one {twice[0]}.")
         return super().parse_known_args(argv, namespace)
+
+    def _refuse_undecodable(self, argv: list[str]) -> None:
+        """A name of bytes that are no UTF-8 (Python keeps them as lone surrogates) reaches the checkpoint and data
+        libraries only to fail there, after training: refused while parsing, the value shown with its bytes."""
+        for i, token in enumerate(argv):
+            try:
+                token.encode("utf-8")
+            except UnicodeEncodeError:
+                inline = token.startswith("-") and "=" in token  # --save=NAME
+                flag = token.split("=")[0] if inline else argv[i - 1] if i and argv[i - 1].startswith("-") else ""
+                value = token.split("=", 1)[1] if inline else token
+                shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                self.error(f"{flag + ': ' if flag else ''}'{shown}' is not valid UTF-8, which the checkpoint and data "
+                           "libraries need; rename it (or link it) to a UTF-8 name.")
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
