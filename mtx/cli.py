@@ -151,8 +151,9 @@ class OneLineParser(argparse.ArgumentParser):
         return super().parse_known_args(argv, namespace)
 
     def _refuse_undecodable(self, argv: list[str]) -> None:
-        """A name of bytes that are no UTF-8 (Python keeps them as lone surrogates) reaches the checkpoint and data
-        libraries only to fail there, after training: refused while parsing, the value shown with its bytes."""
+        """Bytes that are no UTF-8 (Python keeps them as lone surrogates): a path of them reaches the checkpoint and
+        data libraries only to fail there, after training; text, the tokenizer. Refused while parsing, the value
+        shown with its bytes."""
         for i, token in enumerate(argv):
             try:
                 token.encode("utf-8")
@@ -161,8 +162,8 @@ class OneLineParser(argparse.ArgumentParser):
                 flag = token.split("=")[0] if inline else argv[i - 1] if i and argv[i - 1].startswith("-") else ""
                 value = token.split("=", 1)[1] if inline else token
                 shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-                self.error(f"{flag + ': ' if flag else ''}'{shown}' is not valid UTF-8, which the checkpoint and data "
-                           "libraries need; rename it (or link it) to a UTF-8 name.")
+                self.error(f"{flag + ' ' if flag else ''}'{shown}' is not valid UTF-8; pass UTF-8 text (a file or "
+                           "directory: rename it, or link it, to a UTF-8 name).")
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)

@@ -68,9 +68,6 @@ def prepare(args):
             return ev.lambada_accuracy(scorer, scorer.batch_size, tokenizer, texts, seq_length=seq,
                                        examples=examples)
         return load, lambada
-    for p in args.prompt:  # bytes the shell passed that are not UTF-8 arrive as lone surrogates
-        if not p.isascii() and any("\ud800" <= c <= "\udfff" for c in p):
-            raise ValueError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8.")
     prompts = [tokenizer.encode(p) for p in args.prompt]
     if not all(prompts):
         raise ValueError("--prompt is empty; pass some text to continue.")

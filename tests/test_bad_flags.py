@@ -26,8 +26,8 @@ BIG = str(10**20)
     (["--lr-decay-style", "none"], "--lr-decay-style has no \"none\" setting"),  # "must be a string, got None"
     (["--ckpt-step", "2"], "--ckpt-step reads the checkpoint of --load; pass --load DIR"),  # trained from scratch
     # bytes that are no UTF-8 (os.fsdecode's surrogates): trained, then tensorstore's traceback at the save, once
-    (["--save", "run/s\udcffv"], "--save: 'run/s\\xffv' is not valid UTF-8, which the checkpoint and data libraries"),
-    (["--save=s\udcff"], "--save: 's\\xff' is not valid UTF-8"),
+    (["--save", "run/s\udcffv"], "--save 'run/s\\xffv' is not valid UTF-8; pass UTF-8 text (a file or directory: "),
+    (["--save=s\udcff"], "--save 's\\xff' is not valid UTF-8"),
     (["--data-path", "a", "b\udcff"], "train.py: 'b\\xff' is not valid UTF-8"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, message):

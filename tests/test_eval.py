@@ -275,7 +275,7 @@ def test_a_batch_larger_than_the_examples_is_cut_to_them(checkpoint):
     (["generate", "--load", "CKPT", "--prompt", ""], "--prompt is empty"),
     (["generate", "--load", "CKPT", "--prompt", "hi", "--temperature", "0", "--top-k", "5"],
      "--temperature 0 samples nothing (greedy)"),  # accepted once, the filter doing nothing
-    (["generate", "--load", "CKPT", "--prompt", "\udcff\udcfe"], "--prompt is not valid UTF-8"),  # bytes ff fe
+    (["generate", "--load", "CKPT", "--prompt", "\udcff\udcfe"], "--prompt '\\xff\\xfe' is not valid UTF-8; pass"),
     (["wikitext", "--load", "NOCKPT", "--data-path", "WIKI"], "holds no checkpoint"),
     (["wikitext", "--load", "CKPT", "--data-path", "WIKI", "--vocab-file", "GPT2"], "--merge-file"),
     (["wikitext", "--load", "CKPT", "--data-path", "EMPTY"], "holds only whitespace"),  # was: perplexity 1.0, exit 0

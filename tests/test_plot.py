@@ -140,7 +140,8 @@ def test_never_writes_over_foreign_files(tmp_path, capsys):
 
 def test_notebook_figures_are_marked_and_never_replace_foreign_files(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plot, "NOTEBOOK_FIGURES", tmp_path / "figures")
-    monkeypatch.setitem(sys.modules, "IPython", None)  # outside IPython the path is printed
+    for module in ("IPython", "IPython.display"):  # outside IPython the path is printed
+        monkeypatch.setitem(sys.modules, module, None)
     plt = plot.pyplot()
     path = plot.show(plt.subplots()[0], "01_demo")
     assert path == tmp_path / "figures/01_demo.png" and plot.made_by_mtx_plot(path)
