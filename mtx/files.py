@@ -20,6 +20,7 @@ from pathlib import Path
 MARK = ("Software", "mtx.plot")  # the PNG tEXt entry that tells mtx.plot's figures from others
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed run logs into it (mtx/metrics.py)
+RUN_LOCK = "mtx.lock"  # held by the run writing a run directory (mtx/run_lock.py)
 
 
 def check_run_dir(path: str | Path, flag: str) -> None:
@@ -48,7 +49,7 @@ def _check_run_dir(path: Path, flag: str) -> None:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise ValueError(f"{flag} {path} holds files mtx did not write ({shown}); mtx never writes over them: "
                              "choose a new or empty directory.")
-    check_writable(path, flag)
+    check_writable(path, flag, a_run_dir=True)
 
 
 def check_new_files(paths, flag: str, *, overwrite: bool = False, overwrite_flag: str = "--overwrite") -> None:
@@ -83,21 +84,28 @@ def check_json_lines(path: str | Path, flag: str) -> None:
     check_writable(path.parent, flag)
 
 
+TRACE_FLAGS = ("--tensorboard-dir", "--profile")  # outputs a run directory may hold inside: event files, traces
 PROBE = ".mtx-probe-"  # the directory check_writable makes and removes to see that something can be created
 
 
-def check_writable(path: str | Path, flag: str) -> None:
-    """Refuses a path inside a checkpoint step, that runs through a regular file, or whose nearest existing ancestor
+def check_writable(path: str | Path, flag: str, *, a_run_dir: bool = False) -> None:
+    """Refuses a path inside a checkpoint step, in a run directory (unless `a_run_dir`: the path may be one itself,
+    or `flag` writes traces: `TRACE_FLAGS`), that runs through a regular file, or whose nearest existing ancestor
     cannot be written: not writable to this user, or nothing can be created there (a probe directory, `PROBE`, made
     and removed)."""
-    _in_one_line(_check_writable, Path(path).absolute(), flag)
+    _in_one_line(lambda path, flag: _check_writable(path, flag, a_run_dir), Path(path).absolute(), flag)
 
 
-def _check_writable(path: Path, flag: str) -> None:
+def _check_writable(path: Path, flag: str, a_run_dir: bool) -> None:
     if step := next((p for p in (path, *path.parents) if _is_step(p)), None):
         # files added to a step break it for nobody, but keep it from being pruned, and mix with the checkpoint
         raise ValueError(f"{flag} {path} is inside checkpoint step {step.name} of {step.parent}; choose a directory "
                          "outside the checkpoint.")
+    around = path.parents if a_run_dir else (path, *path.parents)
+    if flag not in TRACE_FLAGS and (run := next((p for p in around if _is_run_dir(p)), None)):
+        # a run directory holds only what a run writes there: anything else keeps that run from resuming
+        raise ValueError(f"{flag} {path} would put files in the run directory {run}, which a resumed run would "
+                         "then refuse (files mtx did not write there); choose a path outside it.")
     ancestor = path
     while not ancestor.exists():
         if ancestor.is_symlink():  # a link to nothing: creating the directory would fail on it
@@ -141,7 +149,7 @@ def _written_by_mtx(entry: Path) -> bool:
         return True
     if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (a tmp: a resume cut short while it rewrote the file)
         return is_mtx_metrics(entry)
-    if entry.name in (WANDB_ID, WANDB_ID + ".tmp"):
+    if entry.name in (WANDB_ID, WANDB_ID + ".tmp", RUN_LOCK):
         return entry.is_file()
     if entry.is_dir() and entry.name.isdigit() and not any(entry.iterdir()):
         return True  # a step emptied since it was written (a resume sets it aside; nothing in it to lose)
@@ -163,7 +171,7 @@ def _written_by_mtx(entry: Path) -> bool:
 
 
 # What mtx's TensorBoard writer and --profile's trace put in a --tensorboard-dir
-_TRACKER_FILE = re.compile(r"events\.out\.tfevents\..+|.+\.xplane\.pb|.+\.trace\.json\.gz")
+_TRACKER_FILE = re.compile(r"events\.out\.tfevents\..+|.+\.xplane\.pb|.+\.trace\.json\.gz|perfetto_trace\.json\.gz")
 
 
 def is_mtx_metrics(path: Path) -> bool:
@@ -175,6 +183,12 @@ def is_mtx_metrics(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and "step" in record
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A directory a run of mtx wrote into: its config.json or metrics.jsonl is mtx's."""
+    return is_mtx_config(path / "config.json") or (path / "metrics.jsonl").is_file() and is_mtx_metrics(
+        path / "metrics.jsonl")
 
 
 def same_path(a, b) -> bool:
@@ -219,9 +233,9 @@ def json_line(record) -> str:
 
 
 def forget_new_run_dir(path: Path) -> None:
-    """Takes back a run directory this run created and never trained in: its config.json and (empty) metrics go,
-    then the directory if nothing else is in it (a W&B folder, say, stays)."""
-    for name in ("config.json", "metrics.jsonl"):
+    """Takes back a run directory this run created and never trained in: its config.json, (empty) metrics and lock
+    go, then the directory if nothing else is in it (a W&B folder, say, stays)."""
+    for name in ("config.json", "metrics.jsonl", RUN_LOCK):
         (path / name).unlink(missing_ok=True)
     if not any(path.iterdir()):
         path.rmdir()

@@ -61,7 +61,7 @@ def plot(run_dirs: Sequence[str], out: str = "plots", x: Sequence[str] = ("steps
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory; pass a directory for the figures.")
-    check_writable(out_dir, "--out")  # not through a file, a link to nothing or a read-only place
+    check_writable(out_dir, "--out", a_run_dir=True)  # not through a file, a link to nothing, a read-only place
     runs = {_label(Path(d), run_dirs): _read_run(Path(d), need_tokens="tokens" in x) for d in run_dirs}
     figures = {f"{stem}_{axis}.png": (stem, axis) for axis in dict.fromkeys(x) for stem in FIGURES
                if any(r["records"].get(field) for r in runs.values() for field, _ in FIGURES[stem][1])}

@@ -29,6 +29,7 @@ from mtx.loop_controls import Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, TrackerError, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
+from mtx.run_lock import RunLock, check_free
 from mtx.schema_checks import flag_name
 from mtx.sharded_model import ShardedModel
 from mtx.step import TrainStep
@@ -95,10 +96,12 @@ def prepare(cfg: Config) -> Plan:
             cfg = cfg.replace(**(dict(profile_step_start=load_step) if traced else dict(profile=False)))
     resuming = bool(t.load) and not t.finetune  # a fine-tuned run is a new run: new metrics, from step 0
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    check_run_dir(run_dir, "--save" if t.save else "--run-dir")  # never over a file mtx did not write
+    run_flag = "--save" if t.save else "--run-dir"
+    check_run_dir(run_dir, run_flag)  # never over a file mtx did not write
+    check_free(run_dir, run_flag)  # nor beside a run still writing there
     for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         if path:
-            check_writable(path, flag)
+            check_writable(path, flag, a_run_dir=True)  # (W&B's files go into a folder wandb/ there)
     if jax.default_backend() != "cpu":  # before the first compilation; CPU runs compile quickly and leave it off
         use_compilation_cache(t.compilation_cache_dir)
     if t.save and is_checkpoint_dir(t.save) and not (resuming and same_path(t.load, t.save)):
@@ -125,8 +128,15 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     main = is_main_process()
     barrier("mtx: every process checked its input")  # so no process sees files another one just wrote
     created = main and not run_dir.exists()  # this run's own: taken back if its checkpoint does not load
+    lock = RunLock(run_dir, "--save" if t.save else "--run-dir") if main else None
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        try:  # another run that passed its checks beside this one's: the lock goes to the first
+            lock.acquire()
+        except ValueError:
+            if created:
+                forget_new_run_dir(run_dir)
+            raise
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         for step_dir in plan.set_aside:  # kept, not deleted: the new steps of this run take their numbers
             set_aside(step_dir)
@@ -140,6 +150,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step, wandb=wandb,
                                resumed_at=(plan.load_step or 0) if t.load and not t.finetune else None)
     except TrackerError:  # W&B would not start: one line from train.py, no new run directory left behind
+        if lock:
+            lock.release()
         if created:
             forget_new_run_dir(run_dir)
         raise
@@ -243,6 +255,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         if workers:
             workers.close()
         logger.close()
+        if lock:
+            lock.release()
     result.state = state
     if result.stopped:
         if main:

@@ -218,3 +218,25 @@ def test_no_output_goes_inside_a_checkpoint_step(saved, tmp_path):
     _refused("--tensorboard-dir .* is inside checkpoint step 2", prepare,
              TINY.replace(train_iters=3, load=str(saved), save=str(tmp_path / "c"), tensorboard_dir=str(step)))
     assert sorted(str(p) for p in step.rglob("*")) == before
+
+
+def test_only_a_runs_own_outputs_go_inside_a_run_directory(saved, tmp_path):
+    """Any other output there (a run's --save, converted weights, a data set, a cache) would make the run's own
+    resume refuse the directory: refused where it is given; traces and event files are the run's own."""
+    from mtx.files import check_new_files
+
+    for flag, path in (("--save", saved / "inner"), ("--hf-dir", saved / "hf"), ("--hf-dir", saved),
+                       ("--compilation-cache-dir", saved / "cache")):
+        _refused(f"{flag} {path} would put files in the run directory {saved}, which a resumed run would then "
+                 "refuse", check_run_dir if flag == "--save" else check_writable, path, flag)
+    _refused("--output-prefix .* would put files in the run directory", check_new_files, [saved / "data.bin"],
+             "--output-prefix")
+    _refused(f"--save {saved / 'inner'} would put files", prepare, TINY.replace(save=str(saved / "inner")))
+    trace = saved / "plugins" / "profile" / "2026_12_05"
+    trace.mkdir(parents=True)
+    (trace / "perfetto_trace.json.gz").write_bytes(b"\x00")  # bench.py --profile RUN_DIR
+    (trace / "host.xplane.pb").write_bytes(b"\x00")
+    for flag in ("--profile", "--tensorboard-dir"):
+        check_writable(saved / "tb", flag)
+    check_run_dir(saved, "--save")
+    shutil.rmtree(saved / "plugins")
