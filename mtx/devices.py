@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 from pathlib import Path
 
 _FLAG = "xla_force_host_platform_device_count"
+MAX_CPU_DEVICES = 4096  # simulated devices: more is a typo (each is a thread pool XLA creates)
 
 
 def cpu_devices_flag(n: int) -> str:
@@ -49,13 +51,15 @@ def devices() -> list:
     lost in a multi-process run's first device query, say) are raised as they are."""
     import jax
 
+    if (count := _count_flag()) is not None and not _backends_started():  # XLA would abort the process on it
+        value = count.split("=", 1)[1] if "=" in count else ""
+        if not re.fullmatch(r"[0-9]+", value) or not 1 <= int(value) <= MAX_CPU_DEVICES:
+            raise ValueError(f"XLA_FLAGS {count} asks for {'no' if value.strip('0') == '' else 'no usable count of'} "
+                             f"CPU devices; pass a count from 1 to {MAX_CPU_DEVICES} (mtx sets 8 when XLA_FLAGS names "
+                             "none).")
     try:
         return jax.devices()
     except (RuntimeError, AssertionError) as e:
-        count = _count_flag()
-        if count is not None and count.rsplit("=", 1)[-1].strip() in ("0", ""):
-            raise ValueError(f"XLA_FLAGS {count} asks for no CPU devices; pass a count of 1 or more (mtx sets 8 "
-                             "when XLA_FLAGS names none).") from None
         text = str(e).strip()
         platforms = os.environ.get("JAX_PLATFORMS", "").strip()
         if not platforms or not (isinstance(e, AssertionError) or "Unable to initialize backend" in text):
@@ -66,8 +70,8 @@ def devices() -> list:
 
 
 def _count_flag() -> str | None:
-    """The simulated CPU device count flag in $XLA_FLAGS, if it names one."""
-    return next((flag for flag in os.environ.get("XLA_FLAGS", "").split() if _FLAG in flag), None)
+    """The simulated CPU device count flag in $XLA_FLAGS, if it names one (the last, which XLA takes)."""
+    return next((flag for flag in reversed(os.environ.get("XLA_FLAGS", "").split()) if _FLAG in flag), None)
 
 
 def count_source() -> str:

@@ -77,7 +77,12 @@ def test_gpus_left_unused_are_reported(monkeypatch):
 
 @pytest.mark.parametrize("env, said", [
     ({"JAX_PLATFORMS": "nosuchplatform"}, "JAX cannot start the backend of JAX_PLATFORMS=nosuchplatform ("),
-    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=0"}, "asks for no CPU devices; pass a count of 1 or more"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=0"}, "asks for no CPU devices; pass a count from 1 to"),
+    # XLA's own abort (its whole flag list), a traceback, and a count that named the first of two flags, once
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=abc"}, "=abc asks for no usable count of CPU devices"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=-2"}, "=-2 asks for no usable count"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=3"},
+     "3 devices (XLA_FLAGS --xla_force_host_platform_device_count=3) are not divisible"),
 ])
 def test_a_backend_jax_cannot_start_is_one_line(env, said):
     """JAX_PLATFORMS naming a platform this install lacks, or no CPU devices: train.py says so in one line, exit
