@@ -1,7 +1,7 @@
 """Time training steps of a preset on a mesh: warm-up, then timed steps on synthetic tokens.
 
     python benchmarks/bench.py --config configs/gpt_1.2b.toml --micro-batch-size 8 --global-batch-size 8 \
-        [--steps 10 --warmup 3 --json out.jsonl --profile TRACE_DIR] [any train.py flag]
+        [--steps 10 --warmup 3 --json out.jsonl --profile TRACE_DIR] [train.py flags of the step: --help lists them]
 
 Prints one JSON line: median step time (each step waited for; `step_s_dispatched`: the mean with the steps dispatched
 back to back, as train.py runs them), tokens/s, model TFLOP/s per device and MFU (6N + 12 L D S FLOPs per token,
@@ -21,18 +21,60 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 
-# train.py flags a benchmark of synthetic batches from random weights cannot honour: refused, not ignored
-UNUSED = ("load", "save", "run_dir", "data_path", "tensorboard_dir", "wandb_project", "finetune", "ckpt_step")
+# The Config fields a benchmark's training step reads (bench.py, compile_probe.py, plain_gpt.py): the model, its mesh
+# and the optimizer, and these of the training and data sections (the batch shape, precision and loss scaling,
+# recomputation, kernels, the seed of init and dropout; BERT's masking of the synthetic batch). Every other train.py
+# flag (the run's length, data, checkpoints, logging, multi-host start) is refused when given, never ignored; a field
+# added to the schema too, until it is listed here.
+STEP_TRAINING_FIELDS = ("micro_batch_size", "global_batch_size", "seed", "bf16", "fp16", "initial_loss_scale",
+                        "loss_scale_window", "min_loss_scale", "recompute_granularity", "recompute_activations",
+                        "scan_layers", "scheduler_memory_percent", "use_flash_attn", "mlm_head_positions",
+                        "mask_prob", "short_seq_prob")
+# ParallelConfig's multi-host flags (mtx/distributed.py's initialize_from): a benchmark runs in one process.
+MULTI_HOST = ("coordinator_address", "num_processes", "process_id", "distributed_timeout",
+              "distributed_timeout_minutes")
 
 
-def refuse_unused_flags(cfg) -> None:
-    from mtx.config import FIELD_SECTION
-    from mtx.schema_checks import flag_name
+def step_fields() -> tuple[str, ...]:
+    """The Config fields the training step reads (see STEP_TRAINING_FIELDS)."""
+    import dataclasses
 
-    given = [name for name in UNUSED if getattr(getattr(cfg, FIELD_SECTION[name]), name) not in (None, (), False)]
-    if given:
-        raise ValueError(f"{flag_name(given[0])} is a train.py flag the benchmark does not use (it times "
-                         "random weights on synthetic batches); drop it.")
+    from mtx.config import SECTIONS
+
+    whole = [f.name for section in ("model", "parallel", "optimizer") for f in dataclasses.fields(SECTIONS[section])]
+    return tuple(name for name in whole if name not in MULTI_HOST) + STEP_TRAINING_FIELDS
+
+
+def parse_flags(own, argv=None, *, uses, description=None):
+    """A benchmark's command line -> (its namespace, the Config of its train.py flags). `own`: a parser of the tool's
+    own flags and arguments (a OneLineParser, add_help=False); the other flags are train.py's, of which the tool takes
+    those of the fields `uses` and --config, so that --help lists what the tool takes. A train.py flag outside `uses`
+    given on the command line is refused as one the benchmark does not use, any other unknown flag with the closest
+    one the tool takes: ValueError, one line."""
+    import argparse
+
+    from mtx.cli import OneLineParser, build_parser, flags_in, parse_config, with_negative_values
+
+    class TrainFlag(argparse.Action):  # kept as given, for parse_config (which types and checks them)
+        def __call__(self, parser, namespace, values, option_string=None):
+            values = values if isinstance(values, list) else [values]
+            setattr(namespace, self.dest, [*getattr(namespace, self.dest), option_string, *values])
+
+    argv = with_negative_values(argv)
+    ap = OneLineParser(prog=own.prog, description=description, parents=[own])
+    group = ap.add_argument_group("train.py flags", "those that set the step (any other is refused)")
+    train, taken = build_parser(), {"config", *uses}
+    for action in train._actions:
+        if action.dest in taken:
+            group.add_argument(*action.option_strings, nargs=action.nargs, metavar=action.metavar, help=action.help,
+                               dest="train_flags", default=[], action=TrainFlag)
+    _, extras = ap.parse_known_args(argv)  # --help: the tool's flags, printed
+    train_flags = {s for action in train._actions for s in action.option_strings}
+    if unused := [flag for flag in flags_in(extras) if flag in train_flags]:
+        raise ValueError(f"{unused[0]} is a train.py flag the benchmark does not use (it builds the training step "
+                         "of random weights on synthetic batches); drop it.")
+    args = ap.parse_args(argv)  # an unknown flag: "did you mean" the closest one the tool takes
+    return args, parse_config(args.train_flags)
 
 
 def build_step(cfg):
@@ -139,7 +181,7 @@ def synthetic_batch(cfg):
 def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None):
     """`warmup` calls, then `steps` timed calls of run_step() (each blocks until its step is done) -> (seconds of
     each, profile summary or None). With `profile`, 2 more steps are traced into that directory and summarized
-    (after the timed steps, so tracing never slows what is reported)."""
+    (after the timed steps, so tracing never slows what is reported; their busy time against their own wall time)."""
     for _ in range(warmup):
         run_step()
     times = []
@@ -152,29 +194,26 @@ def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None)
         from benchmarks.profile_summary import capture, format_summary
 
         summary = capture(run_step, profile)
-        print(format_summary(summary, statistics.median(times) * 1000), file=sys.stderr, flush=True)
+        print(format_summary(summary, summary["step_ms"]), file=sys.stderr, flush=True)
     return times, summary
 
 
-def run_cli(measure_fn, argv=None, check=None) -> int:
-    """--steps/--warmup/--json/--profile, the rest train.py flags -> one JSON line on stdout (and appended to
-    --json); a bad flag, or a config that `check` refuses (ValueError), is one line on stderr and exit status 2."""
-    from mtx.cli import (COUNT, WARMUP, OneLineParser, build_parser, flags_in, parse_config, ranged,
-                         unknown_flags_message, with_negative_values)
+def run_cli(measure_fn, argv=None, check=None, *, uses=None, prog="bench.py", description=None) -> int:
+    """--steps/--warmup/--json/--profile, the rest train.py flags (those of the fields `uses`, default
+    step_fields()) -> one JSON line on stdout (and appended to --json); a bad flag, or a config that `check` refuses
+    (ValueError), is one line on stderr and exit status 2."""
+    from mtx.cli import COUNT, WARMUP, OneLineParser, ranged
     from mtx.files import check_json_lines, check_writable, json_line, refuse_empty
 
-    ap = OneLineParser(prog="bench.py", add_help=False)  # --step is no --steps (whole flags, as train.py's)
-    ap.add_argument("--steps", type=ranged(int, COUNT), default=10)
-    ap.add_argument("--warmup", type=ranged(int, WARMUP), default=3)
-    ap.add_argument("--json", default=None, help="append the result line to this file")
-    ap.add_argument("--profile", default=None, help="trace 2 more steps into this directory and summarize them "
-                    "(train.py's --profile switch is not taken here)")
+    ap = OneLineParser(prog=prog, add_help=False)
+    ap.add_argument("--steps", type=ranged(int, COUNT), default=10, help="timed steps (default: %(default)s)")
+    ap.add_argument("--warmup", type=ranged(int, WARMUP), default=3,
+                    help="steps run before the timed ones, the first compiling (default: %(default)s)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="append the result line to this file")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="trace 2 more steps into this directory and "
+                    "summarize them (train.py's --profile switch is not taken here)")
     try:
-        own, rest = ap.parse_known_args(with_negative_values(argv))
-        # a flag neither bench.py nor train.py takes is named with the closest of both (--step: --steps)
-        known = {s for parser in (ap, build_parser()) for action in parser._actions for s in action.option_strings}
-        if unknown := [flag for flag in flags_in(rest) if flag not in known]:
-            raise ValueError(unknown_flags_message(unknown, known, "bench.py takes train.py's flags"))
+        own, cfg = parse_flags(ap, argv, uses=step_fields() if uses is None else uses, description=description)
         for flag, value, fix in (("--json", own.json, "a file to append the results to"),
                                  ("--profile", own.profile, "a directory for the trace")):
             refuse_empty(value, flag, f"{fix}, or drop {flag}")  # once ignored: no results file, no trace
@@ -182,8 +221,6 @@ def run_cli(measure_fn, argv=None, check=None) -> int:
             check_json_lines(own.json, "--json")
         if own.profile:
             check_writable(own.profile, "--profile")
-        cfg = parse_config(rest)
-        refuse_unused_flags(cfg)
         if check is not None:
             check(cfg)
     except ValueError as e:
@@ -207,7 +244,9 @@ def check_mesh(cfg) -> None:
 
 def main(argv=None) -> int:
     simulate_cpu_devices()
-    return run_cli(measure, argv, check=check_mesh)
+    # (measure reads the compilation cache on GPUs, as train.py does)
+    return run_cli(measure, argv, check=check_mesh, uses=(*step_fields(), "compilation_cache_dir"),
+                   description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

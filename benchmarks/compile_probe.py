@@ -1,7 +1,7 @@
 """Where the training step's start goes: tracing + lowering, then XLA's compile, with the compile's host events
 (a JAX profiler trace of it) summed by name: XLA's passes (fusion, SPMD partitioning, scheduling), code generation.
 
-    python benchmarks/compile_probe.py OUT_DIR [--top 30] <train.py flags, e.g. --config configs/gpt_1.2b.toml>
+    python benchmarks/compile_probe.py OUT_DIR [--top 30] [train.py flags of the step: --help lists them]
 
 OUT_DIR receives the trace. Host events overlap across XLA's threads, so their sums can exceed the wall time; the
 named stages say which part of the compile is serial (HLO optimization) and which runs in parallel (LLVM IR emission
@@ -10,7 +10,6 @@ and PTX -> CUBIN, many kernels at once). Nothing is executed: the state and batc
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -51,19 +50,17 @@ def probe(cfg, out: Path, top: int = 30) -> dict:
 
 
 def main(argv=None) -> int:
-    from mtx.cli import parse_config
+    from benchmarks.bench import parse_flags, step_fields
+    from mtx.cli import OneLineParser, ranged
     from mtx.files import check_writable
 
     simulate_cpu_devices()
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("out")
-    ap.add_argument("--top", type=int, default=30)
-    own, rest = ap.parse_known_args(argv)
+    ap = OneLineParser(prog="compile_probe.py", add_help=False)
+    ap.add_argument("out", metavar="OUT_DIR", help="directory the compile's trace is written into")
+    ap.add_argument("--top", type=ranged(int, ">= 1"), default=30, help="events listed (default: %(default)s)")
     try:
-        if own.top < 1:
-            raise ValueError(f"--top {own.top}: list at least 1 event.")
+        own, cfg = parse_flags(ap, argv, uses=step_fields(), description=__doc__.split("\n\n")[0])
         check_writable(own.out, "OUT_DIR")
-        cfg = parse_config(rest)
         import jax
 
         cfg.validate(len(jax.devices()))  # the mesh against the devices there are, before any work

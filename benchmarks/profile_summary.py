@@ -3,13 +3,15 @@
     python benchmarks/profile_summary.py TRACE_DIR [--steps 2] [--top 25]
 
 TRACE_DIR is a directory written by `jax.profiler.trace(..., create_perfetto_trace=True)` (bench.py --profile DIR
-writes one). Device events are the ones on a process named like "/device:GPU:0"; each kernel is put in a class by its
-name: matmul (cuBLAS/cuBLASLt/CUTLASS GEMMs), attention (cuDNN flash attention), collective (NCCL), copy (memcpy and
-memset), or fusion (XLA's own element-wise and reduction kernels: LayerNorm, GeLU, softmax, loss, optimizer). Times
-are per step (the trace's total divided by --steps). "busy" is the union of kernel intervals on all streams, so
-busy / step time shows how much of a step the device is idle (host overhead, waiting on transfers); "collective
-exposed" is the time a collective runs with no other kernel beside it (communication the step waits for). With several
-GPUs in the trace one is counted (--device, default the first).
+writes one). Device events are the ones on a process named like "/device:GPU:0"; a CPU trace has none, and there the
+XLA thunks each simulated device ran stand in (their args name its device_ordinal; the devices share the host's cores,
+so a collective's time includes the wait for the others). Each kernel is put in a class by its name: matmul
+(cuBLAS/cuBLASLt/CUTLASS GEMMs), attention (cuDNN flash attention), collective (NCCL; on CPU the all-reduce, psum and
+permute thunks), copy (memcpy and memset), or fusion (XLA's own element-wise and reduction kernels: LayerNorm, GeLU,
+softmax, loss, optimizer). Times are per step (the trace's total divided by --steps). "busy" is the union of kernel
+intervals on all streams, so busy / step time shows how much of a step the device is idle (host overhead, waiting on
+transfers); "collective exposed" is the time a collective runs with no other kernel beside it (communication the step
+waits for). With several devices in the trace one is counted (--device, default the first).
 
     python benchmarks/profile_summary.py TRACE_DIR --calls mosaic --cycle 4 --segments 2 [--steps 2]
 
@@ -28,7 +30,6 @@ the busiest device computed than each of the others: the time a lockstep loses t
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import functools
 import gzip
@@ -40,10 +41,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from mtx.cli import COUNT, ranged  # noqa: E402
+from mtx.cli import COUNT, OneLineParser, flags_in, ranged  # noqa: E402
 
 CLASSES = (  # first match wins
-    ("collective", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|collective|permute|send|recv", re.I)),
+    ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
+                              r"\bp(sum|max|min)|collective|permute|send|recv", re.I)),
     ("attention", re.compile(r"cudnn|flash|fmha|fprop|dgrad|sdpa|attention", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(tn|nt|nn|tt)|matmul|dot", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
@@ -72,21 +74,43 @@ def _load(trace_path: Path) -> list[dict]:
             data = json.load(fh)
     except (OSError, EOFError, ValueError) as e:  # not gzip, cut short, not JSON
         raise ValueError(f"{trace_path} is not a readable trace ({e}); profile the step again.") from None
-    return data["traceEvents"] if isinstance(data, dict) else data
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not (isinstance(events, list) and all(isinstance(e, dict) for e in events)):
+        raise ValueError(f"{trace_path} is JSON but not a profiler trace (a list of event objects, or an object "
+                         "with one under traceEvents); pass the directory bench.py --profile wrote.")
+    return events
 
 
-def device_events(trace_path: Path, device_index: int = 0) -> list[dict]:
-    """Complete ('X') events on device `device_index`'s processes (GPU or TPU); on CPU, the XLA thunk threads stand
-    in."""
+def _is_timed(e: dict) -> bool:
+    """A complete ('X') event with a name, start, duration > 0, a process id and (if any) an object of args."""
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+    return (e.get("ph") == "X" and isinstance(e.get("name"), str) and number(e.get("ts")) and number(e.get("dur"))
+            and e["dur"] > 0 and isinstance(e.get("args", {}), dict) and isinstance(e.get("pid"), (int, str)))
+
+
+def device_events(trace_path: Path, device_index: int = 0, flag: str = "--device") -> list[dict]:
+    """Complete ('X') events of device `device_index`: those on its processes (named "/device:GPU:0", TPU alike); in
+    a CPU trace, which has no device processes, the XLA thunks run for it (the events whose args name its
+    device_ordinal and an hlo_op; the simulated devices share the host's threads). A device the trace does not hold
+    is refused naming `flag`, the option that chose it."""
     events = _load(trace_path)
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
-    first = {pid for pid in device if re.search(rf"/device:(GPU|TPU):{device_index}\b", names[pid])}
-    if device and not first:  # (all devices' events summed, once)
-        held = sorted({int(m.group(1)) for pid in device if (m := re.search(r"/device:(?:GPU|TPU):(\d+)", names[pid]))})
-        raise ValueError(f"--device {device_index}: the trace holds devices {held}; pass one of them.")
-    device = first or device
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device and e.get("dur", 0) > 0]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and isinstance(e.get("pid"), (int, str)) and isinstance(e.get("args"), dict)
+             and isinstance(e["args"].get("name"), str)}
+    on_device = {pid: int(m.group(1)) for pid, n in names.items() if (m := re.search(r"/device:(?:GPU|TPU):(\d+)", n))}
+    if on_device:
+        device_of = lambda e: on_device.get(e.get("pid"))
+    else:
+        device_of = lambda e: (int(args["device_ordinal"]) if "hlo_op" in (args := e.get("args", {}))
+                               and str(args.get("device_ordinal", "")).isdigit() else None)
+    timed = [(e, device_of(e)) for e in events if _is_timed(e)]
+    held = sorted({d for _, d in timed if d is not None})
+    if not held:
+        raise ValueError(f"{trace_path} holds no device events (no /device: process, no XLA thunk of a device); "
+                         "profile steps that run on a device (bench.py --profile DIR).")
+    if device_index not in held:
+        raise ValueError(f"{flag} {device_index}: the trace holds devices {held}; pass one of them.")
+    return [e for e, d in timed if d == device_index]
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -106,7 +130,7 @@ def summarize(trace_dir: str | Path, *, steps: int = 1, top: int = 25, device: i
         by_class[kernel_class(e["name"])] += e["dur"]
         by_kernel[e["name"]][0] += e["dur"]
         by_kernel[e["name"]][1] += 1
-        op.setdefault(e["name"], (e.get("args") or {}).get("hlo_op", ""))
+        op.setdefault(e["name"], str(e.get("args", {}).get("hlo_op", "")))
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events])
     busy_without_collectives = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in events
                                           if kernel_class(e["name"]) != "collective"])
@@ -138,7 +162,7 @@ def ticks(trace_dir: str | Path, device: int = 0) -> list[dict]:
     its shifts (shift kernels with no other kernel starting between them are one shift). The cuts are the shifts of
     the op that runs most often (ties: the first name): the tick loop's own, which every device runs once a tick;
     the head's sends (1F1B) run only at the head's ticks, so cut at they would put the devices' pieces out of line."""
-    events = sorted(device_events(find_trace(trace_dir), device), key=lambda e: e["ts"])
+    events = sorted(device_events(find_trace(trace_dir), device, "--devices"), key=lambda e: e["ts"])
     shifts, open_ = [], None  # [start, end, ops]
     for e in events:
         if _is_shift(e):
@@ -226,13 +250,18 @@ def calls(trace_dir: str | Path, pattern: str, *, cycle: int, segments: int = 1,
 
 
 def capture(run_step, trace_dir: str | Path, *, steps: int = 2, top: int = 40) -> dict:
-    """Profiles `steps` calls of run_step() (each must block until its step is done) and summarizes them."""
+    """Profiles `steps` calls of run_step() (each must block until its step is done) and summarizes them, with the
+    traced steps' own wall time ("step_ms": tracing slows them, so busy time is compared with it)."""
+    import time
+
     import jax
 
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        start = time.perf_counter()
         for _ in range(steps):
             run_step()
-    return summarize(trace_dir, steps=steps, top=top)
+        step_ms = (time.perf_counter() - start) * 1000 / steps
+    return {**summarize(trace_dir, steps=steps, top=top), "step_ms": step_ms}
 
 
 def format_summary(s: dict, step_ms: float | None = None) -> str:
@@ -243,13 +272,25 @@ def format_summary(s: dict, step_ms: float | None = None) -> str:
     if s["by_class_ms"].get("collective"):
         lines.append(f"  collective exposed (nothing else running) {s['collective_exposed_ms']:.1f} ms")
     lines.append("top kernels:")
-    lines += [f"  {k['ms']:8.2f} ms  x{k['calls']:<5} {k['class']:<10} {k['name'][:70]}  {k.get('hlo_op', '')}"
+    lines += [(f"  {k['ms']:8.2f} ms  x{k['calls']:<5} {k['class']:<10} {k['name'][:70]}  "
+               f"{k.get('hlo_op') if k.get('hlo_op') != k['name'] else ''}").rstrip()  # (on CPU: the event's name)
               for k in s["top_kernels"]]
     return "\n".join(lines)
 
 
+def _unused_flags(args) -> tuple:
+    """The flags that act in one report only: (flag, whether it acts with the flags given, where it acts). Given
+    elsewhere they would do nothing: refused."""
+    summary = not (args.calls or args.ticks)
+    return (("--ticks", not args.calls, "without --calls (two reports: pass one)"),
+            ("--devices", args.ticks, "with --ticks"),
+            ("--cycle", args.calls, "with --calls REGEX"), ("--segments", args.calls, "with --calls REGEX"),
+            ("--device", not args.ticks, "without --ticks (--ticks lines up --devices)"),
+            ("--top", summary or args.ticks, "in the summary and with --ticks, not with --calls"))
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="profile_summary.py", description=__doc__.splitlines()[0])
     ap.add_argument("trace_dir")
     ap.add_argument("--steps", type=ranged(int, COUNT), default=1,
                     help="steps the trace holds (times are divided by it)")
@@ -263,8 +304,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cycle", type=ranged(int, ">= 1"), default=1)
     ap.add_argument("--segments", type=ranged(int, ">= 1"), default=1,
                     help="equal runs of a step's calls (forward, backward: 2)")
-    args = ap.parse_args(argv)
-    try:  # a missing or unreadable trace: one line naming it
+    try:  # a bad flag, a missing or unreadable trace: one line naming it
+        args = ap.parse_args(argv)
+        given = set(flags_in(argv if argv is not None else sys.argv[1:]))
+        for flag, acts, where in _unused_flags(args):
+            if flag in given and not acts:
+                raise ValueError(f"{flag} only acts {where}; leave it out.")
+        if len(set(args.devices)) < len(args.devices):
+            raise ValueError(f"--devices {' '.join(map(str, args.devices))} names a device twice; name each once.")
         if not Path(args.trace_dir).is_dir():
             raise ValueError(f"{args.trace_dir} is not a directory; pass the directory a trace was written into "
                              "(bench.py --profile DIR).")
@@ -278,7 +325,11 @@ def main(argv=None) -> int:
                              f"{r['median_us']:.1f} us (least {r['min_us']:.1f}, most {r['max_us']:.1f}), "
                              f"{r['ms_per_step']:.2f} ms a step" for r in rows)
         elif args.ticks:
-            text = format_ticks(tick_summary(args.trace_dir, args.devices, steps=args.steps, top=args.top))
+            summary = tick_summary(args.trace_dir, args.devices, steps=args.steps, top=args.top)
+            if not summary["lined_up"]:  # (a table of zeros, once)
+                raise ValueError("--ticks: the trace holds no shifts (collective-permutes) to cut each device's "
+                                 "timeline at; profile a pipelined step (--pipeline-model-parallel-size 2 or more).")
+            text = format_ticks(summary)
         else:
             text = format_summary(summarize(args.trace_dir, steps=args.steps, top=args.top, device=args.device))
     except (ValueError, OSError, EOFError) as e:  # OSError: FileNotFoundError (no trace in it), a bad gzip file

@@ -16,7 +16,6 @@ for the same model and global batch (paper Table 8).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -26,7 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, when run as a script from anywhere
-from mtx.cli import COUNT, WARMUP, ranged  # noqa: E402  (no jax: the rows run in their own processes)
+# (no jax: the rows run in their own processes)
+from mtx.cli import COUNT, WARMUP, OneLineParser, flags_in, ranged  # noqa: E402
+from mtx.files import check_json_lines, json_line, refuse_empty  # noqa: E402  (json_line: a diverged row's NaN as null)
 # The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
 # recompute everything but the matmuls, layers unrolled.
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
@@ -35,7 +36,8 @@ SP = ["--sequence-parallel"]
 # sequence parallelism's gathers and scatters inside the linears' matmuls, through peer memory (Hopper, Mosaic GPU;
 # the model axis spanning every GPU of the row)
 OVERLAP = [*SP, "--tp-comm-overlap"]
-GPIPE, INTERLEAVED = ["--pipeline-schedule", "gpipe"], ["--virtual-pipeline-model-parallel-size", "2"]
+GPIPE = ["--pipeline-schedule", "gpipe", "--recompute-granularity", "full"]  # (it holds every microbatch's activations)
+INTERLEAVED = ["--virtual-pipeline-model-parallel-size", "2"]
 # XLA's collective matmuls for GSPMD-partitioned dots: each all-gather / reduce-scatter + matmul pair as a loop of
 # partial matmuls and peer transfers on separate streams, whatever the size
 WINDOWED_EINSUM = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
@@ -103,8 +105,7 @@ ROWS = {
         mtx("1.2B, TP 2 (strong), latency-hiding scheduler", 2, "gpt_1.2b", 1, 1, 2, 16, 16,
             xla_flags="--xla_gpu_enable_latency_hiding_scheduler=true"),
         mtx("1.2B, DP 2", 2, "gpt_1.2b", 2, 1, 1, 16, 32),
-        mtx("1.2B, PP 2, 8 microbatches, GPipe", 2, "gpt_1.2b", 1, 2, 1, 8, 64, *GPIPE, "--recompute-granularity",
-            "full"),
+        mtx("1.2B, PP 2, 8 microbatches, GPipe", 2, "gpt_1.2b", 1, 2, 1, 8, 64, *GPIPE),
         mtx("1.2B, PP 2, 8 microbatches, 1F1B", 2, "gpt_1.2b", 1, 2, 1, 8, 64),
         mtx("1.2B, PP 2, 8 microbatches, interleaved V 2", 2, "gpt_1.2b", 1, 2, 1, 8, 64, *INTERLEAVED),
     ],
@@ -136,8 +137,7 @@ ROWS = {
         mtx("1.2B, TP 4 (strong), sequence parallel", 4, "gpt_1.2b", 1, 1, 4, 16, 16, *SP),
         mtx("1.2B, TP 4 (strong), peer-memory matmuls", 4, "gpt_1.2b", 1, 1, 4, 16, 16, *OVERLAP),
         mtx("1.2B, TP 2 x DP 2", 4, "gpt_1.2b", 2, 1, 2, 16, 32),
-        mtx("2.5B, TP 2 x PP 2, 8 microbatches, GPipe", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *GPIPE,
-            "--recompute-granularity", "full"),
+        mtx("2.5B, TP 2 x PP 2, 8 microbatches, GPipe", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *GPIPE),
         mtx("2.5B, TP 2 x PP 2, 8 microbatches, 1F1B", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *SP),
         mtx("2.5B, TP 2 x PP 2, 8 microbatches, interleaved V 3", 4, "gpt_2.5b", 1, 2, 2, 8, 64, *SP,
             "--virtual-pipeline-model-parallel-size", "3"),
@@ -153,14 +153,11 @@ ROWS = {
         mtx("1.2B, TP 8 (strong)", 8, "gpt_1.2b", 1, 1, 8, 16, 16),
         mtx("1.2B, TP 8 (strong), peer-memory matmuls", 8, "gpt_1.2b", 1, 1, 8, 16, 16, *OVERLAP),
         mtx("1.2B, TP 4 x DP 2", 8, "gpt_1.2b", 2, 1, 4, 16, 32),
-        mtx("8.3B, TP 4 x PP 2, 8 microbatches, GPipe", 8, "gpt_8.3b", 1, 2, 4, 4, 32, *GPIPE,
-            "--recompute-granularity", "full"),
+        mtx("8.3B, TP 4 x PP 2, 8 microbatches, GPipe", 8, "gpt_8.3b", 1, 2, 4, 4, 32, *GPIPE),
         mtx("8.3B, TP 4 x PP 2, 8 microbatches, 1F1B", 8, "gpt_8.3b", 1, 2, 4, 4, 32, *SP),
-        mtx("4.2B, TP 2 x PP 4, 8 microbatches, GPipe", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *GPIPE,
-            "--recompute-granularity", "full"),
+        mtx("4.2B, TP 2 x PP 4, 8 microbatches, GPipe", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *GPIPE),
         mtx("4.2B, TP 2 x PP 4, 8 microbatches, 1F1B", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *SP),
-        mtx("4.2B, TP 2 x PP 4, 8 microbatches, interleaved V 2", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *SP,
-            *INTERLEAVED),
+        mtx("4.2B, TP 2 x PP 4, 8 microbatches, interleaved V 2", 8, "gpt_4.2b", 1, 4, 2, 8, 64, *SP, *INTERLEAVED),
     ],
 }
 
@@ -288,67 +285,84 @@ def plot(records, path) -> Path:
 
 
 def _read_records(names) -> list[dict]:
-    """The records of --baseline files (one JSON object a line), or a ValueError naming the file and line."""
+    """The --baseline files' records, or a ValueError naming the file and line (any JSON error first, then shape)."""
+    # what table() and scaling() read: a record's fields, its result's numbers (and global batch, but in PyTorch's rows)
+    fields = {"name": str, "gpus": int, "script": str, "model": str, "result": dict}
+    numbers = ("params", "step_s", "tokens_per_s", "tflops_per_device")
+    needs = lambda r: numbers if r["script"].startswith("benchmarks/torch_") else (*numbers, "global_batch")
+    is_record = lambda r: (isinstance(r, dict) and all(isinstance(r.get(k), kind) for k, kind in fields.items())
+                           and r["gpus"] >= 1 and (isinstance(r["result"].get("error"), str) or all(
+                               isinstance(r["result"].get(k), (int, float)) for k in needs(r))))
     records = []
     for name in names:
         try:
             lines = open(name).read().splitlines()
         except OSError as e:
             raise ValueError(f"--baseline {name}: {e.strerror}; pass a file written by --out.") from None
+        read = []
         for n, line in enumerate(lines, start=1):
             try:
-                records += [json.loads(line)] if line.strip() else []
+                read += [(n, json.loads(line))] if line.strip() else []
             except json.JSONDecodeError as e:
                 raise ValueError(f"--baseline {name} line {n} is not JSON ({e.msg}); pass a file written by "
                                  "--out.") from None
+        if bad := [n for n, record in read if not is_record(record)]:
+            raise ValueError(f"--baseline {name} line {bad[0]} is not a suite record ({', '.join(fields)}: an error "
+                             f"or {', '.join(numbers)}); pass a file written by --out.")
+        records += [record for _, record in read]
     return records
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="suite.py", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="+", default=["1gpu"], choices=sorted(ROWS))
-    ap.add_argument("--only", nargs="*", default=None, help="run only rows whose name contains one of these")
+    ap.add_argument("--only", nargs="*", default=(), help="run only rows whose name contains one of these")
     ap.add_argument("--skip", nargs="*", default=(), help="leave out rows whose name contains one of these")
     ap.add_argument("--steps", type=ranged(int, COUNT), default=5)
     ap.add_argument("--warmup", type=ranged(int, WARMUP), default=2)
     ap.add_argument("--timeout", type=ranged(int, "[1, 1000000]"), default=240, help="seconds per row")
-    ap.add_argument("--list", action="store_true", help="print the names of the --rows groups' rows and run none")
+    ap.add_argument("--list", action="store_true", help="print the names of the rows selected and run none")
     ap.add_argument("--out", default=None, help="append each row's record (JSON) to this file")
-    ap.add_argument("--baseline", nargs="+", default=(),
-                    help="files of records of earlier rows (e.g. the 1-GPU ones) to scale against")
-    ap.add_argument("--table-only", action="store_true",
-                    help="run no rows: tabulate (and --plot) the --baseline records")
+    ap.add_argument("--baseline", nargs="+", default=(), help="earlier rows' records (--out files) to scale against")
+    ap.add_argument("--table-only", action="store_true", help="run no rows: tabulate (and --plot) --baseline's records")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the table as a figure into this file")
     ap.add_argument("--env", nargs="*", default=(), metavar="KEY=VALUE",
                     help="extra environment for every row (e.g. NCCL_PROTO=Simple), added to each row's name")
-    args = ap.parse_args(argv)
-    extra_env = {}
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            ap.error(f"--env {item!r}: expected KEY=VALUE, e.g. --env NCCL_PROTO=Simple")
-        extra_env[key] = value
-    if args.list:
-        print("\n".join(f"{group}: {row['name']}" for group in args.rows for row in ROWS[group]))
-        return 0
-    selected = [row for group in ([] if args.table_only else args.rows) for row in ROWS[group]
-                if not (args.only and not any(s in row["name"] for s in args.only))
+    # The modes a flag acts in: --list prints row names, --table-only tabulates --baseline, without them rows run.
+    acts_in = {"--rows": "list run", "--only": "list run", "--skip": "list run", "--list": "list",
+               "--baseline": "table run", "--plot": "table run", "--table-only": "table"}  # any other flag: run
+    try:  # a bad flag, or one that would do nothing: one line, exit status 2 (SystemExit, as argparse leaves)
+        args = ap.parse_args(argv)
+        mode = "list" if args.list else "table" if args.table_only else "run"
+        given = flags_in(sys.argv[1:] if argv is None else argv)
+        if idle := [f for f in given if mode not in acts_in.get(f, "run").split()]:
+            raise ValueError(f"{idle[0]} does nothing with --{'list' if args.list else 'table-only'}; leave it out.")
+        if args.table_only and not args.baseline:  # (an empty table, once)
+            raise ValueError("--table-only tabulates --baseline records; pass --baseline FILE, or drop --table-only.")
+        if bad := [item for item in args.env if not item.partition("=")[0] or "=" not in item]:
+            raise ValueError(f"--env {bad[0]!r}: expected KEY=VALUE, e.g. --env NCCL_PROTO=Simple")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    rows = [] if args.table_only else [(group, row) for group in args.rows for row in ROWS[group]]
+    selected = [(group, row) for group, row in rows if not (args.only and not any(s in row["name"] for s in args.only))
                 and not any(s in row["name"] for s in args.skip)]
-    from mtx.files import refuse_empty
-
+    groups = " ".join(args.rows)
+    fix = f"python benchmarks/suite.py --rows {groups} --list prints the row names."
     try:  # bad input fails here, before any row runs (rows can take hours)
-        if not args.table_only and not selected:
-            rows = " ".join(args.rows)
-            named = " and ".join(f"{flag} {' '.join(map(shlex.quote, words))}"
-                                 for flag, words in (("--only", args.only), ("--skip", args.skip)) if words)
-            raise ValueError(f"no row of --rows {rows} matches {named}; python benchmarks/suite.py --rows {rows} "
-                             "--list prints the row names.")
+        for flag, words in (("--only", args.only), ("--skip", args.skip)):  # a typo would run or skip rows unasked
+            if unmatched := [w for w in words if not any(w in row["name"] for _, row in rows)]:
+                raise ValueError(f"no row of --rows {groups} matches {flag} {shlex.quote(unmatched[0])}; {fix}")
+        if rows and not selected:
+            raise ValueError(f"--only and --skip together leave no row of --rows {groups}; {fix}")
+        if args.list:
+            print("\n".join(f"{group}: {row['name']}" for group, row in selected))
+            return 0
         for flag in ("--out", "--plot", "--baseline"):
             refuse_empty(getattr(args, flag[2:]), flag, "a file, or drop " + flag)
         earlier = _read_records(args.baseline)
         if args.out:
-            from mtx.files import check_json_lines
-
             check_json_lines(args.out, "--out")
         if args.plot:
             from mtx.plot import check_png_path, pyplot
@@ -358,10 +372,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from mtx.files import json_line  # strict JSON: a diverged row's NaN as null
-
     records = []
-    for row in selected:
+    for _, row in selected:
         if extra_env:  # named for the table; the 1-GPU baseline is still found by base_name
             row = {**row, "name": row["name"] + "".join(f", {k}={v}" for k, v in extra_env.items()),
                    "base_name": row["name"], "env": {**(row.get("env") or {}), **extra_env}}
