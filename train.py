@@ -31,8 +31,9 @@ def main(argv=None) -> int:
     import jax
 
     from mtx.checkpoint import CheckpointError
-    from mtx.files import run_files
     from mtx.distributed import is_main_process, lost_peer
+    from mtx.errors import out_of_memory
+    from mtx.files import run_files
     from mtx.metrics import TrackerError
 
     if is_main_process():
@@ -53,7 +54,10 @@ def main(argv=None) -> int:
               "intact, and --load resumes from the newest.", file=sys.stderr)
         return 130
     except jax.errors.JaxRuntimeError as e:
-        if (message := lost_peer(e, cfg.training.save)) is None:
+        if (message := out_of_memory(e, plan.cfg)) is not None and jax.process_count() == 1:
+            print(f"error: {message}", file=sys.stderr)  # (the run's own files, its lock, were let go on the way)
+            return 1
+        if (message := message or lost_peer(e, cfg.training.save)) is None:
             raise
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()

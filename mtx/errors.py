@@ -9,3 +9,17 @@ def first_line(error: BaseException, limit: int | None = 200) -> str:
     lines = str(error).strip().splitlines()
     text = lines[0].split(" See full")[0][:limit].rstrip() if lines else ""
     return text or type(error).__name__
+
+
+def out_of_memory(error: BaseException, cfg) -> str | None:
+    """The one-line message of a device running out of memory (XLA's RESOURCE_EXHAUSTED), naming what would make the
+    run fit, or None for any other error."""
+    if "RESOURCE_EXHAUSTED" not in str(error):
+        return None
+    t, m, p = cfg.training, cfg.model, cfg.parallel
+    fixes = [f"a smaller --micro-batch-size (now {t.micro_batch_size}) or --seq-length (now {m.seq_length})"]
+    if t.recompute_granularity != "full":
+        fixes.append("--recompute-granularity full")
+    fixes.append(f"the model spread over more devices (--tensor-model-parallel-size, now "
+                 f"{p.tensor_model_parallel_size}; --pipeline-model-parallel-size, now {p.pipeline_model_parallel_size})")
+    return f"a device ran out of memory ({first_line(error)}); try " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}."

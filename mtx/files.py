@@ -235,6 +235,8 @@ def json_line(record) -> str:
 def forget_new_run_dir(path: Path) -> None:
     """Takes back a run directory this run created and never trained in: its config.json, (empty) metrics and lock
     go, then the directory if nothing else is in it (a W&B folder, say, stays)."""
+    if not path.is_dir():  # taken back already
+        return
     for name in ("config.json", "metrics.jsonl", RUN_LOCK):
         (path / name).unlink(missing_ok=True)
     if not any(path.iterdir()):

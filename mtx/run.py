@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mtx.checkpoint import CheckpointError, Checkpointer, check_compatible, is_checkpoint_dir
+from mtx.checkpoint import Checkpointer, check_compatible, is_checkpoint_dir
 from mtx.config import Config
 from mtx.data import build_dataset, say_what_data_overrides
 from mtx.data.prefetch import BatchTimes, prefetch
@@ -156,17 +156,13 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             forget_new_run_dir(run_dir)
         raise
     saver = workers = batches = None  # closed in the finally below, whatever fails after this point
+    trained = False  # whether a step has finished: a new run directory with nothing trained is taken back on failure
     try:
         saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
                              keep_every=t.keep_checkpoint_every) if t.save else None
         if plan.load_step is not None:
             loader = saver if saver and same_path(t.load, t.save) else Checkpointer(t.load)
-            try:
-                state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
-            except CheckpointError:  # one line from train.py; no new run directory left behind
-                if created:
-                    forget_new_run_dir(run_dir)
-                raise
+            state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
             if loader is not saver:
                 loader.close()
         else:
@@ -201,7 +197,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                     jax.block_until_ready(pending[-MAX_IN_FLIGHT][1])
                 if step == start:  # the first step compiles: time the interval from its end
                     jax.block_until_ready(metrics)
-                    interval_start, _ = time.perf_counter(), batch_times.take()
+                    trained, interval_start, _ = True, time.perf_counter(), batch_times.take()
                     if main:
                         console.write(startup.first_step_done(interval_start))
                 else:
@@ -248,6 +244,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         # one is gone, and finishing the save would wait for it at orbax's barrier.
         if saver and not (isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1):
             saver.close()
+        if created and not trained:  # (out of memory in the first step, say): a retry may take the directory
+            forget_new_run_dir(run_dir)
         raise
     finally:
         if batches is not None:

@@ -311,3 +311,20 @@ def test_steps_set_aside_twice_keep_both_and_stay_mtx_files(tmp_path):
         set_aside(tmp_path / "4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["4.broken", "4.broken1"]
     check_run_dir(tmp_path, "--save")  # what mtx set aside does not make the directory foreign
+
+
+def test_out_of_memory_is_one_line_naming_the_fixes_and_takes_back_its_new_directory(tmp_path, capsys):
+    """XLA's RESOURCE_EXHAUSTED in the first step was a traceback, and left the new run directory's config behind
+    (a retry with --save then met an unfinished run)."""
+    import train as train_script
+
+    run = tmp_path / "run"
+    code = train_script.main(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8",
+                              "--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "60000",
+                              "--max-position-embeddings", "60000", "--train-iters", "2", "--eval-interval", "0",
+                              "--save", str(run)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith("error: a device ran out of memory (RESOURCE_EXHAUSTED: ")
+    assert "a smaller --micro-batch-size (now 1) or --seq-length (now 60000), --recompute-granularity full" in errors[0]
+    assert not run.exists()
