@@ -303,11 +303,14 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtx.cli import unset_nones, with_negative_values
+    from mtx.cli import check_unused_flags, flags_in, unset_nones, with_negative_values
+    from mtx.config import FIELD_SECTION
     from mtx.devices import devices, simulate_cpu_devices
 
+    argv = with_negative_values(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     try:
-        a = build_parser().parse_args(with_negative_values(argv))
+        a = parser.parse_args(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -320,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         cfg = audit_config(**flags)
+        given = set(flags_in(argv))  # a flag whose feature is off would audit nothing of it, as train.py refuses
+        check_unused_flags(cfg, {action.dest for action in parser._actions
+                                 if given & set(action.option_strings) and action.dest in FIELD_SECTION})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -305,6 +305,10 @@ def check_unused_flags(cfg, given) -> None:
               again),
              (("profile_step_start", "profile_step_end"), t.profile, "--profile", again),
              (("eval_iters",), t.eval_interval > 0, "--eval-interval N (N > 0)", again),
+             (("lr_decay_iters", "lr_decay_samples", "min_lr"), cfg.optimizer.lr_decay_style != "constant",
+              "--lr-decay-style linear or cosine", again),
+             (("distributed_timeout", "distributed_timeout_minutes"), p.coordinator_address is not None,
+              "several processes (--coordinator-address)", again),
              *(() if t.use_checkpoint_args else by_model))
     for names, on, enabler, fix in rules:
         for name in sorted(set(names) & given) if not on else ():

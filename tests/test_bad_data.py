@@ -104,6 +104,9 @@ def test_a_run_that_does_not_evaluate_needs_no_validation_split(tmp_path, capsys
     say_what_data_overrides(cfg, build_dataset(cfg))
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "replaced by the tokenizer's 257" in err[0] and "evaluates nothing" in err[1], err
+    cfg = Config().replace(data_path=("0", str(one), "1", str(two)), eval_interval=0)
+    say_what_data_overrides(cfg, build_dataset(cfg))
+    assert capsys.readouterr().err == f"mtx: --data-path {one}: weight 0, never sampled.\n"  # silent once
 
 
 def test_a_negative_blend_weight_is_named_as_such():

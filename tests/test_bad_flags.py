@@ -25,6 +25,8 @@ BIG = str(10**20)
     (["--data-path", "a", "--data-path=b"], "--data-path given twice; pass all its values after one"),  # a: dropped
     (["--lr-decay-style", "none"], "--lr-decay-style has no \"none\" setting"),  # "must be a string, got None"
     (["--ckpt-step", "2"], "--ckpt-step reads the checkpoint of --load; pass --load DIR"),  # trained from scratch
+    (["--lr-decay-style", "constant", "--min-lr", "1e-5"], "--min-lr only acts with --lr-decay-style linear or"),
+    (["--distributed-timeout-minutes", "3"], "--distributed-timeout-minutes only acts with several processes"),
     # bytes that are no UTF-8 (os.fsdecode's surrogates): trained, then tensorstore's traceback at the save, once
     (["--save", "run/s\udcffv"], "--save 'run/s\\xffv' is not valid UTF-8; pass UTF-8 text (a file or directory: "),
     (["--save=s\udcff"], "--save 's\\xff' is not valid UTF-8"),
@@ -88,6 +90,15 @@ def test_tools_range_check_the_config_flags_they_take(capsys):
     assert f"argument --seed: {BIG} is beyond what mtx can use" in capsys.readouterr().err  # "must be >= 0" once
     assert audit(["--num-microbatches", "0"]) == 2
     assert "argument --num-microbatches: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_audit_refuses_flags_whose_feature_is_off(capsys):
+    from mtx.audit import main as audit
+
+    for argv, said in ((["--rotary-base", "5000"], "--rotary-base only acts with --position-embedding-type rope"),
+                       (["--bias-swiglu-fusion"], "--bias-swiglu-fusion only acts with --swiglu")):
+        assert audit(argv) == 2  # audited a model without the feature, once
+        assert said in capsys.readouterr().err
 
 
 def test_a_path_the_os_will_not_look_at_is_one_line(tmp_path):

@@ -38,7 +38,8 @@ def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
 def say_what_data_overrides(cfg, dataset) -> None:
     """One line each (main process, stderr) where the data decides what a setting asked for: the vocabulary is the
     tokenizer's whatever --vocab-size or the preset says (the schema's default is said by no one), and with no
-    validation share of --split, --eval-interval has nothing to evaluate."""
+    validation share of --split, --eval-interval has nothing to evaluate; a blend's dataset of weight 0 is never
+    read."""
     from mtx.config import ModelConfig
     from mtx.distributed import is_main_process
 
@@ -48,6 +49,9 @@ def say_what_data_overrides(cfg, dataset) -> None:
     if vocab != dataset.tokenizer.vocab_size and vocab != default:
         print(f"mtx: vocab_size {vocab} (--vocab-size or the preset) is replaced by the tokenizer's "
               f"{dataset.tokenizer.vocab_size}: the tokenizer sets it.", file=sys.stderr)
+    weights, paths = parse_data_path(cfg.data.data_path) if cfg.data.data_path else (None, [])
+    if never := [path for weight, path in zip(weights or (), paths) if weight == 0]:
+        print(f"mtx: --data-path {', '.join(never)}: weight 0, never sampled.", file=sys.stderr)
     t = cfg.training
     if t.eval_interval and not dataset.num_samples("valid"):
         print(f"mtx: --split {cfg.data.split} gives validation no share, so --eval-interval {t.eval_interval} "
