@@ -38,14 +38,20 @@ _COMMON_HELPS = {
 
 def build_parser() -> OneLineParser:
     """eval.py's parser: one subcommand a task, each with the common flags and its own."""
-    common = OneLineParser(add_help=False)
-    add_config_flags(common, _COMMON_FIELDS, defaults=_COMMON_DEFAULTS, helps=_COMMON_HELPS)
+    def common(fields):
+        flags = OneLineParser(add_help=False)
+        add_config_flags(flags, fields, defaults=_COMMON_DEFAULTS, helps=_COMMON_HELPS)
+        return flags
+
+    scoring = common(_COMMON_FIELDS)
+    generating = common(tuple(f for f in _COMMON_FIELDS if f != "micro_batch_size"))  # every prompt in one batch
     parser = OneLineParser(prog="eval.py", description=__doc__.splitlines()[0],
                            epilog="`python eval.py TASK --help` lists the flags of a task, with their defaults.")
     tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK", title="tasks")
 
     def task(name: str, summary: str):  # -> the group of the task's own flags, listed after the common ones
-        sub = tasks.add_parser(name, parents=[common], help=summary, description=f"{name}: {summary}.")
+        sub = tasks.add_parser(name, parents=[generating if name == "generate" else scoring], help=summary,
+                               description=f"{name}: {summary}.")
         return sub.add_argument_group(f"{name} flags")
 
     wiki = task("wikitext", "WikiText perplexity with overlapping windows, normalized by the original token count")

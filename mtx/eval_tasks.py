@@ -29,7 +29,8 @@ def prepare(args):
     def load():
         from mtx.loading import load_model
 
-        overrides = {} if args.micro_batch_size is None else {"micro_batch_size": args.micro_batch_size}
+        micro = getattr(args, "micro_batch_size", None)  # (generate batches every prompt at once: not its flag)
+        overrides = {} if micro is None else {"micro_batch_size": micro}
         if args.bf16 is not None:  # --bf16 or --no-bf16 (fp32) in place of the checkpoint's precision, fp16 too
             overrides.update(bf16=args.bf16, fp16=False)
         return load_model(args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,

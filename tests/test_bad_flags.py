@@ -84,8 +84,10 @@ def test_tools_range_check_the_config_flags_they_take(capsys):
     import eval as eval_cli
     from mtx.audit import main as audit
 
-    assert eval_cli.main(["generate", "--load", "x", "--prompt", "hi", "--micro-batch-size", "0"]) == 2
+    assert eval_cli.main(["lambada", "--load", "x", "--data-path", "y", "--micro-batch-size", "0"]) == 2
     assert "argument --micro-batch-size: must be >= 1, got 0" in capsys.readouterr().err
+    assert eval_cli.main(["generate", "--load", "x", "--prompt", "hi", "--micro-batch-size", "4"]) == 2
+    assert "generate: unknown flag --micro-batch-size" in capsys.readouterr().err  # taken and ignored, once
     assert eval_cli.main(["generate", "--load", "x", "--prompt", "hi", "--seed", BIG]) == 2
     assert f"argument --seed: {BIG} is beyond what mtx can use" in capsys.readouterr().err  # "must be >= 0" once
     assert audit(["--num-microbatches", "0"]) == 2
