@@ -113,6 +113,23 @@ def check_same_batches(saved: Config, cfg: Config) -> None:
                              "start a new run from its weights.")
 
 
+def say_if_tokenizer_changed(saved: Config, tokenizer, load: str) -> None:
+    """A line (main process) when this run's tokenizer is of another kind than the checkpoint's run used: the
+    vocabulary sizes agree (check_compatible saw to that), so the weights load, but each id may now mean another
+    token (a deliberate switch, GPT-2's files to its tokenizer.json say, keeps them)."""
+    from mtx.data.tokenizer import build_tokenizer
+
+    d = saved.data
+    try:
+        then = build_tokenizer(d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model).name
+    except (ValueError, OSError):  # its files moved or gone: nothing to compare against
+        return
+    if then != tokenizer.name and is_main_process():
+        print(f"mtx: --load {load} was trained with the {then} tokenizer, this run reads its data with the "
+              f"{tokenizer.name} one (of the same vocabulary size): the ids the weights learned may now mean other "
+              "tokens.", file=sys.stderr)
+
+
 def load_state(train_step, ckpt: Checkpointer, cfg: Config, step: int):
     """The training state to start from, read from `step` of `ckpt` as --finetune and --no-load-optim say."""
     t = cfg.training

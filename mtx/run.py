@@ -28,7 +28,8 @@ from mtx.files import check_run_dir, check_writable, forget_new_run_dir, same_pa
 from mtx.loop_controls import Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, TrackerError, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
-from mtx.resume import check_same_batches, from_checkpoint, load_state, resume_point, set_aside
+from mtx.resume import (check_same_batches, from_checkpoint, load_state, resume_point, say_if_tokenizer_changed,
+                        set_aside)
 from mtx.run_lock import RunLock, check_free
 from mtx.schema_checks import flag_name
 from mtx.sharded_model import ShardedModel
@@ -85,6 +86,7 @@ def prepare(cfg: Config) -> Plan:
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
         check_compatible(saved.model, cfg.model, t.load)
+        say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
         if not t.finetune:
             check_same_batches(saved, cfg)
         if t.profile and not t.finetune and t.profile_step_start < load_step:  # a requeued command line, say

@@ -108,3 +108,21 @@ def test_hugging_face_tokenizer_preprocesses_and_trains_on_raw_text(tmp_path):
     ds = build_dataset(cfg)
     assert ds.tokenizer.vocab_size == tok.vocab_size
     np.testing.assert_array_equal(ds.tokens, tok.encode(corpus.read_text()))
+
+
+def test_a_resume_with_another_kind_of_tokenizer_says_so(capsys):
+    """A checkpoint of the byte tokenizer resumed with a tokenizer of the same vocabulary size loaded in silence."""
+    from types import SimpleNamespace
+
+    from mtx.config import Config
+    from mtx.resume import say_if_tokenizer_changed
+
+    saved = Config()  # the built-in corpus: bytes
+    say_if_tokenizer_changed(saved, SimpleNamespace(name="huggingface"), "run")
+    assert capsys.readouterr().err == ("mtx: --load run was trained with the byte tokenizer, this run reads its data "
+                                       "with the huggingface one (of the same vocabulary size): the ids the weights "
+                                       "learned may now mean other tokens.\n")
+    say_if_tokenizer_changed(saved, SimpleNamespace(name="byte"), "run")
+    moved = saved.replace(vocab_file="/gone/encoder.json", merge_file="/gone/vocab.bpe")  # nothing to compare with
+    say_if_tokenizer_changed(moved, SimpleNamespace(name="huggingface"), "run")
+    assert capsys.readouterr().err == ""
