@@ -10,7 +10,8 @@ loss and step below are written from scratch in jax.numpy: pre-LN GPT with learn
 tied output layer, LayerNorm, softmax and loss in fp32, bf16 compute with fp32 master weights, a `lax.scan` over
 layers (or, with --no-scan-layers, a Python loop over per-layer parameters) with the same recomputation policy,
 cuDNN flash attention where mtx uses it, optax AdamW (no decay on biases and LayerNorm) with global-norm clipping,
-donated state. The output JSON line has bench.py's fields.
+donated state. The output JSON line has bench.py's fields. It takes the train.py flags of what it builds (--help lists
+them) and refuses the others, and a preset of another model (Llama's blocks, BERT).
 
 With --gspmd, the same program runs tensor-parallel over --tensor-model-parallel-size devices the way MaxText does it:
 no shard_map, only sharding annotations (Megatron's layout: QKV and fc1 split by columns, the attention projection
@@ -24,7 +25,6 @@ XLA's own collective matmuls (windowed einsum: XLA_FLAGS=--xla_gpu_threshold_for
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
@@ -43,6 +43,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.bench import run_cli, time_steps
 from mtx.devices import simulate_cpu_devices
+from mtx.schema_checks import flag_name
+
+# The Config fields this baseline reads (the train.py flags it takes; run_cli refuses the others): its GPT's shape,
+# AdamW at a constant --lr, the batch, precision (fp16 without loss scaling), recomputation, the layer scan, flash
+# attention and the seed; with --gspmd the tensor-parallel mesh (without it only one device's sizes). The dropouts
+# only as 0: the model has none, and the suite's rows pass 0 as they do to mtx's (check_config refuses another value).
+USES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
+        "vocab_size", "make_vocab_size_divisible_by", "init_method_std", "hidden_dropout", "attention_dropout",
+        "lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "micro_batch_size",
+        "global_batch_size", "seed", "bf16", "fp16", "recompute_granularity", "scan_layers", "use_flash_attn",
+        "tensor_model_parallel_size", "sequence_parallel", "data_parallel_size")
+GSPMD_HELP = ("split the model over the first --tensor-model-parallel-size devices by sharding annotations alone "
+              "(as MaxText does); the mesh flags act only with it")
 
 
 def init_params(key, *, vocab, positions, layers, d, f, std):
@@ -164,18 +177,46 @@ def loss_fn(params, tokens_BS1, *, heads, dtype, flash, recompute, vocab_size, l
 
 
 def make_layout(cfg) -> Layout:
-    """--gspmd: a ("model",) mesh of the first --tensor-model-parallel-size devices."""
-    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    if pp != 1 or cfg.parallel.data_parallel_size not in (-1, 1):
-        raise SystemExit("--gspmd splits layers only (tensor parallelism): pass --pipeline-model-parallel-size 1 "
-                         "--data-parallel-size 1")
-    if not 1 <= tp <= jax.device_count():
-        raise SystemExit(f"--gspmd: --tensor-model-parallel-size {tp} needs 1 to {jax.device_count()} devices; "
-                         "pass a size within that range")
-    if cfg.parallel.sequence_parallel and cfg.model.seq_length % tp:  # (heads: cfg.validate() checks them)
-        raise SystemExit(f"--gspmd --sequence-parallel: the sequence length ({cfg.model.seq_length}) must divide by "
-                         f"--tensor-model-parallel-size {tp}")
+    """--gspmd: a ("model",) mesh of the first --tensor-model-parallel-size devices (check_config checks it)."""
+    tp = cfg.parallel.tensor_model_parallel_size
     return Layout(jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("model",)), cfg.parallel.sequence_parallel)
+
+
+def check_config(cfg, *, gspmd: bool = False, given=()) -> None:
+    """Refuses (ValueError, one line), before any device work, a config this baseline would run other than asked:
+    a model it does not build, selective recomputation, a dropout given on the command line (`given`: its flags),
+    the mesh flags without --gspmd, a mesh --gspmd cannot split; then checks the config on the devices it runs on
+    (one, or the first --tensor-model-parallel-size with --gspmd)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    # a preset's model that is not the one built here (the flags that set these are refused as unused)
+    blocks = {"--model-type bert": m.is_bert, "--layernorm-placement post": m.layernorm_placement == "post",
+              f"--layernorm-epsilon {m.epsilon}": m.epsilon != 1e-5}
+    if other := [*m.llama_blocks(), *(flag for flag, on in blocks.items() if on)]:
+        raise ValueError(f"plain_gpt.py builds GPT-2's model only, not the preset's {', '.join(other)}; benchmark "
+                         "that model with benchmarks/bench.py.")
+    if t.recompute_granularity == "selective":
+        raise ValueError("plain_gpt.py recomputes whole layers (--recompute-granularity full) or all but the matmuls "
+                         "(matmuls), not selective (the attention core); pass one of those.")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if flag_name(name) in given and getattr(m, name):
+            raise ValueError(f"{flag_name(name)} {getattr(m, name)}: plain_gpt.py's model has no dropout; pass 0 "
+                             "or drop the flag.")
+    tp = p.tensor_model_parallel_size if gspmd else 1
+    splits = {"tensor_model_parallel_size": p.tensor_model_parallel_size != 1, "sequence_parallel": p.sequence_parallel,
+              "data_parallel_size": p.data_parallel_size not in (-1, 1)}  # (one device's sizes are fine without it)
+    if not gspmd and (flags := [flag_name(name) for name, on in splits.items() if on and flag_name(name) in given]):
+        raise ValueError(f"{flags[0]} only acts with --gspmd (without it plain_gpt.py runs on one device); pass "
+                         "--gspmd too, or drop it.")
+    if gspmd and (p.pipeline_model_parallel_size != 1 or p.data_parallel_size not in (-1, 1)):
+        raise ValueError("--gspmd splits layers only (tensor parallelism): pass --pipeline-model-parallel-size 1 "
+                         "--data-parallel-size 1.")
+    if gspmd and not tp <= jax.device_count():
+        raise ValueError(f"--gspmd: --tensor-model-parallel-size {tp} needs {tp} devices, and there are "
+                         f"{jax.device_count()}; pass a size of at most {jax.device_count()}.")
+    if gspmd and p.sequence_parallel and m.seq_length % tp:  # (heads: validate() checks them)
+        raise ValueError(f"--gspmd --sequence-parallel: the sequence length ({m.seq_length}) must divide by "
+                         f"--tensor-model-parallel-size {tp}; pass a size that divides it.")
+    cfg.replace(data_parallel_size=1, pipeline_model_parallel_size=1, tensor_model_parallel_size=tp).validate(tp)
 
 
 def make_step(cfg, layout: Layout | None = None):
@@ -186,7 +227,8 @@ def make_step(cfg, layout: Layout | None = None):
                                   recompute=t.recompute_granularity, vocab_size=m.vocab_size, layout=layout)
     decay = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: not jax.tree_util.keystr(path).endswith(("bias']", "scale']")), params)
-    optimizer = optax.chain(optax.clip_by_global_norm(o.clip_grad),
+    clip = [optax.clip_by_global_norm(o.clip_grad)] if o.clip_grad else []  # --clip-grad 0: none, as in mtx
+    optimizer = optax.chain(*clip,
                             optax.adamw(o.lr, b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps,
                                         weight_decay=o.weight_decay, mask=decay))
     accumulation = t.global_batch_size // t.micro_batch_size
@@ -246,7 +288,7 @@ def count_collectives(hlo: str) -> dict:
 def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None, gspmd: bool = False) -> dict:
     from mtx.metrics import throughput
 
-    cfg.validate()
+    check_config(cfg, gspmd=gspmd)
     m, t = cfg.model, cfg.training
     layout = make_layout(cfg) if gspmd else None
     init, optimizer, step = make_step(cfg, layout)
@@ -289,12 +331,19 @@ def measure(cfg, *, steps: int = 10, warmup: int = 3, profile: str | None = None
 
 
 def main(argv=None) -> int:
+    from mtx.cli import OneLineParser, flags_in
+
     simulate_cpu_devices()  # --gspmd on CPU
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--gspmd", action="store_true",
-                    help="split the model over --tensor-model-parallel-size devices by sharding annotations")
-    own, rest = ap.parse_known_args(argv)
-    return run_cli(functools.partial(measure, gspmd=own.gspmd), rest)
+    ap = OneLineParser(prog="plain_gpt.py", add_help=False)  # (run_cli's --help shows it through the description)
+    ap.add_argument("--gspmd", action="store_true", help=GSPMD_HELP)
+    try:
+        own, rest = ap.parse_known_args(argv)
+    except ValueError as e:  # --gspmd=VALUE
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    check = functools.partial(check_config, gspmd=own.gspmd, given=set(flags_in(rest)))
+    return run_cli(functools.partial(measure, gspmd=own.gspmd), rest, check, uses=USES, prog="plain_gpt.py",
+                   description=f"{__doc__.split(chr(10) * 2)[0]} --gspmd: {GSPMD_HELP}.")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`python -m mtx.data.preprocess`: text -> Megatron indexed dataset (PREFIX_KEY_document.bin/.idx).
 
 Megatron's tools/preprocess_data.py in spirit: JSONL inputs (`.jsonl`/`.json`) are one document a line, each
-`--json-keys` field (default "text") written to its own dataset; any other file is one document of plain text;
+`--json-keys` field (default "text") written to its own dataset; any other file is one document of plain text, which
+has no fields: its text goes under the default key, or beside JSONL inputs under their one `--json-keys` key;
 `--tfds NAME[:split]` reads a TensorFlow Datasets split. `--append-eod` ends every document with the tokenizer's
 end-of-document id, so samples that cross documents show the boundary. Empty documents are skipped.
 `--split-sentences` (for BERT) writes each sentence as one sequence of its document, as Megatron does; a plain-text
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
 
 def _preprocess(args) -> list[str]:
+    keys_given, args.json_keys = args.json_keys is not None, args.json_keys or ["text"]
     _refuse_empty_paths(args)
     if bool(args.input) == bool(args.tfds):
         raise ValueError("pass --input FILE(S) or --tfds NAME[:split], exactly one of them.")
@@ -63,6 +65,8 @@ def _preprocess(args) -> list[str]:
                              ".bin), so it must be a plain file-name part, not empty, '.' or '..' and without '/' "
                              "or '\\'; pass the fields' names, such as text.")
     _check_prefix(args.output_prefix)
+    if keys_given and args.input:
+        _refuse_keys_for_plain_text(args.input, args.json_keys, f"{args.output_prefix}_text_{level}")
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     outputs = [p + suffix for p in prefixes for suffix in (".bin", ".idx")]
     inputs = {Path(name).resolve() for name in args.input or ()}
@@ -122,6 +126,27 @@ def _refuse_empty_paths(args) -> None:
         refuse_empty(getattr(args, dest), flag_name(dest), fix)
 
 
+def _refuse_keys_for_plain_text(inputs, keys, default_dataset: str) -> None:
+    """--json-keys given with plain-text input: such a file has no fields, so its whole text would be written under
+    each key (one dataset per key, the same text in each). Refused, except for one key beside JSONL inputs: the
+    plain text then joins that key's dataset."""
+    plain = [name for name in inputs if not _is_json_lines(name) and Path(name).is_file()]  # (no file: refused later)
+    beside_jsonl = any(map(_is_json_lines, inputs))
+    if not plain or len(keys) == 1 and beside_jsonl:
+        return
+    fix = ("pass one key (the plain text then joins its dataset)" if beside_jsonl else
+           f"drop --json-keys (the dataset is then {default_dataset})")
+    copies = ": its whole text would be written under each key" if len(keys) > 1 else ""
+    raise ValueError(f"--json-keys {' '.join(keys)} names fields of JSON-lines input (.jsonl or .json), but --input "
+                     f"{plain[0]} is plain text, with no fields{copies}; {fix}, or name the file .jsonl if it holds "
+                     "JSON lines.")
+
+
+def _is_json_lines(name) -> bool:
+    """Whether an --input file is read as JSON lines (by its suffix), not as one document of plain text."""
+    return Path(name).suffix in (".jsonl", ".json")
+
+
 def _check_prefix(prefix: str) -> None:
     """Refuses an --output-prefix that does not end in a file-name part: "" (files in the working directory) or
     "data/", "data/." (files named "_text_document.bin" in it). An existing directory "data" is fine: the files go
@@ -136,7 +161,8 @@ def _parser() -> OneLineParser:
     p = OneLineParser(prog="python -m mtx.data.preprocess", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", help="JSONL files (one document a line) or plain-text files (one each)")
     p.add_argument("--tfds", help="a TensorFlow Datasets split NAME[:split] instead of --input")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one dataset each")
+    p.add_argument("--json-keys", nargs="+",
+                   help="JSONL (or --tfds) fields to tokenize, one dataset each (default: text)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx")
     p.add_argument("--vocab-file", help="GPT-2 encoder.json, or BERT vocab.txt")
     p.add_argument("--merge-file", help="GPT-2 vocab.bpe")
@@ -163,7 +189,7 @@ def _documents(args) -> Iterator[dict[str, str]]:
         if not path.is_file():
             raise ValueError(f"--input {path}: {not_a_file(path)}; pass JSONL or plain-text files.")
         try:
-            if path.suffix not in (".jsonl", ".json"):
+            if not _is_json_lines(path):
                 text = read_text(path, "--input", "pass plain UTF-8 text or JSONL files.")
                 for doc in split_documents(text) if args.split_sentences else [text]:
                     yield {key: doc for key in args.json_keys}
@@ -178,7 +204,7 @@ def _documents(args) -> Iterator[dict[str, str]]:
 
 
 def _record(line: str, path: Path, number: int, keys) -> dict[str, str]:
-    """One JSONL line -> its --json-keys fields, each a string."""
+    """One JSONL line -> its --json-keys fields, each a string of valid Unicode."""
     try:
         record = json.loads(line)
         fields = {key: record[key] for key in keys}
@@ -189,6 +215,12 @@ def _record(line: str, path: Path, number: int, keys) -> dict[str, str]:
         if not isinstance(value, str):
             raise ValueError(f"--input {path} line {number}: {key!r} is {type(value).__name__} {str(value)[:40]!r}, "
                              "not a string; fix the line.")
+        try:  # JSON's escapes can spell half of a UTF-16 pair ("\ud800"), which no tokenizer can encode
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"--input {path} line {number}: {key!r} holds an unpaired surrogate "
+                             f"(\\u{ord(value[e.start]):04x} at character {e.start}), which is not valid Unicode; "
+                             "repair or drop that line.") from None
     return fields
 
 
