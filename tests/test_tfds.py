@@ -129,3 +129,11 @@ def test_text_of_numpy_values():
     from mtx.data.tfds import _text
 
     assert _text(np.array(b"caf\xc3\xa9")) == "café" and _text(np.bytes_(b"x")) == "x" and _text("y") == "y"
+
+
+def test_a_feature_that_is_not_text_is_one_line(monkeypatch):
+    from mtx.data import tfds as mtx_tfds
+
+    monkeypatch.setattr(mtx_tfds, "data_source", lambda spec, data_dir: [{"text": b"ok", "image": np.bytes_(b"\xff")}])
+    with pytest.raises(ValueError, match=r"^--tfds x:train example 0: its 'image' feature is not UTF-8 text; pass"):
+        list(mtx_tfds.tfds_documents("x:train", ["text", "image"]))  # the codec's bare error, once

@@ -91,7 +91,14 @@ def tfds_documents(spec: str, keys: Sequence[str], data_dir: str | None = None) 
         if missing:
             raise ValueError(f"--tfds {spec} examples have no {', '.join(missing)} feature (they have "
                              f"{', '.join(sorted(example))}); pass those with --json-keys.")
-        yield {k: _text(example[k]) for k in keys}
+        texts = {}
+        for k in keys:
+            try:
+                texts[k] = _text(example[k])
+            except UnicodeDecodeError:  # an image's or an id's bytes, say
+                raise ValueError(f"--tfds {spec} example {i}: its {k!r} feature is not UTF-8 text; pass text features "
+                                 "with --json-keys.") from None
+        yield texts
 
 
 def _missing(spec: str, e: ImportError) -> ValueError:
