@@ -153,8 +153,8 @@ def _umask():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--input", "EMPTY"], "holds no text under --json-keys text"),
-    (["--input", "BLANKS"], "holds no text under --json-keys text"),
+    (["--input", "EMPTY"], "empty.txt holds no text; pass an input with text."),  # "under --json-keys text" once
+    (["--input", "BLANKS", "--json-keys", "text"], "holds no text under --json-keys text"),
     (["--input", "DOCS", "--json-keys", "text", "text"], "--json-keys text text names a key twice"),
 ])
 def test_preprocess_refuses_input_with_nothing_to_write(tmp_path, capsys, argv, message):

@@ -78,9 +78,9 @@ def _preprocess(args) -> list[str]:
     tokenizer = build_tokenizer(*tokenizer_args)
     documents = _documents(args)
     first = next(documents, None)  # opens the source now, so its errors come before any file is written
+    source = f"--input {' '.join(args.input)}" if args.input else f"--tfds {args.tfds}"
     if first is None:
-        raise ValueError(f"{'--input ' + ' '.join(args.input) if args.input else '--tfds ' + args.tfds} holds no "
-                         "documents; pass a non-empty input.")
+        raise ValueError(f"{source} holds no documents; pass a non-empty input.")
     writers = [IndexedDatasetWriter(p, dtype_for_vocab(tokenizer.vocab_size)) for p in prefixes]
     stream = _chain(first, documents)
     items = ((doc, args.json_keys, args.append_eod, args.split_sentences) for doc in stream)
@@ -101,8 +101,8 @@ def _preprocess(args) -> list[str]:
                         writer.end_document()
                 count += 1
         if not tokens:
-            raise ValueError(f"{'--input ' + ' '.join(args.input) if args.input else '--tfds ' + args.tfds} holds no "
-                             f"text under --json-keys {' '.join(args.json_keys)}; pass an input with text.")
+            under = f" under --json-keys {' '.join(args.json_keys)}" if keys_given else ""
+            raise ValueError(f"{source} holds no text{under}; pass an input with text.")
     except BaseException:  # a bad input line, an interrupt: no half-written dataset, older outputs untouched
         for writer in writers:
             writer.abort()
