@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     from mtx.errors import out_of_memory
     from mtx.files import run_files
     from mtx.metrics import TrackerError
+    from mtx.run_lock import InUse
 
     if is_main_process():
         print(run_files(plan.cfg, plan.run_dir), flush=True)
@@ -46,8 +47,8 @@ def main(argv=None) -> int:
             peers.finish()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except TrackerError as e:  # W&B would not start (process 0; the others then find it gone)
-        print(f"error: {e}", file=sys.stderr)
+    except (TrackerError, InUse) as e:  # W&B would not start; a run that took the run directory first, after both
+        print(f"error: {e}", file=sys.stderr)  # checked it (process 0; the others then find it gone)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves), or one before the loop
         print("error: interrupted (SIGINT) before the run could save; the checkpoints it finished (with --save) are "

@@ -161,7 +161,10 @@ class OneLineParser(argparse.ArgumentParser):
                 inline = token.startswith("-") and "=" in token  # --save=NAME
                 flag = token.split("=")[0] if inline else argv[i - 1] if i and argv[i - 1].startswith("-") else ""
                 value = token.split("=", 1)[1] if inline else token
-                shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                try:  # the bytes the shell passed; a lone surrogate of another origin (the API) as Python writes it
+                    shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                except UnicodeEncodeError:
+                    shown = ascii(value)[1:-1]
                 self.error(f"{flag + ' ' if flag else ''}'{shown}' is not valid UTF-8; pass UTF-8 text (a file or "
                            "directory: rename it, or link it, to a UTF-8 name).")
 

@@ -21,5 +21,6 @@ def out_of_memory(error: BaseException, cfg) -> str | None:
     if t.recompute_granularity != "full":
         fixes.append("--recompute-granularity full")
     fixes.append(f"the model spread over more devices (--tensor-model-parallel-size, now "
-                 f"{p.tensor_model_parallel_size}; --pipeline-model-parallel-size, now {p.pipeline_model_parallel_size})")
+                 f"{p.tensor_model_parallel_size}; --pipeline-model-parallel-size, now "
+                 f"{p.pipeline_model_parallel_size})")
     return f"a device ran out of memory ({first_line(error)}); try " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}."

@@ -96,6 +96,19 @@ def check_writable(path: str | Path, flag: str, *, a_run_dir: bool = False) -> N
     _in_one_line(lambda path, flag: _check_writable(path, flag, a_run_dir), Path(path).absolute(), flag)
 
 
+def check_outside(path: str | Path, run_dir: str | Path, flag: str) -> None:
+    """Refuses an output of a run inside its own run directory (made yet or not), where it would keep the run's
+    resume from taking the directory (files mtx did not write there)."""
+    where = Path(path).expanduser().absolute()
+    if where.is_relative_to(Path(run_dir).absolute()):
+        raise ValueError(_in_run_dir(flag, where, run_dir))
+
+
+def _in_run_dir(flag: str, path: Path, run) -> str:
+    return (f"{flag} {path} would put files in the run directory {run}, which a resumed run would then refuse (files "
+            "mtx did not write there); choose a path outside it.")
+
+
 def _check_writable(path: Path, flag: str, a_run_dir: bool) -> None:
     if step := next((p for p in (path, *path.parents) if _is_step(p)), None):
         # files added to a step break it for nobody, but keep it from being pruned, and mix with the checkpoint
@@ -104,8 +117,7 @@ def _check_writable(path: Path, flag: str, a_run_dir: bool) -> None:
     around = path.parents if a_run_dir else (path, *path.parents)
     if flag not in TRACE_FLAGS and (run := next((p for p in around if _is_run_dir(p)), None)):
         # a run directory holds only what a run writes there: anything else keeps that run from resuming
-        raise ValueError(f"{flag} {path} would put files in the run directory {run}, which a resumed run would "
-                         "then refuse (files mtx did not write there); choose a path outside it.")
+        raise ValueError(_in_run_dir(flag, path, run))
     ancestor = path
     while not ancestor.exists():
         if ancestor.is_symlink():  # a link to nothing: creating the directory would fail on it
@@ -149,8 +161,8 @@ def _written_by_mtx(entry: Path) -> bool:
         return True
     if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (a tmp: a resume cut short while it rewrote the file)
         return is_mtx_metrics(entry)
-    if entry.name in (WANDB_ID, WANDB_ID + ".tmp", RUN_LOCK):
-        return entry.is_file()
+    if entry.name in (WANDB_ID, WANDB_ID + ".tmp", RUN_LOCK) or entry.name.startswith(f".{RUN_LOCK}."):
+        return entry.is_file()  # (the last: a lock being written, mtx/run_lock.py)
     if entry.is_dir() and entry.name.isdigit() and not any(entry.iterdir()):
         return True  # a step emptied since it was written (a resume sets it aside; nothing in it to lose)
     if looks_like_step(entry) or entry.is_dir() and (".orbax-checkpoint-tmp" in entry.name
@@ -257,10 +269,20 @@ def new_temporary(path: str | Path) -> str:
     path = Path(path)
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(temporary, 0o666 & ~umask)
+    os.chmod(temporary, 0o666 & ~_umask())
     return temporary
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it (setting it to read it would briefly change it for every
+    thread), else by setting it back."""
+    try:
+        return int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0)
+        os.umask(umask)
+        return umask
 
 
 def made_by_mtx_plot(path: Path) -> bool:

@@ -121,11 +121,13 @@ def say_if_tokenizer_changed(saved: Config, tokenizer, load: str) -> None:
 
     d = saved.data
     try:
-        then = build_tokenizer(d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model).name
+        then = build_tokenizer(d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model)
     except (ValueError, OSError):  # its files moved or gone: nothing to compare against
         return
-    if then != tokenizer.name and is_main_process():
-        print(f"mtx: --load {load} was trained with the {then} tokenizer, this run reads its data with the "
+    if then.vocab_size != saved.model.vocab_size:  # not what it trained with (a converted checkpoint's defaults, say)
+        return
+    if then.name != tokenizer.name and is_main_process():
+        print(f"mtx: --load {load} was trained with the {then.name} tokenizer, this run reads its data with the "
               f"{tokenizer.name} one (of the same vocabulary size): the ids the weights learned may now mean other "
               "tokens.", file=sys.stderr)
 

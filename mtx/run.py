@@ -24,9 +24,9 @@ from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, devices, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
-from mtx.files import check_run_dir, check_writable, forget_new_run_dir, same_path
+from mtx.files import check_outside, check_run_dir, check_writable, forget_new_run_dir, same_path
 from mtx.loop_controls import Profiler, Startup, StopRequests
-from mtx.metrics import MetricsLogger, Progress, TrackerError, check_trackers, throughput
+from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import (check_same_batches, from_checkpoint, load_state, resume_point, say_if_tokenizer_changed,
                         set_aside)
@@ -98,12 +98,17 @@ def prepare(cfg: Config) -> Plan:
             cfg = cfg.replace(**(dict(profile_step_start=load_step) if traced else dict(profile=False)))
     resuming = bool(t.load) and not t.finetune  # a fine-tuned run is a new run: new metrics, from step 0
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    run_flag = "--save" if t.save else "--run-dir"
+    run_flag = _run_flag(t)
     check_run_dir(run_dir, run_flag)  # never over a file mtx did not write
-    check_free(run_dir, run_flag)  # nor beside a run still writing there
+    check_free(run_dir, run_flag, by_pid=jax.process_count() == 1)  # nor beside a run still writing there
     for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
-        if path:
-            check_writable(path, flag, a_run_dir=True)  # (W&B's files go into a folder wandb/ there)
+        if path:  # W&B writes a folder wandb/ into its directory: the run directory, or that folder, is the run's
+            own = flag == "--wandb-save-dir" and (same_path(path, run_dir) or same_path(path, run_dir / "wandb"))
+            check_writable(run_dir if own else path, flag, a_run_dir=True)
+            if not own and flag != "--tensorboard-dir":
+                check_outside(path, run_dir, flag)  # (also of a run directory this run will make)
+    if t.compilation_cache_dir:
+        check_outside(t.compilation_cache_dir, run_dir, "--compilation-cache-dir")
     if jax.default_backend() != "cpu":  # before the first compilation; CPU runs compile quickly and leave it off
         use_compilation_cache(t.compilation_cache_dir)
     if t.save and is_checkpoint_dir(t.save) and not (resuming and same_path(t.load, t.save)):
@@ -129,132 +134,127 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     train_step = TrainStep(model)
     main = is_main_process()
     barrier("mtx: every process checked its input")  # so no process sees files another one just wrote
-    created = main and not run_dir.exists()  # this run's own: taken back if its checkpoint does not load
-    lock = RunLock(run_dir, "--save" if t.save else "--run-dir") if main else None
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        try:  # another run that passed its checks beside this one's: the lock goes to the first
-            lock.acquire()
-        except ValueError:
-            if created:
-                forget_new_run_dir(run_dir)
-            raise
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        for step_dir in plan.set_aside:  # kept, not deleted: the new steps of this run take their numbers
-            set_aside(step_dir)
-    barrier("mtx: broken steps set aside")
-
-    # The trackers start before the device work, so a W&B run that will not start costs no compile.
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
-    wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
-                 dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
+    created, lock = False, None
+    if main:  # the directory made here (not found) is this run's own: taken back if nothing trains in it
+        created = _made(run_dir)
+        # (refused, InUse: another run that passed its checks beside this one's holds it)
+        lock = RunLock(run_dir, _run_flag(t), by_pid=jax.process_count() == 1).acquire()
+    trained = False  # whether a step has finished
     try:
-        logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step, wandb=wandb,
-                               resumed_at=(plan.load_step or 0) if t.load and not t.finetune else None)
-    except TrackerError:  # W&B would not start: one line from train.py, no new run directory left behind
-        if lock:
-            lock.release()
-        if created:
-            forget_new_run_dir(run_dir)
-        raise
-    saver = workers = batches = None  # closed in the finally below, whatever fails after this point
-    trained = False  # whether a step has finished: a new run directory with nothing trained is taken back on failure
-    try:
-        saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
-                             keep_every=t.keep_checkpoint_every) if t.save else None
-        if plan.load_step is not None:
-            loader = saver if saver and same_path(t.load, t.save) else Checkpointer(t.load)
-            state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
-            if loader is not saver:
-                loader.close()
-        else:
-            state = train_step.init_state()
-        start = int(jax.device_get(jax.block_until_ready(state).step))
-        startup = Startup(entered, state_ready=time.perf_counter())
         if main:
-            _print_banner(cfg, mesh, model, start)
+            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            for step_dir in plan.set_aside:  # kept, not deleted: the new steps of this run take their numbers
+                set_aside(step_dir)
+        barrier("mtx: broken steps set aside")
 
-        result = RunResult(state, model, run_dir)
-        flops_per_token = cfg.model.flops_per_token(cfg.mlm_positions)
-        console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
-                           loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
-        pending, interval_start, interval_steps = [], time.perf_counter(), 0
-        cpu = jax.default_backend() == "cpu"
-        # Batches from worker processes (each with its own copy of the dataset) or this process's prefetch thread.
-        workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
-        source = workers or dataset
-        batch_times = BatchTimes()
-        rows = model.host_rows(t.global_batch_size)  # each process builds only the rows its devices hold
-        batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size, rows.slice),
-                                                        rows),
-                           range(start, t.train_iters), depth=cfg.data.prefetch_depth, times=batch_times)
-        profiler = Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
-        with StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
-            for step, batch in zip(range(start, t.train_iters), batches):
-                profiler.before(step)
-                state, metrics = train_step(state, batch)
-                profiler.after(step, metrics)
-                pending.append((step + 1, metrics))
-                if cpu and len(pending) >= MAX_IN_FLIGHT:  # a long log interval: bound the steps queued
-                    jax.block_until_ready(pending[-MAX_IN_FLIGHT][1])
-                if step == start:  # the first step compiles: time the interval from its end
-                    jax.block_until_ready(metrics)
-                    trained, interval_start, _ = True, time.perf_counter(), batch_times.take()
-                    if main:
-                        console.write(startup.first_step_done(interval_start))
-                else:
-                    interval_steps += 1
-                final = step + 1 == t.train_iters
-                result.stopped = None if final else stops.reason(step + 1)
-                if (step + 1) % t.log_interval == 0 or final or result.stopped is not None:
-                    fetched = jax.device_get(pending)  # the interval's host sync (and on the CPU the waits above)
-                    elapsed = time.perf_counter() - interval_start
-                    result.losses.update((s, float(m["loss"])) for s, m in fetched)
-                    record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
-                                     batch_times.take()) | startup.take()
-                    console.update(logger.log(record), len(fetched))
-                    pending, interval_steps = [], 0
-                if t.eval_interval and ((step + 1) % t.eval_interval == 0 or final) and dataset.num_samples("valid"):
-                    if cpu and pending:  # the evaluation's batches queue behind the steps still running
-                        jax.block_until_ready(pending[-1][1])
-                    val = evaluate(model, state.params, dataset, t.eval_iters, t.micro_batch_size * mesh.shape[DATA])
-                    if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
-                        logger.log({"step": step + 1, "val_loss": val})
-                        message = f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}"
+        # The trackers start before the device work, so a W&B run that will not start costs no compile.
+        tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
+                     dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
+        logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step,
+                               wandb=wandb, resumed_at=(plan.load_step or 0) if t.load and not t.finetune else None)
+        saver = workers = batches = None  # closed in the finally below, whatever fails after this point
+        try:
+            saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
+                                 keep_every=t.keep_checkpoint_every) if t.save else None
+            if plan.load_step is not None:
+                loader = saver if saver and same_path(t.load, t.save) else Checkpointer(t.load)
+                state = load_state(train_step, loader, cfg, plan.load_step)  # as --finetune and --no-load-optim say
+                if loader is not saver:
+                    loader.close()
+            else:
+                state = train_step.init_state()
+            start = int(jax.device_get(jax.block_until_ready(state).step))
+            startup = Startup(entered, state_ready=time.perf_counter())
+            if main:
+                _print_banner(cfg, mesh, model, start)
+
+            result = RunResult(state, model, run_dir)
+            flops_per_token = cfg.model.flops_per_token(cfg.mlm_positions)
+            console = Progress(start, t.train_iters, t.global_batch_size, enabled=progress and main,
+                               loss_name="lm + sop loss" if cfg.model.is_bert else "lm loss")
+            pending, interval_start, interval_steps = [], time.perf_counter(), 0
+            cpu = jax.default_backend() == "cpu"
+            # Batches from worker processes (each with its own copy of the dataset) or this process's prefetch thread.
+            workers = BatchWorkers(cfg, cfg.data.num_workers) if cfg.data.num_workers else None
+            source = workers or dataset
+            batch_times = BatchTimes()
+            rows = model.host_rows(t.global_batch_size)  # each process builds only the rows its devices hold
+            batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size,
+                                                                         rows.slice), rows),
+                               range(start, t.train_iters), depth=cfg.data.prefetch_depth, times=batch_times)
+            profiler = Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
+            with StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
+                for step, batch in zip(range(start, t.train_iters), batches):
+                    profiler.before(step)
+                    state, metrics = train_step(state, batch)
+                    profiler.after(step, metrics)
+                    pending.append((step + 1, metrics))
+                    if cpu and len(pending) >= MAX_IN_FLIGHT:  # a long log interval: bound the steps queued
+                        jax.block_until_ready(pending[-MAX_IN_FLIGHT][1])
+                    if step == start:  # the first step compiles: time the interval from its end
+                        jax.block_until_ready(metrics)
+                        trained, interval_start, _ = True, time.perf_counter(), batch_times.take()
+                        if main:
+                            console.write(startup.first_step_done(interval_start))
                     else:
-                        ppl = math.exp(min(val, 50.0))
-                        logger.log({"step": step + 1, "val_loss": val, "val_ppl": ppl})
-                        message = f"step {step + 1}: validation loss {val:.4f}, perplexity {ppl:.2f}"
-                    if main:
-                        console.write(message)
-                if saver and t.save_interval and (step + 1) % t.save_interval == 0:
+                        interval_steps += 1
+                    final = step + 1 == t.train_iters
+                    result.stopped = None if final else stops.reason(step + 1)
+                    if (step + 1) % t.log_interval == 0 or final or result.stopped is not None:
+                        fetched = jax.device_get(pending)  # the interval's host sync (and on the CPU the waits above)
+                        elapsed = time.perf_counter() - interval_start
+                        result.losses.update((s, float(m["loss"])) for s, m in fetched)
+                        record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
+                                         batch_times.take()) | startup.take()
+                        console.update(logger.log(record), len(fetched))
+                        pending, interval_steps = [], 0
+                    evaluating = t.eval_interval and ((step + 1) % t.eval_interval == 0 or final)
+                    if evaluating and dataset.num_samples("valid"):
+                        if cpu and pending:  # the evaluation's batches queue behind the steps still running
+                            jax.block_until_ready(pending[-1][1])
+                        val = evaluate(model, state.params, dataset, t.eval_iters,
+                                       t.micro_batch_size * mesh.shape[DATA])
+                        if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
+                            logger.log({"step": step + 1, "val_loss": val})
+                            message = f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}"
+                        else:
+                            ppl = math.exp(min(val, 50.0))
+                            logger.log({"step": step + 1, "val_loss": val, "val_ppl": ppl})
+                            message = f"step {step + 1}: validation loss {val:.4f}, perplexity {ppl:.2f}"
+                        if main:
+                            console.write(message)
+                    if saver and t.save_interval and (step + 1) % t.save_interval == 0:
+                        saver.save(state, cfg)
+                    if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
+                        interval_start, _ = time.perf_counter(), batch_times.take()
+                    if result.stopped:
+                        break
+                profiler.stop()  # a run that stopped inside the traced steps: not its final save
+                batches.close()  # (an error in the loop closes it when the generator is collected)
+                console.close()
+                if saver and saver.latest_step() != int(jax.device_get(state.step)):
                     saver.save(state, cfg)
-                if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
-                    interval_start, _ = time.perf_counter(), batch_times.take()
-                if result.stopped:
-                    break
-            profiler.stop()  # a run that stopped inside the traced steps: not its final save
-            batches.close()  # (an error in the loop closes it when the generator is collected)
-            console.close()
-            if saver and saver.latest_step() != int(jax.device_get(state.step)):
-                saver.save(state, cfg)
-            if saver:  # the last save (an async one too) is on disk and recorded before the run ends or stops
-                saver.wait()
+                if saver:  # the last save (an async one too) is on disk and recorded before the run ends or stops
+                    saver.wait()
+                    saver.close()
+        except BaseException as e:
+            # A save in flight is finished, not cut off; but not after a runtime error with several processes: perhaps
+            # one is gone, and finishing the save would wait for it at orbax's barrier.
+            if saver and not (isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1):
                 saver.close()
-    except BaseException as e:
-        # A save in flight is finished, not cut off; but not after a runtime error with several processes: perhaps
-        # one is gone, and finishing the save would wait for it at orbax's barrier.
-        if saver and not (isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1):
-            saver.close()
-        if created and not trained:  # (out of memory in the first step, say): a retry may take the directory
+            raise
+        finally:
+            if batches is not None:
+                batches.close()  # its thread stopped: it asks the workers nothing more
+            if workers:
+                workers.close()
+            logger.close()
+    except BaseException:  # (W&B would not start, out of memory in the first step, ...): a retry may take it as new
+        if created and not trained:
             forget_new_run_dir(run_dir)
         raise
     finally:
-        if batches is not None:
-            batches.close()  # its thread stopped: it asks the workers nothing more
-        if workers:
-            workers.close()
-        logger.close()
         if lock:
             lock.release()
     result.state = state
@@ -268,6 +268,20 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         if main:
             print(f"\n--- sample ({t.generate_tokens} tokens) ---\n{result.sample}\n---")
     return result
+
+
+def _run_flag(t) -> str:
+    """The flag that names the run directory, for messages about it."""
+    return "--save" if t.save else "--run-dir"
+
+
+def _made(run_dir: Path) -> bool:
+    """Makes the run directory; whether this call made it (False: it was there, or another run made it first)."""
+    try:
+        run_dir.mkdir(parents=True)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _unsaved_checkpoints(t) -> str | None:

@@ -2,12 +2,18 @@
 
 Two runs started into one --save would otherwise both pass the checks of mtx.run.prepare (they see only what is on
 disk, and a directory in use looks free until its first metrics line or checkpoint) and then write over each other's
-config, metrics and checkpoints. The run's main process creates the lock exclusively before it writes anything and
+config, metrics and checkpoints. The run's main process puts the lock in place before it writes anything (written
+whole under a name of its own, then linked to `RUN_LOCK`, which fails if one is there: never seen half written) and
 removes it when the run ends, however it ends short of being killed; while the run lives a thread touches the file
-every `HEARTBEAT_S` seconds. A lock is stale, and taken over with a notice, when its run is gone: the process it
-names is not alive on this host, or (from another host, which cannot see that process) the file has not been
-touched for `STALE_S` seconds. So a run killed outright (SIGKILL, a lost node) can be resumed at once on its own
-host and after `STALE_S` seconds anywhere.
+every `HEARTBEAT_S` seconds.
+
+A lock is stale, and taken over with a notice, when its run is gone. A process of one host on its own (`by_pid`) asks
+the system about the process the lock names when it was written on this host: gone, or this very process (a
+container restarted in place reuses process ids), the lock is stale at once; alive, it holds whatever its age (a run
+stopped with SIGSTOP, a file system that failed a touch). Otherwise (another host's lock, or several processes, which
+must all decide alike and cannot all see that process) a lock untouched for `STALE_S` seconds is stale. So a run
+killed outright (SIGKILL, a lost node) can be resumed at once by a single process on its own host, and after
+`STALE_S` seconds anywhere.
 """
 
 from __future__ import annotations
@@ -20,92 +26,105 @@ import threading
 import time
 from pathlib import Path
 
-from mtx.files import RUN_LOCK
+from mtx.files import RUN_LOCK, new_temporary
 
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
 
 
+class InUse(ValueError):
+    """The run directory is held by another run (one line, naming it)."""
+
+
 def _holder(path: Path) -> tuple[dict | None, float] | None:
-    """(what the lock says, or None if it cannot be read yet, its age in seconds); None when there is no lock."""
+    """(what the lock says, or None if it is not a lock mtx wrote, its age in seconds); None when there is none."""
     try:
         age = time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return None
     try:
         said = json.loads(path.read_text())
-        said = said if isinstance(said, dict) else None
-    except (OSError, ValueError):  # being written right now, or damaged
+    except (OSError, ValueError):
         said = None
-    return said, age
+    return (said if isinstance(said, dict) else None), age
 
 
-def _alive(said: dict | None, age: float) -> bool:
-    if age > STALE_S:
+def _alive(said: dict | None, age: float, by_pid: bool) -> bool:
+    if said is None:  # damaged (mtx's locks are written whole): no run to wait for
         return False
-    if said and said.get("host") == socket.gethostname() and isinstance(said.get("pid"), int):
+    if by_pid and said.get("host") == socket.gethostname() and isinstance(said.get("pid"), int):
+        if said["pid"] == os.getpid():
+            return False
         try:
             os.kill(said["pid"], 0)
         except ProcessLookupError:
             return False
         except PermissionError:  # alive, another user's
-            return True
-    return True
+            pass
+        return True
+    return age <= STALE_S
 
 
-def _in_use(path: Path, flag: str, said: dict | None) -> str:
-    who = f"pid {said.get('pid')} on {said.get('host')}, started {said.get('started')}" if said else "starting now"
-    return (f"{flag} {path.parent} is in use by another run ({who}); wait for it to end, or choose another "
-            f"directory (a run killed outright is taken over {STALE_S:.0f} s after its last sign of life in "
-            f"{path.name}, at once on its own host).")
+def _in_use(path: Path, flag: str, said: dict) -> InUse:
+    return InUse(f"{flag} {path.parent} is in use by another run (pid {said.get('pid')} on {said.get('host')}, "
+                 f"started {said.get('started')}); wait for it to end, or choose another directory (a run killed "
+                 f"outright is taken over {STALE_S:.0f} s after its last sign of life in {path.name}).")
 
 
-def check_free(run_dir: str | Path, flag: str) -> None:
-    """Refuses (ValueError, one line) a run directory that a live run holds: before any device work."""
+def check_free(run_dir: str | Path, flag: str, *, by_pid: bool) -> None:
+    """Refuses (InUse, one line) a run directory that a live run holds: before any device work. `by_pid`: this is
+    the run's only process, which may ask the system whether the lock's process lives (module docstring)."""
     path = Path(run_dir) / RUN_LOCK
-    if (holder := _holder(path)) and _alive(*holder):
-        raise ValueError(_in_use(path, flag, holder[0]))
+    if (holder := _holder(path)) and _alive(*holder, by_pid):
+        raise _in_use(path, flag, holder[0])
 
 
 class RunLock:
     """The lock of `run_dir` (which exists), held from `acquire` to `release` by this process."""
 
-    def __init__(self, run_dir: str | Path, flag: str):
-        self.path, self.flag = Path(run_dir) / RUN_LOCK, flag
+    def __init__(self, run_dir: str | Path, flag: str, *, by_pid: bool):
+        self.path, self.flag, self.by_pid = Path(run_dir) / RUN_LOCK, flag, by_pid
         self._token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         self._stop = threading.Event()
         self._thread = None
 
     def acquire(self) -> RunLock:
-        """Creates the lock, or takes over a stale one (a notice); ValueError if a live run holds it."""
-        for _ in range(3):  # a stale lock removed, or a race with another run's acquire, then again
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = _holder(self.path)
-                if holder and _alive(*holder):
-                    raise ValueError(_in_use(self.path, self.flag, holder[0])) from None
-                if holder:
-                    said, age = holder
-                    print(f"mtx: {self.path} of a run that is gone ({(said or {}).get('host', '?')} pid "
-                          f"{(said or {}).get('pid', '?')}, last alive {age:.0f} s ago): taken over.", file=sys.stderr)
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
-                           "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": sys.argv}, f)
-            self._thread = threading.Thread(target=self._beat, name="mtx-run-lock", daemon=True)
-            self._thread.start()
-            return self
-        raise ValueError(f"{self.flag} {self.path.parent}: another run keeps taking its lock; wait for it to end, or "
-                         "choose another directory.")
+        """Puts the lock in place, or takes over a stale one (a notice); InUse if a live run holds it."""
+        written = new_temporary(self.path)
+        Path(written).write_text(json.dumps({
+            "host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": sys.argv}))
+        try:
+            for _ in range(3):  # a stale lock removed, or a race with another run's acquire, then again
+                try:
+                    os.link(written, self.path)
+                except FileExistsError:
+                    holder = _holder(self.path)
+                    if holder and _alive(*holder, self.by_pid):
+                        raise _in_use(self.path, self.flag, holder[0]) from None
+                    if holder:
+                        said = holder[0] or {}
+                        print(f"mtx: {self.path} of a run that is gone ({said.get('host', '?')} pid "
+                              f"{said.get('pid', '?')}, last alive {holder[1]:.0f} s ago): taken over.",
+                              file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                self._thread = threading.Thread(target=self._beat, name="mtx-run-lock", daemon=True)
+                self._thread.start()
+                return self
+        finally:
+            os.unlink(written)
+        raise InUse(f"{self.flag} {self.path.parent}: another run keeps taking its lock; wait for it to end, or "
+                    "choose another directory.")
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 os.utime(self.path)
-            except OSError:  # removed by hand: nothing to keep alive
+            except FileNotFoundError:  # removed (the run directory taken back, or by hand): nothing to keep alive
                 return
+            except OSError:  # a file system that failed this touch (NFS): the next one may land
+                pass
 
     def release(self) -> None:
         """Removes the lock if it is still this run's (idempotent)."""

@@ -240,3 +240,15 @@ def test_only_a_runs_own_outputs_go_inside_a_run_directory(saved, tmp_path):
         check_writable(saved / "tb", flag)
     check_run_dir(saved, "--save")
     shutil.rmtree(saved / "plugins")
+
+
+def test_outputs_of_a_run_inside_its_own_new_directory_are_refused(tmp_path):
+    """Checked against the run directory itself, made yet or not: a fresh run took them, its resume refused them."""
+    from mtx.files import check_outside
+
+    new = tmp_path / "new"
+    _refused(f"--compilation-cache-dir {new / 'cache'} would put files in the run directory {new}", prepare,
+             TINY.replace(save=str(new), compilation_cache_dir=str(new / "cache")))
+    _refused("--wandb-save-dir .* would put files in the run directory", check_outside, new / "wb", new,
+             "--wandb-save-dir")
+    check_outside(tmp_path / "elsewhere", new, "--compilation-cache-dir")

@@ -35,13 +35,13 @@ def _dead_pid() -> int:
 
 def test_a_second_run_into_a_directory_in_use_is_refused_before_device_work(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    _lock(run, os.getpid())  # a live process of this host: the run in progress
-    with pytest.raises(ValueError, match=rf"--save {run} is in use by another run \(pid {os.getpid()} on "):
+    _lock(run, os.getppid())  # a live process of this host: the run in progress
+    with pytest.raises(ValueError, match=rf"--save {run} is in use by another run \(pid {os.getppid()} on "):
         prepare(TINY.replace(save=str(run)))
     monkeypatch.setattr(run_lock, "STALE_S", 60.0)
     _lock(run, 1, host="elsewhere", age=10.0)  # another host's run, alive 10 s ago
     with pytest.raises(ValueError, match="in use by another run .*pid 1 on elsewhere"):
-        check_free(run, "--run-dir")
+        check_free(run, "--run-dir", by_pid=True)
     check_run_dir(run, "--save")  # the lock is mtx's own file: no "files mtx did not write"
 
 
@@ -49,8 +49,8 @@ def test_a_second_run_into_a_directory_in_use_is_refused_before_device_work(tmp_
 def test_a_lock_whose_run_is_gone_is_taken_over(tmp_path, capsys, where):
     run = tmp_path / "run"
     _lock(run, _dead_pid()) if where.startswith("this") else _lock(run, 1, host="elsewhere", age=run_lock.STALE_S + 1)
-    check_free(run, "--save")
-    lock = RunLock(run, "--save").acquire()
+    check_free(run, "--save", by_pid=True)
+    lock = RunLock(run, "--save", by_pid=True).acquire()
     assert "of a run that is gone" in capsys.readouterr().err
     assert json.loads((run / RUN_LOCK).read_text())["pid"] == os.getpid()
     lock.release()
@@ -60,10 +60,10 @@ def test_a_lock_whose_run_is_gone_is_taken_over(tmp_path, capsys, where):
 def test_the_first_of_two_racing_runs_holds_the_lock_and_only_its_own_is_removed(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    first = RunLock(run, "--save").acquire()
-    with pytest.raises(ValueError, match="in use by another run"):
-        RunLock(run, "--save").acquire()
-    second = RunLock(run, "--save")
+    first = RunLock(run, "--save", by_pid=True).acquire()
+    with pytest.raises(ValueError, match="in use by another run"):  # (by age: by pid, this process's lock is stale)
+        RunLock(run, "--save", by_pid=False).acquire()
+    second = RunLock(run, "--save", by_pid=True)
     second.release()  # never acquired: nothing to remove
     assert (run / RUN_LOCK).exists()
     first.release()
@@ -75,7 +75,7 @@ def test_the_lock_lives_while_the_run_writes_and_is_kept_alive(tmp_path, monkeyp
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
     run = tmp_path / "run"
     run.mkdir()
-    lock = RunLock(run, "--save").acquire()
+    lock = RunLock(run, "--save", by_pid=True).acquire()
     os.utime(run / RUN_LOCK, (0, 0))
     time.sleep(0.3)
     assert time.time() - (run / RUN_LOCK).stat().st_mtime < 5  # touched again by the heartbeat
@@ -84,3 +84,41 @@ def test_the_lock_lives_while_the_run_writes_and_is_kept_alive(tmp_path, monkeyp
     monkeypatch.setattr(RunLock, "release", lambda self: (seen.append(self.path.exists()), release(self)))
     train(TINY.replace(save=str(run)), progress=False)  # held to the end, then removed
     assert seen == [True] and sorted(p.name for p in run.iterdir()) == ["2", "config.json", "metrics.jsonl"]
+
+
+def test_whose_lock_is_stale(tmp_path):
+    """This very process's (a container restarted in place reuses ids) and a damaged one at once; with several
+    processes (by_pid False, all deciding alike) only the age counts, even for a process gone on this host."""
+    run = tmp_path / "run"
+    _lock(run, os.getpid())
+    check_free(run, "--save", by_pid=True)
+    _lock(run, _dead_pid())
+    with pytest.raises(ValueError, match="in use by another run"):
+        check_free(run, "--save", by_pid=False)
+    (run / RUN_LOCK).write_text("")
+    check_free(run, "--save", by_pid=False)
+
+
+def test_a_run_that_lost_the_race_for_the_lock_is_one_line_and_leaves_the_other_alone(tmp_path, monkeypatch, capsys):
+    import train as train_script
+    from mtx import run as mtx_run
+
+    run = tmp_path / "run"
+    holder = _lock(run, os.getppid())  # taken between this run's checks and its start
+    monkeypatch.setattr(mtx_run, "check_free", lambda *args, **kwargs: None)
+    assert train_script.main(["--config", "configs/tiny.toml", "--train-iters", "2", "--save", str(run)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is in use by another run" in errors[0]  # a traceback once
+    assert sorted(p.name for p in run.iterdir()) == [RUN_LOCK] and holder.exists()  # its lock kept, once deleted
+
+
+def test_a_failure_before_the_loop_lets_the_lock_go_and_takes_back_the_new_directory(tmp_path, monkeypatch):
+    from mtx import run as mtx_run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while W&B starts, say
+
+    monkeypatch.setattr(mtx_run, "MetricsLogger", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(TINY.replace(save=str(tmp_path / "run")), progress=False)
+    assert not (tmp_path / "run").exists()  # once: its config and a live lock, which refused the next run

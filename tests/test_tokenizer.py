@@ -117,7 +117,7 @@ def test_a_resume_with_another_kind_of_tokenizer_says_so(capsys):
     from mtx.config import Config
     from mtx.resume import say_if_tokenizer_changed
 
-    saved = Config()  # the built-in corpus: bytes
+    saved = Config().replace(vocab_size=257)  # trained on the built-in corpus: bytes
     say_if_tokenizer_changed(saved, SimpleNamespace(name="huggingface"), "run")
     assert capsys.readouterr().err == ("mtx: --load run was trained with the byte tokenizer, this run reads its data "
                                        "with the huggingface one (of the same vocabulary size): the ids the weights "
@@ -125,4 +125,6 @@ def test_a_resume_with_another_kind_of_tokenizer_says_so(capsys):
     say_if_tokenizer_changed(saved, SimpleNamespace(name="byte"), "run")
     moved = saved.replace(vocab_file="/gone/encoder.json", merge_file="/gone/vocab.bpe")  # nothing to compare with
     say_if_tokenizer_changed(moved, SimpleNamespace(name="huggingface"), "run")
+    converted = Config().replace(vocab_size=50257)  # mtx.convert from-hf: no data settings, GPT-2's vocabulary
+    say_if_tokenizer_changed(converted, SimpleNamespace(name="gpt2"), "run")  # (said "byte", falsely, once)
     assert capsys.readouterr().err == ""

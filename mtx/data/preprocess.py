@@ -65,7 +65,7 @@ def _preprocess(args) -> list[str]:
                              ".bin), so it must be a plain file-name part, not empty, '.' or '..' and without '/' "
                              "or '\\'; pass the fields' names, such as text.")
     _check_prefix(args.output_prefix)
-    if keys_given and args.input:
+    if keys_given and args.input and args.json_keys != ["text"]:  # (the default, as Megatron's scripts pass it)
         _refuse_keys_for_plain_text(args.input, args.json_keys, f"{args.output_prefix}_text_{level}")
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     outputs = [p + suffix for p in prefixes for suffix in (".bin", ".idx")]
