@@ -31,6 +31,7 @@ BIG = str(10**20)
     (["--save", "run/s\udcffv"], "--save 'run/s\\xffv' is not valid UTF-8; pass UTF-8 text (a file or directory: "),
     (["--save=s\udcff"], "--save 's\\xff' is not valid UTF-8"),
     (["--data-path", "a", "b\udcff"], "train.py: 'b\\xff' is not valid UTF-8"),
+    (["--save", "\ud800x"], "--save '\\ud800x' is not valid UTF-8"),  # (through the API): a crash in the message once
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, message):
     with pytest.raises(ValueError) as e:

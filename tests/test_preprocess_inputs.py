@@ -32,7 +32,8 @@ def test_json_keys_are_refused_for_plain_text(tmp_path, refused):
     assert "under each key; pass one key (the plain text then joins its dataset)" in refused(
         ["--input", c, a, "--json-keys", "title", "body", *out])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "c.jsonl"]  # nothing written
-    assert preprocess(["--input", a, *out]) == [f"{tmp_path / 'o'}_text_document"]  # the default key: fine
+    assert preprocess(["--input", a, *out]) == [f"{tmp_path / 'o'}_text_document"]  # the default key: fine,
+    assert preprocess(["--input", a, "--json-keys", "text", *out[:2], "--overwrite", *BYTE])  # given too (Megatron's)
     body = preprocess(["--input", c, a, "--json-keys", "body", *out[:2] + ["--overwrite"], *BYTE])[0]
     assert IndexedDataset(body).num_documents == 2  # one key beside JSONL: the plain text joins its dataset
 
