@@ -101,7 +101,20 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     peers = watch_peers()  # several processes: a peer that stops answering ends this one in a line
-    result = task(loaded)  # every process takes part in the computation
+    import jax
+
+    from mtx.errors import out_of_memory
+
+    try:
+        result = task(loaded)  # every process takes part in the computation
+    except jax.errors.JaxRuntimeError as e:
+        fixes = ["fewer --prompt or --max-new-tokens" if args.task == "generate" else
+                 "a smaller --micro-batch-size or --seq-length",
+                 "the model spread over more devices (--tensor-model-parallel-size, --pipeline-model-parallel-size)"]
+        if (message := out_of_memory(e, fixes)) is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1
     if peers:
         peers.finish()
     if is_main_process():  # and one prints it

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     from mtx.checkpoint import CheckpointError
     from mtx.distributed import is_main_process, lost_peer
-    from mtx.errors import out_of_memory
+    from mtx.errors import out_of_memory, training_memory_fixes
     from mtx.files import run_files
     from mtx.metrics import TrackerError
     from mtx.run_lock import InUse
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
               "intact, and --load resumes from the newest.", file=sys.stderr)
         return 130
     except jax.errors.JaxRuntimeError as e:
-        if (message := out_of_memory(e, plan.cfg)) is not None and jax.process_count() == 1:
+        if (message := out_of_memory(e, training_memory_fixes(plan.cfg))) is not None and jax.process_count() == 1:
             print(f"error: {message}", file=sys.stderr)  # (the run's own files, its lock, were let go on the way)
             return 1
         if (message := message or lost_peer(e, cfg.training.save)) is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 def first_line(error: BaseException, limit: int | None = 200) -> str:
     """The first line of an exception's message (at most `limit` characters, None: all of it; tensorstore's trailing
@@ -11,11 +13,16 @@ def first_line(error: BaseException, limit: int | None = 200) -> str:
     return text or type(error).__name__
 
 
-def out_of_memory(error: BaseException, cfg) -> str | None:
-    """The one-line message of a device running out of memory (XLA's RESOURCE_EXHAUSTED), naming what would make the
-    run fit, or None for any other error."""
+def out_of_memory(error: BaseException, fixes: Sequence[str]) -> str | None:
+    """The one-line message of a device running out of memory (XLA's RESOURCE_EXHAUSTED), naming `fixes` (what would
+    make the work fit), or None for any other error."""
     if "RESOURCE_EXHAUSTED" not in str(error):
         return None
+    return f"a device ran out of memory ({first_line(error)}); try " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}."
+
+
+def training_memory_fixes(cfg) -> list[str]:
+    """What would make a training run fit: a smaller batch or sequence, more recomputation, more model parallelism."""
     t, m, p = cfg.training, cfg.model, cfg.parallel
     fixes = [f"a smaller --micro-batch-size (now {t.micro_batch_size}) or --seq-length (now {m.seq_length})"]
     if t.recompute_granularity != "full":
@@ -23,4 +30,4 @@ def out_of_memory(error: BaseException, cfg) -> str | None:
     fixes.append(f"the model spread over more devices (--tensor-model-parallel-size, now "
                  f"{p.tensor_model_parallel_size}; --pipeline-model-parallel-size, now "
                  f"{p.pipeline_model_parallel_size})")
-    return f"a device ran out of memory ({first_line(error)}); try " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}."
+    return fixes

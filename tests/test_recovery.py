@@ -328,3 +328,21 @@ def test_out_of_memory_is_one_line_naming_the_fixes_and_takes_back_its_new_direc
     assert errors[0].startswith("error: a device ran out of memory (RESOURCE_EXHAUSTED: ")
     assert "a smaller --micro-batch-size (now 1) or --seq-length (now 60000), --recompute-granularity full" in errors[0]
     assert not run.exists()
+
+
+def test_out_of_memory_in_eval_is_one_line(monkeypatch, capsys):
+    import jax
+
+    import eval as eval_script
+    from mtx import eval_tasks
+
+    def task(loaded):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 480253225752 bytes.")
+
+    monkeypatch.setattr(eval_tasks, "prepare", lambda args: (lambda: None, task))
+    for argv, fix in ((["lambada", "--load", "x", "--data-path", "y"], "a smaller --micro-batch-size or --seq-length"),
+                      (["generate", "--load", "x", "--prompt", "hi"], "fewer --prompt or --max-new-tokens")):
+        assert eval_script.main(argv) == 1  # a traceback once
+        assert capsys.readouterr().err == (f"error: a device ran out of memory (RESOURCE_EXHAUSTED: Out of memory "
+                                           f"allocating 480253225752 bytes.); try {fix} or the model spread over more "
+                                           "devices (--tensor-model-parallel-size, --pipeline-model-parallel-size).\n")
