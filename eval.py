@@ -103,14 +103,14 @@ def main(argv=None) -> int:
     peers = watch_peers()  # several processes: a peer that stops answering ends this one in a line
     import jax
 
-    from mtx.errors import out_of_memory
+    from mtx.errors import more_devices, out_of_memory
 
     try:
         result = task(loaded)  # every process takes part in the computation
     except jax.errors.JaxRuntimeError as e:
         fixes = ["fewer --prompt or --max-new-tokens" if args.task == "generate" else
                  "a smaller --micro-batch-size or --seq-length",
-                 "the model spread over more devices (--tensor-model-parallel-size, --pipeline-model-parallel-size)"]
+                 more_devices(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)]
         if (message := out_of_memory(e, fixes)) is None:
             raise
         print(f"error: {message}", file=sys.stderr)

@@ -31,7 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtx.architecture import ADDED_FIELDS, NOT_SHAPING
-from mtx.config import FIELD_SECTION, FIELD_TYPES, Config, ModelConfig
+from mtx.config import FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
 from mtx.files import looks_like_step
@@ -83,7 +83,7 @@ def config_problem(saved) -> str | None:
         for f in dataclasses.fields(cfg.model):
             check_field(f.name, FIELD_TYPES[f.name], getattr(cfg.model, f.name))
         for name in READ_FROM_CHECKPOINTS:
-            check_field(name, FIELD_TYPES[name], getattr(getattr(cfg, FIELD_SECTION[name]), name))
+            check_field(name, FIELD_TYPES[name], cfg.value(name))
     except (ValueError, TypeError) as e:
         return f"its config has a value mtx refuses: {first_line(e)}"
     try:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mtx.config import DERIVED, FIELD_SECTION, FIELD_TYPES, MEGATRON_UNIMPLEMENTED, SECTIONS, Config, load_preset
+from mtx.config import DERIVED, FIELD_TYPES, MEGATRON_UNIMPLEMENTED, SECTIONS, Config, load_preset
 from mtx.schema_checks import LIMITS, RANGES, field_types, flag_name, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
@@ -289,7 +289,7 @@ def check_unused_flags(cfg, given) -> None:
     fine when a flag turns its feature off. With --use-checkpoint-args the model comes from the checkpoint later
     (mtx/resume.py): the rules that depend on it are left out."""
     m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
-    given = {name for name in given if _value(cfg, name) not in (None, False)}
+    given = {name for name in given if cfg.value(name) not in (None, False)}
     by_model = ((("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope", again),
                 (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                   "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
@@ -316,11 +316,6 @@ def check_unused_flags(cfg, given) -> None:
     for names, on, enabler, fix in rules:
         for name in sorted(set(names) & given) if not on else ():
             raise ValueError(f"{flag_name(name)} only acts with {enabler}; {fix}")
-
-
-def _value(cfg, name: str):
-    """A field's value in a Config, by its name."""
-    return getattr(getattr(cfg, FIELD_SECTION[name]), name)
 
 
 def unset_nones(values: dict) -> dict:

@@ -232,10 +232,14 @@ class Config:
         new = dataclasses.replace(
             self, **{s: dataclasses.replace(getattr(self, s), **kw) for s, kw in parts.items() if kw})
         for target, sources in DERIVED.items():
-            given = [s for s in sources if getattr(getattr(new, FIELD_SECTION[s]), s) is not None]
+            given = [s for s in sources if new.value(s) is not None]
             if target in flat and given:
                 raise ValueError(f"{flag_name(given[0])} sets {flag_name(target)}; pass only one of the two.")
         return new
+
+    def value(self, name: str) -> Any:
+        """A field's value by its flat name (`replace`'s), whatever section holds it."""
+        return getattr(getattr(self, FIELD_SECTION[name]), name)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

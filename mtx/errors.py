@@ -27,7 +27,10 @@ def training_memory_fixes(cfg) -> list[str]:
     fixes = [f"a smaller --micro-batch-size (now {t.micro_batch_size}) or --seq-length (now {m.seq_length})"]
     if t.recompute_granularity != "full":
         fixes.append("--recompute-granularity full")
-    fixes.append(f"the model spread over more devices (--tensor-model-parallel-size, now "
-                 f"{p.tensor_model_parallel_size}; --pipeline-model-parallel-size, now "
-                 f"{p.pipeline_model_parallel_size})")
-    return fixes
+    return fixes + [more_devices(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)]
+
+
+def more_devices(tp: int, pp: int) -> str:
+    """The fix of a run or evaluation out of memory that spreads the model wider, naming the sizes it has."""
+    return (f"the model spread over more devices (--tensor-model-parallel-size, now {tp}; "
+            f"--pipeline-model-parallel-size, now {pp})")

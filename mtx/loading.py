@@ -7,7 +7,7 @@ from typing import Any
 import jax
 
 from mtx.checkpoint import Checkpointer
-from mtx.config import FIELD_SECTION, Config
+from mtx.config import Config
 from mtx.parallel.mesh import make_mesh
 from mtx.sharded_model import ShardedModel
 from mtx.state import abstract_state
@@ -52,7 +52,7 @@ KEPT_FOR_INFERENCE = ("micro_batch_size", "seed", "bf16", "fp16", "recompute_gra
 def inference_config(saved: Config) -> Config:
     """The config to evaluate `saved`'s model with: its model with dropout off, the fields KEPT_FOR_INFERENCE, and
     defaults elsewhere."""
-    kept = {name: getattr(getattr(saved, FIELD_SECTION[name]), name) for name in KEPT_FOR_INFERENCE}
+    kept = {name: saved.value(name) for name in KEPT_FOR_INFERENCE}
     return Config(model=saved.model).replace(hidden_dropout=0.0, attention_dropout=0.0, **kept)
 
 

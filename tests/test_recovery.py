@@ -345,4 +345,5 @@ def test_out_of_memory_in_eval_is_one_line(monkeypatch, capsys):
         assert eval_script.main(argv) == 1  # a traceback once
         assert capsys.readouterr().err == (f"error: a device ran out of memory (RESOURCE_EXHAUSTED: Out of memory "
                                            f"allocating 480253225752 bytes.); try {fix} or the model spread over more "
-                                           "devices (--tensor-model-parallel-size, --pipeline-model-parallel-size).\n")
+                                           "devices (--tensor-model-parallel-size, now 1; "
+                                           "--pipeline-model-parallel-size, now 1).\n")
