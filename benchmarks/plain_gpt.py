@@ -78,7 +78,10 @@ def init_params(key, *, vocab, positions, layers, d, f, std):
     }
 
 
-def layer_norm(x, scale, bias, eps=1e-5):
+EPSILON = 1e-5  # GPT-2's LayerNorm epsilon, the one this model computes with
+
+
+def layer_norm(x, scale, bias, eps=EPSILON):
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
@@ -190,7 +193,7 @@ def check_config(cfg, *, gspmd: bool = False, given=()) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     # a preset's model that is not the one built here (the flags that set these are refused as unused)
     blocks = {"--model-type bert": m.is_bert, "--layernorm-placement post": m.layernorm_placement == "post",
-              f"--layernorm-epsilon {m.epsilon}": m.epsilon != 1e-5}
+              f"--layernorm-epsilon {m.epsilon}": m.epsilon != EPSILON}
     if other := [*m.llama_blocks(), *(flag for flag, on in blocks.items() if on)]:
         raise ValueError(f"plain_gpt.py builds GPT-2's model only, not the preset's {', '.join(other)}; benchmark "
                          "that model with benchmarks/bench.py.")
