@@ -18,31 +18,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mtx.config import STEP_FIELDS  # noqa: E402
 from mtx.devices import simulate_cpu_devices  # noqa: E402
-
-
-# The Config fields a benchmark's training step reads (bench.py, compile_probe.py, plain_gpt.py): the model, its mesh
-# and the optimizer, and these of the training and data sections (the batch shape, precision and loss scaling,
-# recomputation, kernels, the seed of init and dropout; BERT's masking of the synthetic batch). Every other train.py
-# flag (the run's length, data, checkpoints, logging, multi-host start) is refused when given, never ignored; a field
-# added to the schema too, until it is listed here.
-STEP_TRAINING_FIELDS = ("micro_batch_size", "global_batch_size", "seed", "bf16", "fp16", "initial_loss_scale",
-                        "loss_scale_window", "min_loss_scale", "recompute_granularity", "recompute_activations",
-                        "scan_layers", "scheduler_memory_percent", "use_flash_attn", "mlm_head_positions",
-                        "mask_prob", "short_seq_prob")
-# ParallelConfig's multi-host flags (mtx/distributed.py's initialize_from): a benchmark runs in one process.
-MULTI_HOST = ("coordinator_address", "num_processes", "process_id", "distributed_timeout",
-              "distributed_timeout_minutes")
-
-
-def step_fields() -> tuple[str, ...]:
-    """The Config fields the training step reads (see STEP_TRAINING_FIELDS)."""
-    import dataclasses
-
-    from mtx.config import SECTIONS
-
-    whole = [f.name for section in ("model", "parallel", "optimizer") for f in dataclasses.fields(SECTIONS[section])]
-    return tuple(name for name in whole if name not in MULTI_HOST) + STEP_TRAINING_FIELDS
 
 
 def parse_flags(own, argv=None, *, uses, description=None):
@@ -200,7 +177,7 @@ def time_steps(run_step, *, steps: int, warmup: int, profile: str | None = None)
 
 def run_cli(measure_fn, argv=None, check=None, *, uses=None, prog="bench.py", description=None) -> int:
     """--steps/--warmup/--json/--profile, the rest train.py flags (those of the fields `uses`, default
-    step_fields()) -> one JSON line on stdout (and appended to --json); a bad flag, or a config that `check` refuses
+    STEP_FIELDS) -> one JSON line on stdout (and appended to --json); a bad flag, or a config that `check` refuses
     (ValueError), is one line on stderr and exit status 2."""
     from mtx.cli import COUNT, WARMUP, OneLineParser, ranged
     from mtx.files import check_json_lines, check_writable, json_line, refuse_empty
@@ -213,7 +190,7 @@ def run_cli(measure_fn, argv=None, check=None, *, uses=None, prog="bench.py", de
     ap.add_argument("--profile", default=None, metavar="DIR", help="trace 2 more steps into this directory and "
                     "summarize them (train.py's --profile switch is not taken here)")
     try:
-        own, cfg = parse_flags(ap, argv, uses=step_fields() if uses is None else uses, description=description)
+        own, cfg = parse_flags(ap, argv, uses=STEP_FIELDS if uses is None else uses, description=description)
         for flag, value, fix in (("--json", own.json, "a file to append the results to"),
                                  ("--profile", own.profile, "a directory for the trace")):
             refuse_empty(value, flag, f"{fix}, or drop {flag}")  # once ignored: no results file, no trace
@@ -245,7 +222,7 @@ def check_mesh(cfg) -> None:
 def main(argv=None) -> int:
     simulate_cpu_devices()
     # (measure reads the compilation cache on GPUs, as train.py does)
-    return run_cli(measure, argv, check=check_mesh, uses=(*step_fields(), "compilation_cache_dir"),
+    return run_cli(measure, argv, check=check_mesh, uses=(*STEP_FIELDS, "compilation_cache_dir"),
                    description=__doc__.split("\n\n")[0])
 
 

@@ -50,7 +50,8 @@ def probe(cfg, out: Path, top: int = 30) -> dict:
 
 
 def main(argv=None) -> int:
-    from benchmarks.bench import parse_flags, step_fields
+    from benchmarks.bench import parse_flags
+    from mtx.config import STEP_FIELDS
     from mtx.cli import OneLineParser, ranged
     from mtx.files import check_writable
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("out", metavar="OUT_DIR", help="directory the compile's trace is written into")
     ap.add_argument("--top", type=ranged(int, ">= 1"), default=30, help="events listed (default: %(default)s)")
     try:
-        own, cfg = parse_flags(ap, argv, uses=step_fields(), description=__doc__.split("\n\n")[0])
+        own, cfg = parse_flags(ap, argv, uses=STEP_FIELDS, description=__doc__.split("\n\n")[0])
         check_writable(own.out, "OUT_DIR")
         import jax
 

@@ -51,14 +51,14 @@ class ParallelConfig:
     overlap_param_gather: bool = _f(
         False, "distributed optimizer: gather each layer's parameters as it runs, overlapped with the layer before")
     coordinator_address: str | None = _f(
-        None, 'multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process')
-    num_processes: int | None = _f(None, "multi-host: processes in the run, one per host")
-    process_id: int | None = _f(None, "multi-host: this process's rank, 0 .. num_processes - 1")
+        None, 'multi-host: host:port of process 0 (or "auto" under SLURM/MPI/TPU); None: one process', step=False)
+    num_processes: int | None = _f(None, "multi-host: processes in the run, one per host", step=False)
+    process_id: int | None = _f(None, "multi-host: this process's rank, 0 .. num_processes - 1", step=False)
     distributed_timeout: int = _f(
-        100, "multi-host: seconds a silent process is waited for before all exit with an error")
+        100, "multi-host: seconds a silent process is waited for before all exit with an error", step=False)
     distributed_timeout_minutes: int | None = _f(
         None, "multi-host: minutes the processes wait for each other to join the run (jax.distributed.initialize's "
-        "initialization_timeout); None: max(--distributed-timeout, 60) seconds")
+        "initialization_timeout); None: max(--distributed-timeout, 60) seconds", step=False)
 
 
 @dataclass(frozen=True)
@@ -81,20 +81,21 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    micro_batch_size: int = _f(4, "sequences per data-parallel rank per microbatch")
-    global_batch_size: int = _f(32, "sequences per optimizer step; accumulation = global / (micro x DP)")
+    micro_batch_size: int = _f(4, "sequences per data-parallel rank per microbatch", step=True)
+    global_batch_size: int = _f(32, "sequences per optimizer step; accumulation = global / (micro x DP)", step=True)
     train_iters: int = _f(300, "optimizer steps")
     train_samples: int | None = _f(None, "training length in samples: --train-iters = this // --global-batch-size")
-    seed: int = _f(1234, "one seed for init, data order and dropout")
-    bf16: bool = _f(False, "bf16 compute, fp32 master weights")
-    fp16: bool = _f(False, "fp16 compute with dynamic loss scaling")
-    initial_loss_scale: float = _f(2.0**16, "starting dynamic loss scale (fp16)")
-    loss_scale_window: int = _f(1000, "good steps before the loss scale doubles")
-    min_loss_scale: float = _f(1.0, "the loss scale never halves below this")
+    seed: int = _f(1234, "one seed for init, data order and dropout", step=True)
+    bf16: bool = _f(False, "bf16 compute, fp32 master weights", step=True)
+    fp16: bool = _f(False, "fp16 compute with dynamic loss scaling", step=True)
+    initial_loss_scale: float = _f(2.0**16, "starting dynamic loss scale (fp16)", step=True)
+    loss_scale_window: int = _f(1000, "good steps before the loss scale doubles", step=True)
+    min_loss_scale: float = _f(1.0, "the loss scale never halves below this", step=True)
     recompute_granularity: str | None = _f(
-        None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)")
-    recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective")
-    scan_layers: bool = _f(True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it")
+        None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)", step=True)
+    recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective", step=True)
+    scan_layers: bool = _f(
+        True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it", step=True)
     compilation_cache_dir: str | None = _f(
         "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "
                             "instead of compiling (none turns it off; CPU runs compile quickly and ignore it)")
@@ -102,12 +103,14 @@ class TrainingConfig:
         None, "GPU: the share (percent) of the memory left beside the step's arguments that XLA's latency-hiding "
               "scheduler may plan into when it moves collectives to overlap compute (XLA's "
               "xla_gpu_memory_limit_slop_factor, for the training step only); lower trades overlap for memory; "
-              "None: XLA's 95")
+              "None: XLA's 95", step=True)
     use_flash_attn: bool = _f(False, "fused attention on GPU (bf16/fp16): cuDNN's flash attention, or with attention "
-                                     "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere")
+                                     "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere",
+                              step=True)
     mlm_head_positions: str = _f("masked", "BERT: where the masked-LM head (dense, GeLU, LayerNorm, logits, loss) "
                                            "runs: masked (only the positions the loss reads, at most round-up("
-                                           "--mask-prob x S) a sequence) | all (every position, as Megatron)")
+                                           "--mask-prob x S) a sequence) | all (every position, as Megatron)",
+                                 step=True)
     log_interval: int = _f(10, "steps between metrics lines")
     eval_interval: int = _f(100, "steps between validation runs; 0 disables")
     eval_iters: int = _f(10, "validation batches per evaluation")
@@ -163,8 +166,9 @@ class DataConfig:
     prefetch_depth: int = _f(2, "training batches prepared ahead on a background thread; 0 prepares each at its step")
     num_workers: int = _f(0, "processes that build training batches (each builds the dataset from these flags, then "
                              "whole batches ahead); 0 builds them on the prefetch thread. For BERT at large batches")
-    mask_prob: float = _f(0.15, "BERT: fraction of tokens masked (80% [MASK], 10% random, 10% kept), whole words")
-    short_seq_prob: float = _f(0.1, "BERT: probability that a sample targets a random shorter length")
+    mask_prob: float = _f(
+        0.15, "BERT: fraction of tokens masked (80% [MASK], 10% random, 10% kept), whole words", step=True)
+    short_seq_prob: float = _f(0.1, "BERT: probability that a sample targets a random shorter length", step=True)
     eod_mask_loss: bool = _f(False, "GPT: no loss where the input token is end-of-document (the next document's "
                                     "first token); the mean is over the other tokens")
     reset_position_ids: bool = _f(False, "GPT: positions restart at 0 after each end-of-document token")
@@ -323,6 +327,11 @@ DERIVED = {"train_iters": ("train_samples",), "lr_decay_iters": ("lr_decay_sampl
 
 FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 FIELD_TYPES = {name: hint for cls in SECTIONS.values() for name, hint in get_type_hints(cls).items()}
+# The fields the training step reads (the train.py flags a benchmark of the step takes, benchmarks/bench.py): the
+# model, mesh and optimizer sections', but for the multi-host start, and the training and data fields marked
+# `step=True` (the batch shape, precision and loss scaling, recomputation, kernels, the seed; BERT's masking).
+STEP_FIELDS = tuple(f.name for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                    if f.metadata.get("step", s in ("model", "parallel", "optimizer")))
 
 
 # Megatron-LM flags of everyday scripts that mtx does not implement: refused by name, never silently ignored (any
