@@ -21,7 +21,7 @@ from mtx.files import same_path
 def described(default: Any, help: str, *, step: bool | None = None) -> Any:
     """A schema field: its default and its help, which `train.py --help` shows for the field's flag (mtx/cli.py).
     `step`: whether the training step reads it, where that differs from its section's rule (mtx/config.py's
-    `step_fields`, the train.py flags a benchmark of the step takes)."""
+    `STEP_FIELDS`, the train.py flags a benchmark of the step takes)."""
     return dataclasses.field(default=default, metadata={"help": help} | ({} if step is None else {"step": step}))
 
 
