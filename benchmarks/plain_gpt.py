@@ -42,6 +42,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.bench import run_cli, time_steps
+from mtx.cli import refuse_idle
 from mtx.devices import simulate_cpu_devices
 from mtx.schema_checks import flag_name
 
@@ -207,9 +208,8 @@ def check_config(cfg, *, gspmd: bool = False, given=()) -> None:
     tp = p.tensor_model_parallel_size if gspmd else 1
     splits = {"tensor_model_parallel_size": p.tensor_model_parallel_size != 1, "sequence_parallel": p.sequence_parallel,
               "data_parallel_size": p.data_parallel_size not in (-1, 1)}  # (one device's sizes are fine without it)
-    if not gspmd and (flags := [flag_name(name) for name, on in splits.items() if on and flag_name(name) in given]):
-        raise ValueError(f"{flags[0]} only acts with --gspmd (without it plain_gpt.py runs on one device); pass "
-                         "--gspmd too, or drop it.")
+    refuse_idle(given, [([flag_name(name) for name, on in splits.items() if on], gspmd,
+                         "with --gspmd (without it plain_gpt.py runs on one device)", "pass --gspmd too, or drop it.")])
     if gspmd and (p.pipeline_model_parallel_size != 1 or p.data_parallel_size not in (-1, 1)):
         raise ValueError("--gspmd splits layers only (tensor parallelism): pass --pipeline-model-parallel-size 1 "
                          "--data-parallel-size 1.")

@@ -41,7 +41,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from mtx.cli import COUNT, OneLineParser, flags_in, ranged  # noqa: E402
+from mtx.cli import COUNT, OneLineParser, flags_in, ranged, refuse_idle  # noqa: E402
 
 CLASSES = (  # first match wins
     ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
@@ -278,15 +278,15 @@ def format_summary(s: dict, step_ms: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def _unused_flags(args) -> tuple:
-    """The flags that act in one report only: (flag, whether it acts with the flags given, where it acts). Given
-    elsewhere they would do nothing: refused."""
-    summary = not (args.calls or args.ticks)
-    return (("--ticks", not args.calls, "without --calls (two reports: pass one)"),
-            ("--devices", args.ticks, "with --ticks"),
-            ("--cycle", args.calls, "with --calls REGEX"), ("--segments", args.calls, "with --calls REGEX"),
-            ("--device", not args.ticks, "without --ticks (--ticks lines up --devices)"),
-            ("--top", summary or args.ticks, "in the summary and with --ticks, not with --calls"))
+def _idle_rules(args) -> tuple:
+    """The flags that act in one report only, as mtx.cli.refuse_idle's rules: given elsewhere they would do
+    nothing."""
+    summary, out = not (args.calls or args.ticks), "leave it out."
+    return ((("--ticks",), not args.calls, "without --calls (two reports: pass one)", out),
+            (("--devices",), args.ticks, "with --ticks", out),
+            (("--cycle", "--segments"), args.calls, "with --calls REGEX", out),
+            (("--device",), not args.ticks, "without --ticks (--ticks lines up --devices)", out),
+            (("--top",), summary or args.ticks, "in the summary and with --ticks, not with --calls", out))
 
 
 def main(argv=None) -> int:
@@ -306,10 +306,7 @@ def main(argv=None) -> int:
                     help="equal runs of a step's calls (forward, backward: 2)")
     try:  # a bad flag, a missing or unreadable trace: one line naming it
         args = ap.parse_args(argv)
-        given = set(flags_in(argv if argv is not None else sys.argv[1:]))
-        for flag, acts, where in _unused_flags(args):
-            if flag in given and not acts:
-                raise ValueError(f"{flag} only acts {where}; leave it out.")
+        refuse_idle(flags_in(argv if argv is not None else sys.argv[1:]), _idle_rules(args))
         if len(set(args.devices)) < len(args.devices):
             raise ValueError(f"--devices {' '.join(map(str, args.devices))} names a device twice; name each once.")
         if not Path(args.trace_dir).is_dir():

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, when run as a script from anywhere
 # (no jax: the rows run in their own processes)
-from mtx.cli import COUNT, WARMUP, OneLineParser, flags_in, ranged  # noqa: E402
+from mtx.cli import COUNT, WARMUP, OneLineParser, flags_in, ranged, refuse_idle  # noqa: E402
 from mtx.files import check_json_lines, json_line, refuse_empty  # noqa: E402  (json_line: a diverged row's NaN as null)
 # The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
 # recompute everything but the matmuls, layers unrolled.
@@ -328,15 +328,15 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the table as a figure into this file")
     ap.add_argument("--env", nargs="*", default=(), metavar="KEY=VALUE",
                     help="extra environment for every row (e.g. NCCL_PROTO=Simple), added to each row's name")
-    # The modes a flag acts in: --list prints row names, --table-only tabulates --baseline, without them rows run.
+    said = {"list": "with --list", "table": "with --table-only", "run": "when rows run"}  # the modes a flag acts in
     acts_in = {"--rows": "list run", "--only": "list run", "--skip": "list run", "--list": "list",
                "--baseline": "table run", "--plot": "table run", "--table-only": "table"}  # any other flag: run
     try:  # a bad flag, or one that would do nothing: one line, exit status 2 (SystemExit, as argparse leaves)
         args = ap.parse_args(argv)
         mode = "list" if args.list else "table" if args.table_only else "run"
-        given = flags_in(sys.argv[1:] if argv is None else argv)
-        if idle := [f for f in given if mode not in acts_in.get(f, "run").split()]:
-            raise ValueError(f"{idle[0]} does nothing with --{'list' if args.list else 'table-only'}; leave it out.")
+        given = list(flags_in(sys.argv[1:] if argv is None else argv))
+        refuse_idle(given, [((f,), mode in modes, " or ".join(said[m] for m in modes), "leave it out.")
+                            for f in given for modes in [acts_in.get(f, "run").split()]])
         if args.table_only and not args.baseline:  # (an empty table, once)
             raise ValueError("--table-only tabulates --baseline records; pass --baseline FILE, or drop --table-only.")
         if bad := [item for item in args.env if not item.partition("=")[0] or "=" not in item]:

@@ -283,13 +283,23 @@ def _is_negative_number(token: str) -> bool:
     return token.startswith("-")
 
 
+def refuse_idle(given, rules) -> None:
+    """The one rule of every mtx tool for a flag that would do nothing: `rules` are (flags, whether they act, where
+    they act, the fix); the first flag of `given` (the flags of the command line) in a rule that does not act is
+    refused: ValueError "FLAG only acts WHERE; FIX"."""
+    given = set(given)
+    for flags, acts, where, fix in rules:
+        if not acts and (idle := sorted(set(flags) & given)):
+            raise ValueError(f"{idle[0]} only acts {where}; {fix}")
+
+
 def check_unused_flags(cfg, given) -> None:
     """A flag given on the command line (`given`: the field names) whose feature is off would do nothing: refused,
     naming what turns it on. Only given flags, and not their off forms (False, 0 or "none"): a preset's setting is
     fine when a flag turns its feature off. With --use-checkpoint-args the model comes from the checkpoint later
     (mtx/resume.py): the rules that depend on it are left out."""
     m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
-    given = {name for name in given if cfg.value(name) not in (None, False)}
+    given = {flag_name(name) for name in given if cfg.value(name) not in (None, False)}
     by_model = ((("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope", again),
                 (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                   "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
@@ -313,9 +323,7 @@ def check_unused_flags(cfg, given) -> None:
              (("distributed_timeout", "distributed_timeout_minutes"), p.coordinator_address is not None,
               "several processes (--coordinator-address)", again),
              *(() if t.use_checkpoint_args else by_model))
-    for names, on, enabler, fix in rules:
-        for name in sorted(set(names) & given) if not on else ():
-            raise ValueError(f"{flag_name(name)} only acts with {enabler}; {fix}")
+    refuse_idle(given, [(map(flag_name, names), on, f"with {enabler}", fix) for names, on, enabler, fix in rules])
 
 
 def unset_nones(values: dict) -> dict:

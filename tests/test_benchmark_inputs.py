@@ -107,9 +107,9 @@ def test_suite_baseline_of_another_shape_is_one_line(tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("argv, fix", [
     (["--table-only"], "--table-only tabulates --baseline records; pass --baseline FILE"),  # an empty table, once
     (["--list", "--only", "zzz"], "no row of --rows 1gpu matches --only zzz"),  # once listed every row
-    (["--list", "--plot", "x.png"], "--plot does nothing with --list"),
-    (["--list", "--steps", "3"], "--steps does nothing with --list"),
-    (["--table-only", "--baseline", "docs/scaling.jsonl", "--out", "x.jsonl"], "--out does nothing with --table-only"),
+    (["--list", "--plot", "x.png"], "--plot only acts with --table-only or when rows run; leave it out."),
+    (["--list", "--steps", "3"], "--steps only acts when rows run; leave it out."),
+    (["--table-only", "--baseline", "docs/scaling.jsonl", "--out", "x.jsonl"], "--out only acts when rows run;"),
     (["--rows", "1gpu", "--skip", "zzz"], "no row of --rows 1gpu matches --skip zzz"),  # a typo would run the rows
     (["--rows", "bogus"], "suite.py: argument --rows: invalid choice: 'bogus'"),  # argparse's usage block, once
 ])
