@@ -333,4 +333,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mtx.errors import exit_with
+
+    exit_with(main)

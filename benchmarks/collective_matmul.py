@@ -232,4 +232,6 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from mtx.errors import exit_with
+
+    exit_with(main)

@@ -226,4 +226,6 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    from mtx.errors import exit_with
+
+    exit_with(cli)

@@ -337,4 +337,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from mtx.errors import exit_with
+
+    exit_with(main)

@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, when run as a script from anywhere
-# (no jax: the rows run in their own processes)
+sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, run from anywhere (no jax: rows run apart)
 from mtx.cli import COUNT, WARMUP, OneLineParser, flags_in, ranged, refuse_idle  # noqa: E402
+from mtx.errors import exit_with  # noqa: E402
 from mtx.files import check_json_lines, json_line, refuse_empty  # noqa: E402  (json_line: a diverged row's NaN as null)
 # The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
 # recompute everything but the matmuls, layers unrolled.
@@ -397,4 +397,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with(main)

@@ -140,4 +140,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from mtx.errors import exit_with
+
+    exit_with(main)

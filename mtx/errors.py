@@ -1,8 +1,11 @@
-"""Error text for mtx's one-line messages."""
+"""Error text for mtx's one-line messages, and how a command line tool ends."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+import select
+import sys
+from typing import Callable, NoReturn, Sequence
 
 
 def first_line(error: BaseException, limit: int | None = 200) -> str:
@@ -34,3 +37,32 @@ def more_devices(tp: int, pp: int) -> str:
     """The fix of a run or evaluation out of memory that spreads the model wider, naming the sizes it has."""
     return (f"the model spread over more devices (--tensor-model-parallel-size, now {tp}; "
             f"--pipeline-model-parallel-size, now {pp})")
+
+
+def exit_with(main: Callable[[], int | None]) -> NoReturn:
+    """A command line tool's end: `sys.exit(main())`, except that a reader of its output that went away (`| head`, a
+    `tee` that was stopped) ends it with one line on stderr and exit status 141 (a shell's "killed by SIGPIPE"), not
+    a traceback; the tool's own cleanup has run on the way (a training run lets its run directory go)."""
+    try:
+        status = main()
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a worker's): not about the output
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        try:
+            print(f"note: {os.path.basename(sys.argv[0])} stopped: the reader of its output went away (a closed pipe).",
+                  file=sys.stderr, flush=True)
+        except OSError:  # stderr went the same way
+            pass
+        status = 141
+    sys.exit(status)
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reading end is closed (the system reports an error on it)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no stdout, or not a file
+        return False

@@ -244,4 +244,6 @@ def save_figure(fig, path: str | Path) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    from mtx.errors import exit_with
+
+    exit_with(main)

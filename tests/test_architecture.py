@@ -87,3 +87,11 @@ def test_the_repository_cites_nothing_outside_itself():
     cited = [f for f in tracked if f != "tests/test_architecture.py" and (ROOT / f).is_file()
              and not f.endswith((".png", ".json")) and pattern.search((ROOT / f).read_text(errors="ignore"))]
     assert not cited, f"files citing something outside the repository: {cited}"
+
+
+def test_every_command_line_tool_ends_through_exit_with():
+    """A reader of a tool's output that goes away (`| head`) ends it in one line, not a traceback (mtx.errors)."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    tools = [f for f in tracked if 'if __name__ == "__main__":' in (ROOT / f).read_text()]
+    bare = [f for f in tools if f != "mtx/convert_llama.py" and "exit_with(" not in (ROOT / f).read_text()]
+    assert len(tools) > 15 and not bare, f"tools that end without mtx.errors.exit_with: {bare}"

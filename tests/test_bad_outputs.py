@@ -252,3 +252,24 @@ def test_outputs_of_a_run_inside_its_own_new_directory_are_refused(tmp_path):
     _refused("--wandb-save-dir .* would put files in the run directory", check_outside, new / "wb", new,
              "--wandb-save-dir")
     check_outside(tmp_path / "elsewhere", new, "--compilation-cache-dir")
+
+
+@pytest.mark.parametrize("tool", [["train.py", "--train-iters", "1", "--run-dir", "RUN"],
+                                  ["benchmarks/suite.py", "--list", "--rows", "1gpu", "2gpu"]])
+def test_a_reader_that_goes_away_ends_a_tool_in_one_line(tool, tmp_path):
+    """`python train.py ... | head -1`: ended in a traceback (BrokenPipeError); now one line, exit status 141, and
+    a training run lets its run directory go on the way (nothing trained: taken back)."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the tool writes
+    argv = [str(tmp_path / "run") if arg == "RUN" else arg for arg in tool]
+    proc = subprocess.run([sys.executable, *argv], cwd=Path(__file__).resolve().parents[1], stdout=write,
+                          stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"note: {Path(tool[0]).name} stopped: the reader of its output went "
+                                                "away (a closed pipe)."]
+    assert not (tmp_path / "run").exists()

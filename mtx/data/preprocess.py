@@ -265,4 +265,6 @@ class _Serial:
 
 
 if __name__ == "__main__":
-    main()
+    from mtx.errors import exit_with
+
+    exit_with(main)
