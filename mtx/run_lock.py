@@ -11,9 +11,11 @@ A lock is stale, and taken over with a notice, when its run is gone. A process o
 the system about the process the lock names when it was written on this host: gone, or this very process (a
 container restarted in place reuses process ids), the lock is stale at once; alive, it holds whatever its age (a run
 stopped with SIGSTOP, a file system that failed a touch). Otherwise (another host's lock, or several processes, which
-must all decide alike and cannot all see that process) a lock untouched for `STALE_S` seconds is stale. So a run
-killed outright (SIGKILL, a lost node) can be resumed at once by a single process on its own host, and after
-`STALE_S` seconds anywhere.
+must all decide alike and cannot all see that process) a lock untouched for `STALE_S` seconds is stale; a younger one
+is watched until it is touched (its run lives: refused) or grows stale (taken over), so that a job requeued after
+its node was lost starts once the lock has gone quiet long enough, instead of being refused. So a run killed
+outright (SIGKILL, a lost node) can be resumed at once by a single process on its own host, and within `STALE_S`
+seconds anywhere.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mtx.files import RUN_LOCK, new_temporary
 
 HEARTBEAT_S = 30.0
 STALE_S = 300.0
+WATCH_S = 1.0  # how often a lock of undecided age is looked at again
 
 
 class InUse(ValueError):
@@ -37,22 +40,28 @@ class InUse(ValueError):
 
 
 def _holder(path: Path) -> tuple[dict | None, float] | None:
-    """(what the lock says, or None if it is not a lock mtx wrote, its age in seconds); None when there is none."""
+    """(what the lock says, or None if it is not a lock mtx wrote, when it was last touched); None when there is
+    none."""
     try:
-        age = time.time() - path.stat().st_mtime
+        touched = path.stat().st_mtime
     except FileNotFoundError:
         return None
     try:
         said = json.loads(path.read_text())
     except (OSError, ValueError):
         said = None
-    return (said if isinstance(said, dict) else None), age
+    return (said if isinstance(said, dict) else None), touched
 
 
-def _alive(said: dict | None, age: float, by_pid: bool) -> bool:
+def _told_by_pid(said: dict, by_pid: bool) -> bool:
+    """Whether a lock's life is told by asking the system about its process (else by its age)."""
+    return by_pid and said.get("host") == socket.gethostname() and isinstance(said.get("pid"), int)
+
+
+def _alive(said: dict | None, touched: float, by_pid: bool) -> bool:
     if said is None:  # damaged (mtx's locks are written whole): no run to wait for
         return False
-    if by_pid and said.get("host") == socket.gethostname() and isinstance(said.get("pid"), int):
+    if _told_by_pid(said, by_pid):
         if said["pid"] == os.getpid():
             return False
         try:
@@ -62,7 +71,7 @@ def _alive(said: dict | None, age: float, by_pid: bool) -> bool:
         except PermissionError:  # alive, another user's
             pass
         return True
-    return age <= STALE_S
+    return time.time() - touched <= STALE_S
 
 
 def _in_use(path: Path, flag: str, said: dict) -> InUse:
@@ -71,12 +80,26 @@ def _in_use(path: Path, flag: str, said: dict) -> InUse:
                  f"outright is taken over {STALE_S:.0f} s after its last sign of life in {path.name}).")
 
 
-def check_free(run_dir: str | Path, flag: str, *, by_pid: bool) -> None:
+def check_free(run_dir: str | Path, flag: str, *, by_pid: bool, quiet: bool = False) -> None:
     """Refuses (InUse, one line) a run directory that a live run holds: before any device work. `by_pid`: this is
-    the run's only process, which may ask the system whether the lock's process lives (module docstring)."""
+    the run's only process, which may ask the system whether the lock's process lives (module docstring). A lock told
+    by its age and not yet stale is watched (a line first, unless `quiet`: the other processes of a run) until it is
+    touched, gone or stale."""
     path = Path(run_dir) / RUN_LOCK
-    if (holder := _holder(path)) and _alive(*holder, by_pid):
-        raise _in_use(path, flag, holder[0])
+    if not ((holder := _holder(path)) and _alive(*holder, by_pid)):
+        return
+    said, touched = holder
+    if _told_by_pid(said, by_pid):
+        raise _in_use(path, flag, said)
+    if not quiet:
+        age = time.time() - touched
+        print(f"mtx: {flag} {path.parent} is held by a run on {said.get('host')} (pid {said.get('pid')}), last alive "
+              f"{age:.0f} s ago; watching for up to {STALE_S - age:.0f} s whether it still lives (its lock is "
+              f"touched every {HEARTBEAT_S:.0f} s) before taking it over.", file=sys.stderr, flush=True)
+    while (holder := _holder(path)) and _alive(*holder, by_pid):
+        if holder[1] != touched:  # touched since (or another run's lock in its place)
+            raise _in_use(path, flag, holder[0] or said)
+        time.sleep(WATCH_S)
 
 
 class RunLock:
@@ -105,7 +128,7 @@ class RunLock:
                     if holder:
                         said = holder[0] or {}
                         print(f"mtx: {self.path} of a run that is gone ({said.get('host', '?')} pid "
-                              f"{said.get('pid', '?')}, last alive {holder[1]:.0f} s ago): taken over.",
+                              f"{said.get('pid', '?')}, last alive {time.time() - holder[1]:.0f} s ago): taken over.",
                               file=sys.stderr)
                     self.path.unlink(missing_ok=True)
                     continue

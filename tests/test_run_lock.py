@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -38,11 +39,26 @@ def test_a_second_run_into_a_directory_in_use_is_refused_before_device_work(tmp_
     _lock(run, os.getppid())  # a live process of this host: the run in progress
     with pytest.raises(ValueError, match=rf"--save {run} is in use by another run \(pid {os.getppid()} on "):
         prepare(TINY.replace(save=str(run)))
-    monkeypatch.setattr(run_lock, "STALE_S", 60.0)
-    _lock(run, 1, host="elsewhere", age=10.0)  # another host's run, alive 10 s ago
-    with pytest.raises(ValueError, match="in use by another run .*pid 1 on elsewhere"):
-        check_free(run, "--run-dir", by_pid=True)
     check_run_dir(run, "--save")  # the lock is mtx's own file: no "files mtx did not write"
+
+
+@pytest.mark.parametrize("by_pid", [True, False])
+def test_a_lock_told_by_its_age_is_watched_until_it_is_touched_or_stale(tmp_path, monkeypatch, capsys, by_pid):
+    """Another host's lock (or any, with several processes) younger than STALE_S: refused once it is touched (its
+    run lives); taken over once stale (a job requeued after its node was lost starts instead of being refused)."""
+    monkeypatch.setattr(run_lock, "WATCH_S", 0.02)
+    monkeypatch.setattr(run_lock, "STALE_S", 30.0)
+    run = tmp_path / "run"
+    path = _lock(run, 1, host="elsewhere", age=10.0)
+    threading.Timer(0.2, os.utime, (path,)).start()  # the other run's heartbeat
+    with pytest.raises(ValueError, match="in use by another run .*pid 1 on elsewhere"):
+        check_free(run, "--run-dir", by_pid=by_pid)
+    assert "held by a run on elsewhere (pid 1), last alive 10 s ago; watching for up to 20 s" in capsys.readouterr().err
+    monkeypatch.setattr(run_lock, "STALE_S", 10.3)
+    _lock(run, 1, host="elsewhere", age=10.0)  # silent from here: stale in 0.3 s
+    started = time.monotonic()
+    check_free(run, "--run-dir", by_pid=by_pid, quiet=True)
+    assert 0.2 < time.monotonic() - started < 5 and not capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["this host, its process gone", "another host, silent too long"])
@@ -92,9 +108,10 @@ def test_whose_lock_is_stale(tmp_path):
     run = tmp_path / "run"
     _lock(run, os.getpid())
     check_free(run, "--save", by_pid=True)
-    _lock(run, _dead_pid())
+    path = _lock(run, _dead_pid())
+    threading.Timer(0.2, os.utime, (path,)).start()  # its heartbeat: alive, whatever the pid says
     with pytest.raises(ValueError, match="in use by another run"):
-        check_free(run, "--save", by_pid=False)
+        check_free(run, "--save", by_pid=False, quiet=True)
     (run / RUN_LOCK).write_text("")
     check_free(run, "--save", by_pid=False)
 
