@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
-from mtx.cli import COUNT, ranged  # noqa: E402
+from mtx.cli import COUNT, OneLineParser, ranged  # noqa: E402
 from mtx.kernels.flash_attention import Blocks, flash_attention  # noqa: E402
 from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
 from mtx.parallel.random import attention_dropout_hashes  # noqa: E402
@@ -54,7 +54,7 @@ def parse_blocks(text: str) -> Blocks:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="attention.py", description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=ranged(int, ">= 1"), default=16)
     ap.add_argument("--seq", type=ranged(int, ">= 1"), default=1024)
     ap.add_argument("--heads", type=ranged(int, ">= 1"), default=16)

@@ -51,7 +51,7 @@ def parse_flags(own, argv=None, *, uses, description=None):
         raise ValueError(f"{unused[0]} is a train.py flag the benchmark does not use (it builds the training step "
                          "of random weights on synthetic batches); drop it.")
     args = ap.parse_args(argv)  # an unknown flag: "did you mean" the closest one the tool takes
-    return args, parse_config(args.train_flags)
+    return args, parse_config(args.train_flags, prog=own.prog)
 
 
 def build_step(cfg):

@@ -21,7 +21,6 @@ directories (config.json + metrics.jsonl), one panel per model and schedule, pre
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import math
@@ -35,7 +34,7 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)
 
-from mtx.cli import add_config_flags, ranged  # noqa: E402
+from mtx.cli import OneLineParser, add_config_flags, ranged  # noqa: E402
 
 PLACEMENTS = ("post", "pre")
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -271,7 +270,7 @@ def from_runs(run_dirs: list[str], out: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="bert_layernorm.py", description=__doc__.split("\n\n")[0])
     # train.py's flags (typed and range-checked by the schema, mtx/cli.py) with this study's defaults
     add_config_flags(p, ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size",
                          "train_iters", "lr", "lr_warmup_iters", "init_method_std", "clip_grad", "seed"),

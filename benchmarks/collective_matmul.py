@@ -41,7 +41,7 @@ from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(2)
 
-from mtx.cli import COUNT, ranged  # noqa: E402
+from mtx.cli import COUNT, OneLineParser, ranged  # noqa: E402
 from mtx.errors import first_line  # noqa: E402
 
 SHAPES = {  # name: (pattern, K, N) on one rank
@@ -194,7 +194,8 @@ def measure(shape: str, tokens: int, mesh, *, iters: int, repeats: int, tune: bo
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="collective_matmul.py", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=ranged(int, ">= 1"), default=[512],
                    help="rows after the gather (micro batch x seq); each rank holds tokens / devices")

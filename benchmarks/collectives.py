@@ -39,7 +39,7 @@ from mtx.files import json_line  # noqa: E402
 
 simulate_cpu_devices(8)
 
-from mtx.cli import COUNT, ranged  # noqa: E402
+from mtx.cli import COUNT, OneLineParser, ranged  # noqa: E402
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "ppermute", "peer_all_gather", "peer_reduce_scatter")
 PEER_WIDTH = {"peer_all_gather": 128, "peer_reduce_scatter": 64}  # the thin matmul's other dimension
@@ -184,7 +184,7 @@ def measure(collective: str, size_bytes: int, mesh, *, width: int = 1536, iters:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="collectives.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=ranged(int, ">= 2"), default=None,
                    help="size of the model axis (default: all devices)")
     p.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))

@@ -24,7 +24,6 @@ Checks:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -37,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script from anywhere
 TINY = os.path.join(ROOT, "configs", "tiny.toml")  # the training checks' model, whatever the working directory
-from mtx.cli import ranged  # noqa: E402
+from mtx.cli import OneLineParser, ranged  # noqa: E402
 from mtx.kernels import flash_attention as flash  # noqa: E402
 from mtx.models.transformer import attention_core, fused_attention  # noqa: E402
 from mtx.parallel.random import attention_dropout_hashes  # noqa: E402
@@ -188,7 +187,7 @@ def collective_matmul(tokens: int, hidden: int, ffn: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="gpu_checks.py", description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=ranged(int, ">= 1"), default=16)
     parser.add_argument("--seq", type=ranged(int, ">= 1"), default=512)
     parser.add_argument("--heads", type=ranged(int, ">= 1"), default=16)

@@ -11,7 +11,6 @@ which also contains the shift communication and the wait of each tick for its bu
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,10 +23,10 @@ def main(argv=None) -> int:
     simulate_cpu_devices(8)
 
     from benchmarks.bench import check_mesh, measure
-    from mtx.cli import COUNT, parse_config, ranged
+    from mtx.cli import COUNT, OneLineParser, parse_config, ranged
     from mtx.files import check_json_lines, json_line, refuse_empty
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="pipeline_bubble.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=ranged(int, ">= 2"), default=2, help="pipeline stages of the pipelined step")
     ap.add_argument("--microbatches", type=ranged(int, COUNT), nargs="+", default=[2, 4, 8])
     ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b", "interleaved"])
@@ -43,7 +42,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--virtual {a.virtual} is for the interleaved schedule; add interleaved to --schedules "
                              "or drop --virtual.")
         refuse_empty(a.json, "--json", "a file to append the results to, or drop --json")
-        base = parse_config(a.flags)
+        base = parse_config(a.flags, prog="pipeline_bubble.py")
         if a.json:
             check_json_lines(a.json, "--json")
         mb = base.training.micro_batch_size

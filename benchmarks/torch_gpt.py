@@ -6,7 +6,6 @@ autocast, fused AdamW), timed like benchmarks/bench.py. Not part of mtx; run on 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
-from mtx.cli import COUNT, WARMUP, ranged  # noqa: E402  (the standard library only: no jax needed)
+from mtx.cli import COUNT, WARMUP, OneLineParser, ranged  # noqa: E402  (the standard library only: no jax needed)
 
 # the timing flags' ranges, as bench.py's; every other number (a size, rope-base, eps) is positive
 RANGES = {"steps": COUNT, "warmup": WARMUP}
@@ -58,7 +57,7 @@ class GPT(nn.Module):
 def parse_args(sizes, argv=None, doc=__doc__):
     """The shape flags (name, default: its type is the flag's; a bool is a switch) of a baseline plus the timing
     flags every baseline shares."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap = OneLineParser(description=doc.splitlines()[0])
     for name, default in [*sizes, ("micro-batch", 8), ("steps", 10), ("warmup", 3)]:
         if isinstance(default, bool):
             ap.add_argument(f"--{name}", action="store_true")

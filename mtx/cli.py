@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mtx.config import DERIVED, FIELD_TYPES, MEGATRON_UNIMPLEMENTED, SECTIONS, Config, load_preset
+from mtx.errors import UsageError
 from mtx.schema_checks import LIMITS, RANGES, field_types, flag_name, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
@@ -28,9 +29,10 @@ _SECTION_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
 _SCHEMA = {f.name: (f, FIELD_TYPES[f.name]) for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """train.py's parser: --config and one flag per schema field, grouped by section."""
-    parser = OneLineParser(prog="train.py",
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    """train.py's parser: --config and one flag per schema field, grouped by section (`prog`: the tool that takes
+    them, which its messages name)."""
+    parser = OneLineParser(prog=prog,
                            description="Train a GPT with tensor and data parallelism (Megatron-LM flags).")
     parser.add_argument("--config", metavar="FILE",
                         help="TOML preset (configs/*.toml) of flat field names; flags override it")
@@ -193,7 +195,7 @@ class OneLineParser(argparse.ArgumentParser):
             owner.error(unknown_flags_message(unknown, known, f"{owner.prog} --help lists the flags"))
 
     def error(self, message):
-        raise ValueError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog}: {message}")
 
 
 def unknown_flags_message(unknown: Iterable[str], known: Iterable[str], hint: str) -> str:
@@ -332,10 +334,11 @@ def unset_nones(values: dict) -> dict:
     return {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in values.items()}
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Flags (and an optional preset) -> a Config. Bad flags raise ValueError, one line naming them: an unknown flag
-    with the closest one mtx has, a missing or mistyped value with its flag."""
-    values = vars(build_parser().parse_args(with_negative_values(argv)))  # "unknown flag --hiden-size; did you mean
+def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Config:
+    """Flags (and an optional preset) -> a Config. Bad flags raise ValueError, one line naming them (and `prog`, the
+    tool they were given to): an unknown flag with the closest one mtx has, a missing or mistyped value with its
+    flag."""
+    values = vars(build_parser(prog).parse_args(with_negative_values(argv)))  # "unknown flag --hiden-size; did you mean
     # --hidden-size?"
     preset = values.pop("config", None)
     fields = load_preset(preset) if preset else {}

@@ -39,12 +39,22 @@ def more_devices(tp: int, pp: int) -> str:
             f"--pipeline-model-parallel-size, now {pp})")
 
 
-def exit_with(main: Callable[[], int | None]) -> NoReturn:
-    """A command line tool's end: `sys.exit(main())`, except that a reader of its output that went away (`| head`, a
-    `tee` that was stopped) ends it with one line on stderr and exit status 141 (a shell's "killed by SIGPIPE"), not
-    a traceback; the tool's own cleanup has run on the way (a training run lets its run directory go)."""
+class UsageError(ValueError):
+    """A command line that a tool's parser refuses (mtx.cli.OneLineParser): one line, exit status 2."""
+
+
+def exit_with(main: Callable[[], object]) -> NoReturn:
+    """A command line tool's end: `sys.exit` with the status `main()` returns (0 if it returns what it wrote, or
+    None). A command line its parser refuses that `main` did not catch is one "error: ..." line, exit status 2; a
+    reader of its output that went away (`| head`, a `tee` that was stopped) ends it with one line on stderr and exit
+    status 141 (a shell's "killed by SIGPIPE"), not a traceback; the tool's own cleanup has run on the way (a training
+    run lets its run directory go)."""
     try:
         status = main()
+        status = status if isinstance(status, int) and not isinstance(status, bool) else 0
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        status = 2
     except BrokenPipeError:
         if not _stdout_gone():  # another pipe (a worker's): not about the output
             raise

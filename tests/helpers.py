@@ -44,3 +44,12 @@ def refused_in_one_line(match: str, fn, *args, **kw) -> str:
         fn(*args, **kw)
     assert "\n" not in str(e.value), str(e.value)
     return str(e.value)
+
+
+def status_and_errors(main, argv, capsys) -> tuple[int, list[str]]:
+    """main(argv), run as its script runs it (mtx.errors.exit_with) -> (its exit status, the lines of stderr)."""
+    from mtx.errors import exit_with
+
+    with pytest.raises(SystemExit) as exited:
+        exit_with(lambda: main(argv))
+    return exited.value.code, capsys.readouterr().err.strip().splitlines()

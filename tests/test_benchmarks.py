@@ -14,11 +14,13 @@ import pytest
 from flax import nnx
 
 from mtx.config import Config, load_preset
+from mtx.errors import UsageError
 from mtx.parallel.mesh import make_mesh
 from mtx.step import TrainStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench, compile_probe, plain_gpt  # noqa: E402
+from helpers import status_and_errors  # noqa: E402
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"), hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -208,7 +210,7 @@ def test_collectives_benchmark_moves_the_right_data_and_reports_bus_bandwidth():
         assert r["devices"] == n and r["time_us"] > 0
         factor = {"all_gather": 0.75, "reduce_scatter": 0.75, "all_reduce": 1.5, "ppermute": 1.0}[r["collective"]]
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor, abs=0.11)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--devices: must be >= 2, got 1"):  # (exit_with: one line, status 2)
         collectives.main(["--devices", "1"])
 
 
@@ -273,15 +275,6 @@ def test_bench_bad_requests_are_one_line(capsys, argv, fix):
     assert err.count("\n") == 0 and fix in err and not measured
 
 
-def _status_and_errors(main, argv, capsys):
-    """main(argv) -> (its exit status, whether returned or raised by argparse; the lines of stderr that say error)."""
-    try:
-        status = main(argv)
-    except SystemExit as e:
-        status = e.code
-    return status, [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-
-
 @pytest.mark.parametrize("script, argv, fix", [
     ("pipeline_bubble", ["--steps", "0", "--schedules", "gpipe"], "argument --steps: must be in [1, 10000], got 0"),
     ("pipeline_bubble", ["--pp", "0"], "argument --pp: must be >= 2, got 0"),  # the config check's traceback, once
@@ -300,6 +293,9 @@ def _status_and_errors(main, argv, capsys):
     ("attention", ["--causal", "2"], "argument --causal: must be in [0, 1], got 2"),
     ("attention", ["--blocks", "64,64"], "argument --blocks: '64,64' is not q,k,big,small,warps,warps_backward"),
     ("gpu_checks", ["--slack", "-1"], "argument --slack: must be >= 0, got -1"),
+    ("bert_layernorm", ["--train-iters", "x"], "bert_layernorm.py: argument --train-iters: invalid"),  # (argparse: a
+    ("collective_matmul", ["--iters", "0"], "collective_matmul.py: argument --iters: must be"),  # usage block, once)
+    ("pipeline_bubble", ["--hidden-size", "8"], "unknown flag --hidden-size; pipeline_bubble.py --help lists"),
     ("suite", ["--steps", "0", "--rows", "1gpu", "--out", "X.jsonl"], "argument --steps: must be in [1, 10000]"),
     ("suite", ["--warmup", "-1"], "argument --warmup: must be in [0, 10000], got -1"),
     ("suite", ["--timeout", "0"], "argument --timeout: must be in [1, 1000000], got 0"),
@@ -313,7 +309,7 @@ def test_benchmark_bad_flags_are_one_line(monkeypatch, capsys, script, argv, fix
     for target, name in ((bench, "measure"), (module, "measure"), (module, "run_row"), (module, "timed")):
         if hasattr(target, name):
             monkeypatch.setattr(target, name, lambda *a, **kw: pytest.fail("measured"))
-    status, errors = _status_and_errors(module.main, argv, capsys)
+    status, errors = status_and_errors(module.main, argv, capsys)
     assert status == 2 and len(errors) == 1 and fix in errors[0], errors
 
 
@@ -323,12 +319,12 @@ def test_benchmarks_that_measured_nothing_fail(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(attention, "timed", lambda *a: 1 / 0)
     shape = ["--batch", "1", "--seq", "8", "--heads", "1", "--head-dim", "8", "--blocks"]
-    assert _status_and_errors(attention.main, shape, capsys) == (1, ["error: no variant ran; see each line's error."])
+    assert status_and_errors(attention.main, shape, capsys) == (1, ["error: no variant ran; see each line's error."])
     monkeypatch.setattr(collectives, "measure", lambda *a, **kw: [{"error": "cannot run here"}])
-    assert _status_and_errors(collectives.cli, ["--collectives", "peer_all_gather"], capsys) == (
+    assert status_and_errors(collectives.cli, ["--collectives", "peer_all_gather"], capsys) == (
         1, ["error: no collective was measured; each line says why."])
     monkeypatch.setattr(suite, "run_row", lambda row, *a: {**row, "result": {"error": "out of memory"}})
-    assert _status_and_errors(suite.main, ["--rows", "1gpu", "--only", "1.2B, 1 GPU, mb 24"], capsys) == (
+    assert status_and_errors(suite.main, ["--rows", "1gpu", "--only", "1.2B, 1 GPU, mb 24"], capsys) == (
         1, ["error: every row failed; the table says why."])
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mtx.errors import UsageError
 from mtx.kernels import collective_matmul as cm, ring_tiles
 from mtx.parallel.mesh import MODEL
 
@@ -155,8 +156,8 @@ def test_collective_matmul_benchmark_runs_xla_and_says_why_the_kernel_cannot(tmp
                                                             ("rs", "kernel"), ("row", "xla"), ("row", "kernel")]
     assert all(r["time_us"] > 0 for r in results[::2]) and all("Hopper" in r["error"] for r in results[1::2])
     assert len(out.read_text().splitlines()) == 6
-    for bad in (["--tokens", "7"], ["--iters", "0"]):
-        with pytest.raises(SystemExit):
+    for bad, said in ((["--tokens", "7"], "--tokens 7: must be a positive multiple"), (["--iters", "0"], "--iters")):
+        with pytest.raises(UsageError, match=said):  # (exit_with: one line, status 2)
             benchmark.main(bad)
 
 
