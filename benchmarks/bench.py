@@ -195,7 +195,7 @@ def run_cli(measure_fn, argv=None, check=None, *, uses=None, prog="bench.py", de
                                  ("--profile", own.profile, "a directory for the trace")):
             refuse_empty(value, flag, f"{fix}, or drop {flag}")  # once ignored: no results file, no trace
         if own.json:  # appended to: an existing file of results is fine, any other file refused
-            check_json_lines(own.json, "--json")
+            check_json_lines(own.json, "--json", ("step_s",))
         if own.profile:
             check_writable(own.profile, "--profile")
         if check is not None:

@@ -209,7 +209,7 @@ def main(argv=None) -> list[dict]:
         from mtx.files import check_json_lines
 
         try:
-            check_json_lines(args.out, "--out")
+            check_json_lines(args.out, "--out", ("pattern", "impl"))
         except ValueError as e:
             p.error(str(e))
 

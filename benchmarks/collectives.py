@@ -200,7 +200,7 @@ def main(argv=None) -> list[dict]:
     try:
         refuse_empty(args.out, "--out", "a file to append the results to, or drop --out")
         if args.out:
-            check_json_lines(args.out, "--out")
+            check_json_lines(args.out, "--out", ("collective",))
     except ValueError as e:
         p.error(str(e))
 

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         refuse_empty(a.json, "--json", "a file to append the results to, or drop --json")
         base = parse_config(a.flags, prog="pipeline_bubble.py")
         if a.json:
-            check_json_lines(a.json, "--json")
+            check_json_lines(a.json, "--json", ("pp", "schedule", "measured_bubble"))
         mb = base.training.micro_batch_size
         runs = []  # per microbatch count: the step without pipelining, and the pipelined step of each schedule
         for m in a.microbatches:

@@ -363,7 +363,7 @@ def main(argv=None) -> int:
             refuse_empty(getattr(args, flag[2:]), flag, "a file, or drop " + flag)
         earlier = _read_records(args.baseline)
         if args.out:
-            check_json_lines(args.out, "--out")
+            check_json_lines(args.out, "--out", ("name", "result"))
         if args.plot:
             from mtx.plot import check_png_path, pyplot
 

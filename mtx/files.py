@@ -65,9 +65,10 @@ def check_new_files(paths, flag: str, *, overwrite: bool = False, overwrite_flag
         check_writable(p.parent, flag)
 
 
-def check_json_lines(path: str | Path, flag: str) -> None:
-    """Refuses a results file to append to unless it is new, or JSON lines already (a file of results a benchmark
-    appended before): appending to any other file would change a file mtx did not write."""
+def check_json_lines(path: str | Path, flag: str, keys: tuple[str, ...]) -> None:
+    """Refuses a results file to append to unless it is new, or holds results of the same tool already (JSON lines,
+    each an object with the `keys` of the tool's records): appending to any other file, even JSON lines of another
+    kind (a corpus for mtx.data.preprocess), would change a file mtx did not write."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a directory; pass a file to append the results to.")
@@ -76,9 +77,9 @@ def check_json_lines(path: str | Path, flag: str) -> None:
             records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         except (OSError, ValueError):
             records = None
-        if records is None or not all(isinstance(r, dict) for r in records):
-            raise ValueError(f"{flag} {path} exists and is not a JSON-lines file of results; mtx appends only to "
-                             "those: choose a new file.")
+        if records is None or not all(isinstance(r, dict) and set(keys) <= r.keys() for r in records):
+            raise ValueError(f"{flag} {path} exists and is not a JSON-lines file of this tool's results (records "
+                             f"with {', '.join(keys)}); mtx appends only to those: choose a new file.")
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path} is not writable; choose a file you can write.")
     check_writable(path.parent, flag)

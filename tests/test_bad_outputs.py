@@ -63,15 +63,19 @@ def test_a_place_where_nothing_can_be_created_is_refused_even_as_root(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_results_are_appended_only_to_a_json_lines_file(tmp_path):
-    notes = tmp_path / "notes.txt"
+def test_results_are_appended_only_to_a_file_of_the_tools_results(tmp_path):
+    notes, corpus = tmp_path / "notes.txt", tmp_path / "corpus.jsonl"
     notes.write_text("two lines\nof the user's\n")
-    _refused("--json .*notes.txt exists and is not a JSON-lines file of results", check_json_lines, notes, "--json")
+    corpus.write_text(json.dumps({"text": "a document"}) + "\n")  # JSON lines, but mtx.data.preprocess's input
+    for path in (notes, corpus):  # (the corpus was once appended to)
+        _refused(f"--json .*{path.name} exists and is not a JSON-lines file of this tool's results \\(records with "
+                 "step_s\\)", check_json_lines, path, "--json", ("step_s",))
     results = tmp_path / "r.jsonl"
     results.write_text(json.dumps({"step_s": 0.1}) + "\n\n")
-    check_json_lines(results, "--json")
-    check_json_lines(tmp_path / "new.jsonl", "--json")
-    _refused("is a directory", check_json_lines, tmp_path, "--json")
+    check_json_lines(results, "--json", ("step_s",))
+    _refused("not a JSON-lines file of this tool's", check_json_lines, results, "--out", ("collective",))
+    check_json_lines(tmp_path / "new.jsonl", "--json", ("step_s",))
+    _refused("is a directory", check_json_lines, tmp_path, "--json", ("step_s",))
 
 
 def test_a_resume_drops_a_metrics_line_that_a_kill_cut_short(tmp_path):

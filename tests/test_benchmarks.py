@@ -256,7 +256,7 @@ def test_bench_bad_flag_is_one_line(capsys):
     (["--data-parallel-size", "16"], "lower the parallel sizes"),
     (["--json", "/proc/version/out.jsonl"], "choose another path"),
     (["--json", "/"], "pass a file to append the results to"),
-    (["--json", "README.md"], "exists and is not a JSON-lines file of results"),  # was appended to
+    (["--json", "README.md"], "exists and is not a JSON-lines file of this tool"),  # was appended to
     (["--json", ""], "--json is empty; pass a file to append the results to, or drop --json."),  # once ignored
     (["--profile", " "], "--profile is empty; pass a directory for the trace, or drop --profile."),  # once ignored
     (["--load", "/nonexistent"], "--load is a train.py flag the benchmark does not use"),  # once timed random weights
@@ -331,11 +331,11 @@ def test_benchmarks_that_measured_nothing_fail(monkeypatch, capsys, tmp_path):
 def test_bench_appends_to_an_existing_json_file(tmp_path):
     """--json appends: a file of earlier results is accepted (and kept), not refused."""
     out = tmp_path / "results.jsonl"
-    out.write_text('{"earlier": 1}\n')
+    out.write_text('{"step_s": 2.0}\n')
     measured = []
     assert bench.run_cli(lambda cfg, **kw: measured.append(cfg) or {"step_s": 1.0},
                          ["--config", "configs/tiny.toml", "--json", str(out)]) == 0
-    assert len(measured) == 1 and out.read_text().splitlines() == ['{"earlier": 1}', '{"step_s": 1.0}']
+    assert len(measured) == 1 and out.read_text().splitlines() == ['{"step_s": 2.0}', '{"step_s": 1.0}']
 
 
 def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, capsys):
