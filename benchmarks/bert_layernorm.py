@@ -68,17 +68,21 @@ def compare(*, num_layers: int = 24, hidden_size: int = 64, num_attention_heads:
             baseline: dict | None = None) -> dict[str, list[float]]:
     """Training losses of every step for each LayerNorm placement: {"post": [...], "pre": [...]}, each
     `train_iters` long (inf where the loss overflowed). One device, fp32, no dropout: the runs differ only in the
-    placement. Without `vocab_file`, a vocabulary of `vocab_words` words is built from the data (run_dir/vocab.txt).
-    A `baseline` dict gets "masked_unigram": the loss a model that ignores the context reaches on these batches."""
+    placement. `run_dir`, a directory that must not exist yet (default: runs/bert_layernorm-<time>), holds the runs
+    (run_dir/post, run_dir/pre) and, without `vocab_file`, the vocabulary of `vocab_words` words built from the data
+    (run_dir/vocab.txt). A `baseline` dict gets "masked_unigram": the loss a model that ignores the context reaches on
+    these batches. Bad settings are refused (ValueError) before anything is written."""
     from mtx.config import Config
+    from mtx.files import check_writable, not_a_file
     from mtx.run import train
 
     data_path = data_path or str(default_data())
+    if not Path(data_path).is_file():
+        raise ValueError(f"--data-path {data_path} {not_a_file(data_path)}; pass a text file.")
     run_dir = Path(run_dir or f"runs/bert_layernorm-{time.strftime('%Y%m%d-%H%M%S')}")
-    if vocab_file is None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        vocab_file = str(run_dir / "vocab.txt")
-        Path(vocab_file).write_text("\n".join(build_vocab(Path(data_path).read_text(), vocab_words)) + "\n")
+    if run_dir.exists():  # (its runs and vocabulary are this study's own: never over an earlier one's, or a user's)
+        raise ValueError(f"{run_dir} exists already; the study's runs go into a new directory.")
+    check_writable(run_dir, "the runs' directory")
     base = Config().replace(
         model_type="bert", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         seq_length=seq_length, micro_batch_size=global_batch_size, global_batch_size=global_batch_size,
@@ -86,7 +90,13 @@ def compare(*, num_layers: int = 24, hidden_size: int = 64, num_attention_heads:
         init_method_std=init_method_std, clip_grad=clip_grad,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1, data_parallel_size=1,
         log_interval=max(1, train_iters // 10), eval_interval=0, split="1,0,0", data_path=(data_path,),
-        vocab_file=vocab_file)
+        vocab_file=vocab_file or str(run_dir / "vocab.txt"))
+    for placement in placements:
+        base.replace(layernorm_placement=placement).validate(1)
+    if vocab_file is None:
+        text = Path(data_path).read_text()
+        run_dir.mkdir(parents=True)
+        (run_dir / "vocab.txt").write_text("\n".join(build_vocab(text, vocab_words)) + "\n")
     from mtx.parallel.mesh import make_mesh
     import jax
 
@@ -286,7 +296,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-file", help="a WordPiece vocab.txt (default: build one of --vocab-words words)")
     p.add_argument("--vocab-words", type=ranged(int, ">= 1"), default=500,
                    help="words in the vocabulary built from the data")
-    p.add_argument("--out", default="runs/bert_layernorm", help="folder for the JSON, the PNG and the runs")
+    p.add_argument("--out", default="runs/bert_layernorm", help="folder for the JSON, the PNG and the runs (each "
+                   "study's in a new runs/<time> of its own)")
     p.add_argument("--from-runs", nargs="+", metavar="RUN_DIR",
                    help="plot these train.py run directories (a pre- and a post-LN run of each model) instead")
     p.add_argument("--overwrite", action="store_true", help="replace the JSON and PNG if --out holds them already")
@@ -312,7 +323,7 @@ def main(argv=None) -> int:
     baseline: dict = {}
     start = time.perf_counter()
     try:
-        curves = compare(**settings, run_dir=out / "runs", baseline=baseline)
+        curves = compare(**settings, run_dir=out / "runs" / time.strftime("%Y%m%d-%H%M%S"), baseline=baseline)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

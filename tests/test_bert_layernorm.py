@@ -97,3 +97,21 @@ def test_from_runs_pairs_the_placements_of_each_model(tmp_path):
     dirs.append(str(tmp_path / "d"))
     assert study.main(["--from-runs", *dirs, "--out", str(tmp_path / "out")]) == 2
     assert study.main(["--from-runs", *dirs, "--out", str(tmp_path / "out"), "--overwrite"]) == 0
+
+
+def test_the_study_writes_into_a_new_directory_of_its_own_and_only_after_its_checks(bert_toy, tmp_path):
+    """A vocab.txt of the user's where the study's runs went, or bad settings: refused before anything is written
+    (the vocabulary once replaced the user's file, then the settings were refused)."""
+    import pytest
+
+    _, corpus = bert_toy
+    mine = tmp_path / "runs" / "vocab.txt"
+    mine.parent.mkdir()
+    mine.write_text("the user's")
+    with pytest.raises(ValueError, match="exists already; the study's runs go into a new directory"):
+        study.compare(data_path=str(corpus), run_dir=mine.parent)
+    with pytest.raises(ValueError, match="not divisible by --num-attention-heads 3"):
+        study.compare(num_attention_heads=3, data_path=str(corpus), run_dir=tmp_path / "runs" / "new")
+    with pytest.raises(ValueError, match="--data-path .*absent no such file"):
+        study.compare(data_path=str(tmp_path / "absent"), run_dir=tmp_path / "runs" / "new")
+    assert mine.read_text() == "the user's" and sorted(p.name for p in tmp_path.rglob("*")) == ["runs", "vocab.txt"]
