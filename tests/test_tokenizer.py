@@ -81,7 +81,14 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
     (lambda d: d.mkdir(), "holds no tokenizer.json"),
     (lambda d: (d.mkdir(), (d / "tokenizer.json").write_text("{}")), "does not load as a tokenizer.json"),
     (lambda d: (d.mkdir(), (d / "tokenizer.json").write_bytes(b"\xff\xfe")), "does not load as a tokenizer.json"),
-    (lambda d: _hf_tokenizer(d, eos="</s>"), "eos_token '</s>' is not in the vocabulary"),
+    (lambda d: _hf_tokenizer(d, eos="</s>"), "eos_token '</s>' is not in the vocabulary\\); name one of its tokens"),
+    # a tokenizer_config.json that does not read was passed over for a fallback token (another end-of-document id)
+    (lambda d: (_hf_tokenizer(d, eos=None), (d / "tokenizer_config.json").write_text('{"eos_token": "<pad>",}')),
+     "tokenizer_config.json is not readable JSON .*; mend it, or remove it"),
+    (lambda d: (_hf_tokenizer(d, eos=None), (d / "tokenizer_config.json").write_text('{"eos_token": 1}')),
+     "tokenizer_config.json must be a JSON object whose eos_token is a token's text .*; got 1"),
+    (lambda d: (_hf_tokenizer(d, eos=None), (d / "tokenizer_config.json").write_text('["<pad>"]')),
+     'must be a JSON object .*; got \\["<pad>"\\]'),
 ])
 def test_hugging_face_tokenizer_errors_are_one_line(tmp_path, setup, message):
     setup(tmp_path / "tok")

@@ -217,11 +217,11 @@ class HuggingFaceTokenizer:
             raise ValueError(f"--tokenizer-model {given}: tokenizer.json has an empty vocabulary; pass the directory "
                              "of a trained tokenizer.")
         self.vocab_size = max(vocab.values()) + 1
-        eos = _configured_eos(folder)
+        eos = _configured_eos(folder, given)
         names = [eos] if eos is not None else [t for t in _EOD_CANDIDATES if t in vocab]
         if not names or names[0] not in vocab:
             raise ValueError(f"--tokenizer-model {given}: no end-of-document token (tokenizer_config.json's eos_token "
-                             f"{eos!r} is not in the vocabulary)" if eos is not None else
+                             f"{eos!r} is not in the vocabulary); name one of its tokens there." if eos is not None else
                              f"--tokenizer-model {given}: no end-of-document token (no eos_token in "
                              f"tokenizer_config.json, none of {', '.join(_EOD_CANDIDATES)} in the vocabulary); "
                              "add an eos_token to tokenizer_config.json.")
@@ -234,13 +234,26 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=False)
 
 
-def _configured_eos(folder: Path) -> str | None:
-    """tokenizer_config.json's eos_token (a string, or an AddedToken dict's content), if the file names one."""
-    try:
-        eos = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("eos_token")
-    except (OSError, ValueError, AttributeError):
+def _configured_eos(folder: Path, given: str) -> str | None:
+    """tokenizer_config.json's eos_token (a string, or an AddedToken dict's content); None without the file or the
+    key (or with null, as Hugging Face writes "none"). A file that is there but unreadable, or an eos_token of
+    another kind, is refused (it was once passed over for a fallback token: another end-of-document id)."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
         return None
-    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+    where = f"--tokenizer-model {given}: {path.name}"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where} is not readable JSON ({first_line(e)}); mend it, or remove it to use the "
+                         "tokenizer's own end-of-document token.") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(config, dict) or not (eos is None or isinstance(eos, str)):
+        raise ValueError(f"{where} must be a JSON object whose eos_token is a token's text (or {{\"content\": ...}}); "
+                         f"got {json.dumps(eos if isinstance(config, dict) else config)[:60]}.")
+    return eos
 
 
 def _basic_tokenize(text: str) -> list[str]:
