@@ -17,9 +17,9 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mtx.config import DERIVED, FIELD_TYPES, MEGATRON_UNIMPLEMENTED, SECTIONS, Config, load_preset
+from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
 from mtx.errors import UsageError
-from mtx.schema_checks import LIMITS, RANGES, field_types, flag_name, in_range
+from mtx.schema_checks import LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, field_types, flag_name, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.

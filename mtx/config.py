@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
 from mtx.files import not_a_file
-from mtx.schema_checks import check_combinations, check_field, described as _f, flag_name
+from mtx.schema_checks import MEGATRON_UNIMPLEMENTED, check_combinations, check_field, described as _f, flag_name
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,10 @@ class Config:
         """Megatron's derived settings, recomputed whenever the config changes: sample counts and the warmup fraction
         set the step counts the schedule and the loop read, --recompute-activations the recompute granularity.
         Values a check would refuse are left alone for `validate` to name."""
+        for section, names in PATH_FIELDS.items():  # "~/ckpt" from a preset or a quoted flag: the home directory's
+            part = getattr(self, section)
+            object.__setattr__(self, section, dataclasses.replace(part, **{
+                name: _expand_user(getattr(part, name)) for name in names}))
         t, o = self.training, self.optimizer
         gbs = t.global_batch_size
         if not _is_count(gbs) or gbs < 1:
@@ -334,21 +339,16 @@ STEP_FIELDS = tuple(f.name for s, cls in SECTIONS.items() for f in dataclasses.f
                     if f.metadata.get("step", s in ("model", "parallel", "optimizer")))
 
 
-# Megatron-LM flags of everyday scripts that mtx does not implement: refused by name, never silently ignored (any
-# other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
-MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
-    use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
-    expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
-    rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
-    no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
-    accumulate-allreduce-grads-in-fp32 recompute-method
-    recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
-    end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
-    fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
-    log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
-    log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
-    """.split())
+# The fields that name files or directories, by section: a leading "~" is the home directory wherever the value comes
+# from (the shell expands it only on an unquoted command line; a preset's "~/ckpt" once went to ./~/ckpt).
+PATH_FIELDS = {"training": ("compilation_cache_dir", "save", "load", "run_dir", "tensorboard_dir", "wandb_save_dir"),
+               "data": ("data_path", "vocab_file", "merge_file", "tokenizer_model")}
+
+
+def _expand_user(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):  # --data-path's files (a blend's weights are left as they are)
+        return type(value)(_expand_user(v) for v in value)
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 def _is_count(value: Any) -> bool:

@@ -367,3 +367,20 @@ def _check_pipeline(cfg) -> None:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+# Megatron-LM flags of everyday scripts that mtx does not implement: refused by name, never silently ignored (any
+# other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
+MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
+    use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
+    expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
+    rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
+    no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
+    accumulate-allreduce-grads-in-fp32 recompute-method
+    recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
+    end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
+    fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
+    train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
+    log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
+    log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
+    """.split())

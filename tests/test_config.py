@@ -299,3 +299,14 @@ def test_a_flag_whose_feature_is_off_is_refused(argv, enabler):
     parse_config(["--load", "ck", "--use-checkpoint-args", "--mask-prob", "0.2", "--bias-swiglu-fusion"])
     cfg = parse_config(["--config", "configs/llama_8b.toml", "--no-use-rope-scaling"])
     assert not cfg.model.use_rope_scaling and cfg.model.rope_scaling_factor != 1
+
+
+def test_a_home_directory_in_a_preset_or_a_quoted_flag_is_the_users(tmp_path, monkeypatch):
+    """The shell expands ~ only on an unquoted command line: a preset's "~/ckpt" once trained into ./~/ckpt."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    preset = tmp_path / "p.toml"
+    preset.write_text('save = "~/ckpt"\ndata_path = ["0.7", "~/a", "0.3", "b~"]\nvocab_file = "~/vocab.json"\n')
+    cfg = parse_config(["--config", str(preset), "--tensorboard-dir", "~/tb"])
+    assert (cfg.training.save, cfg.training.tensorboard_dir) == (f"{tmp_path}/ckpt", f"{tmp_path}/tb")
+    assert cfg.data.data_path == ("0.7", f"{tmp_path}/a", "0.3", "b~") and cfg.data.vocab_file == f"{tmp_path}/vocab.json"
+    assert Config().replace(load="~").training.load == str(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from mtx.cli import build_parser, parse_config
-from mtx.config import MEGATRON_UNIMPLEMENTED
+from mtx.schema_checks import MEGATRON_UNIMPLEMENTED
 from mtx.config import Config, load_preset
 from mtx.data.documents import document_fields
 from mtx.evaluation import make_scorer
