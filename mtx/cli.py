@@ -19,6 +19,7 @@ from typing import Any
 
 from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
 from mtx.errors import UsageError
+from mtx.files import refuse_empty
 from mtx.schema_checks import LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, field_types, flag_name, in_range
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
@@ -341,7 +342,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Confi
     values = vars(build_parser(prog).parse_args(with_negative_values(argv)))  # "unknown flag --hiden-size; did you mean
     # --hidden-size?"
     preset = values.pop("config", None)
-    fields = load_preset(preset) if preset else {}
+    refuse_empty(preset, "--config", "a preset file such as configs/gpt2_124m.toml, or drop --config")  # (once the
+    fields = load_preset(preset) if preset is not None else {}  # default run, silently)
     for target, sources in DERIVED.items():  # a count the command line sets replaces the preset's way of setting it
         if any(name in values for name in (target, *sources)):
             for name in (target, *sources):

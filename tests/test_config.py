@@ -310,3 +310,10 @@ def test_a_home_directory_in_a_preset_or_a_quoted_flag_is_the_users(tmp_path, mo
     assert (cfg.training.save, cfg.training.tensorboard_dir) == (f"{tmp_path}/ckpt", f"{tmp_path}/tb")
     assert cfg.data.data_path == ("0.7", f"{tmp_path}/a", "0.3", "b~") and cfg.data.vocab_file == f"{tmp_path}/vocab.json"
     assert Config().replace(load="~").training.load == str(tmp_path)
+
+
+def test_an_empty_config_is_refused():
+    """--config "$PRESET" with PRESET unset once trained the default model, silently."""
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match="^--config is empty; pass a preset file such as configs/gpt2_124m.toml"):
+            parse_config(["--config", empty])
