@@ -12,12 +12,15 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
-from mtx.cli import COUNT, WARMUP, OneLineParser, ranged  # noqa: E402  (the standard library only: no jax needed)
+from mtx.errors import script_needs  # noqa: E402  (mtx.cli and mtx.errors: the standard library only, no jax)
+
+script_needs("torch", "pip install torch; the GPU machine has it", __name__)
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from mtx.cli import COUNT, WARMUP, OneLineParser, ranged  # noqa: E402
 
 # the timing flags' ranges, as bench.py's; every other number (a size, rope-base, eps) is positive
 RANGES = {"steps": COUNT, "warmup": WARMUP}

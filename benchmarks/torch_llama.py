@@ -16,11 +16,14 @@ import os
 import sys
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mtx.errors import script_needs  # noqa: E402
+
+script_needs("torch", "pip install torch; the GPU machine has it", __name__)
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.torch_gpt import parse_args, time_training  # noqa: E402
 

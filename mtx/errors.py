@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import select
 import sys
@@ -76,3 +77,11 @@ def _stdout_gone() -> bool:
         return any(events & select.POLLERR for _, events in poll.poll(0))
     except (AttributeError, OSError, ValueError):  # no stdout, or not a file
         return False
+
+
+def script_needs(module: str, install: str, name: str) -> None:
+    """A script (`name`: its __name__, "__main__" when run as one) that `module` is missing from ends in one line,
+    exit status 2, `install` saying how to get it (a traceback once, even for --help); imported, nothing is done."""
+    if name == "__main__" and importlib.util.find_spec(module) is None:
+        print(f"error: {os.path.basename(sys.argv[0])} needs {module} ({install}).", file=sys.stderr)
+        sys.exit(2)

@@ -186,3 +186,18 @@ def test_profile_summary_of_no_trace_is_one_line(tmp_path, capsys, data, fix):
 ])
 def test_profile_summary_refuses_flags_that_do_nothing(tmp_path, capsys, argv, fix):
     assert fix in _refused(profile_summary.main, [str(_cpu_trace(tmp_path / "t")), *argv], capsys)
+
+
+def test_a_script_missing_a_module_ends_in_one_line(capsys, monkeypatch):
+    """torch_gpt.py and torch_llama.py without torch (CI's case): a traceback once, even for --help."""
+    from mtx.errors import script_needs
+
+    script_needs("no_such_module_of_mtx", "pip install it", "benchmarks.torch_gpt")  # imported: nothing done
+    monkeypatch.setattr(sys, "argv", ["benchmarks/torch_gpt.py", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        script_needs("no_such_module_of_mtx", "pip install it", "__main__")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "error: torch_gpt.py needs no_such_module_of_mtx (pip install it).\n"
+    for script in ("torch_gpt.py", "torch_llama.py"):
+        source = (Path(__file__).resolve().parents[1] / "benchmarks" / script).read_text()
+        assert source.index('script_needs("torch"') < source.index("import torch")
