@@ -8,7 +8,7 @@ code 2 before any device work. Without an accelerator it runs on 8 simulated CPU
 
 import sys
 
-from mtx.cli import OneLineParser, add_config_flags, ranged, with_negative_values
+from mtx.cli import OneLineParser, add_config_flags, flags_in, ranged, refuse_idle, with_negative_values
 from mtx.devices import simulate_cpu_devices
 from mtx.files import json_line
 
@@ -84,13 +84,31 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def idle_rules(args) -> list:
+    """The flags that a task, as the others set it, would not read: mtx.cli.refuse_idle's rules."""
+    again = "pass that too, or leave it out."
+    rules = [(("--distributed-timeout", "--distributed-timeout-minutes"), args.coordinator_address is not None,
+              "with several processes (--coordinator-address)", again)]
+    if args.task == "wikitext":  # a dry run reads the checkpoint's config (tokenizer, sequence length), no model
+        rules.append((("--micro-batch-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                       "--data-parallel-size", "--bf16", "--no-bf16"), not args.dry_run,
+                      "with a model, not with --dry-run (which counts tokens and windows)", "leave it out."))
+    if args.task == "generate":
+        rules.append((("--top-k", "--top-p", "--seed"), args.temperature > 0,
+                      "with a --temperature above 0 (0 is greedy: nothing is sampled)",
+                      "drop it, or pass a temperature above 0."))
+    return rules
+
+
 def main(argv=None) -> int:
     from mtx.devices import devices
     from mtx.distributed import initialize_from, is_main_process, watch_peers
     from mtx.eval_tasks import prepare
 
     try:  # bad input fails here, in one line that names the fix, before any device work
-        args = build_parser().parse_args(with_negative_values(argv))
+        argv = with_negative_values(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(argv)
+        refuse_idle(flags_in(argv), idle_rules(args))
         initialize_from(args)  # before any device is asked for
         devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         load, task = prepare(args)  # mtx/eval_tasks.py

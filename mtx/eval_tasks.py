@@ -72,9 +72,6 @@ def prepare(args):
     prompts = [tokenizer.encode(p) for p in args.prompt]
     if not all(prompts):
         raise ValueError("--prompt is empty; pass some text to continue.")
-    if args.temperature == 0 and (args.top_k or args.top_p < 1):  # greedy: the filters change nothing
-        raise ValueError("--top-k and --top-p filter what is sampled, and --temperature 0 samples nothing (greedy); "
-                         "drop them, or pass a temperature above 0.")
 
     def sample(loaded):
         from mtx.generate import generate

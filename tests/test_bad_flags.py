@@ -115,3 +115,22 @@ def test_an_optional_number_of_a_preset_is_unset_by_none(tmp_path):
     assert parse_config(["--config", str(tmp_path / "c.toml")]).model.ffn_hidden_size == 128
     unset = parse_config(["--config", str(tmp_path / "c.toml"), "--ffn-hidden-size", "none"])
     assert unset.model.ffn_hidden_size is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--load", "x", "--prompt", "hi", "--temperature", "0", "--seed", "7"],
+     "--seed only acts with a --temperature above 0 (0 is greedy: nothing is sampled); drop it, or pass"),
+    (["wikitext", "--data-path", "x", "--dry-run", "--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size only acts with a model, not with --dry-run (which counts tokens and windows)"),
+    (["wikitext", "--data-path", "x", "--dry-run", "--no-bf16"], "--no-bf16 only acts with a model"),
+    (["lambada", "--load", "x", "--data-path", "x", "--distributed-timeout", "50"],
+     "--distributed-timeout only acts with several processes (--coordinator-address); pass that too"),
+])
+def test_eval_flags_that_would_do_nothing_are_refused(argv, message, capsys):
+    """eval.py's flags that the task, as the others set it, would not read: refused before anything is read (each
+    was accepted and did nothing)."""
+    import eval as script
+
+    assert script.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err

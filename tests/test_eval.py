@@ -274,7 +274,7 @@ def test_a_batch_larger_than_the_examples_is_cut_to_them(checkpoint):
     (["generate", "--load", "CKPT", "--prompt", "hi", "--top-p", "0"], "--top-p"),
     (["generate", "--load", "CKPT", "--prompt", ""], "--prompt is empty"),
     (["generate", "--load", "CKPT", "--prompt", "hi", "--temperature", "0", "--top-k", "5"],
-     "--temperature 0 samples nothing (greedy)"),  # accepted once, the filter doing nothing
+     "--top-k only acts with a --temperature above 0 (0 is greedy"),  # accepted once, the filter doing nothing
     (["generate", "--load", "CKPT", "--prompt", "\udcff\udcfe"], "--prompt '\\xff\\xfe' is not valid UTF-8; pass"),
     (["wikitext", "--load", "NOCKPT", "--data-path", "WIKI"], "holds no checkpoint"),
     (["wikitext", "--load", "CKPT", "--data-path", "WIKI", "--vocab-file", "GPT2"], "--merge-file"),
