@@ -123,8 +123,9 @@ class ModelConfig:
 
     @property
     def rope_scaling(self) -> tuple[float, float, float, int] | None:
-        """(factor, low_freq_factor, high_freq_factor, original max positions) with --use-rope-scaling, else None."""
-        if not self.use_rope_scaling:
+        """(factor, low_freq_factor, high_freq_factor, original max positions) with --use-rope-scaling (and rotary
+        positions), else None."""
+        if not (self.rope and self.use_rope_scaling):
             return None
         return (self.rope_scaling_factor, self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
                 self.rope_scaling_original_max_position_embeddings)

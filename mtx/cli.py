@@ -303,7 +303,9 @@ def check_unused_flags(cfg, given) -> None:
     (mtx/resume.py): the rules that depend on it are left out."""
     m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
     given = {flag_name(name) for name in given if cfg.value(name) not in (None, False)}
-    by_model = ((("rotary_base", "rotary_percent"), m.rope, "--position-embedding-type rope", again),
+    by_model = ((("rotary_base", "rotary_percent", "use_rope_scaling"), m.rope, "--position-embedding-type rope",
+                 again),
+                (("num_query_groups",), m.group_query_attention, "--group-query-attention", again),
                 (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                   "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
                 (("bias_swiglu_fusion",), m.swiglu, "--swiglu", again),

@@ -313,13 +313,9 @@ def _check_model_shapes(m) -> None:
     _check(not m.rope or (m.rotary_dim >= 2 and m.rotary_dim % 2 == 0),
            f"--rotary-percent {m.rotary_percent} of head dim {m.head_dim} rotates {m.rotary_dim} dimensions, which "
            "must be even and at least 2 (they rotate in pairs); choose a percent giving an even count.")
-    _check(not m.use_rope_scaling or m.rope, "--use-rope-scaling scales rotary frequencies; pass it with "
-           "--position-embedding-type rope.")
     _check(not m.use_rope_scaling or m.rope_scaling_high_freq_factor > m.rope_scaling_low_freq_factor,
            f"--rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor} must be above "
            f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor} (the kept wavelengths are the shorter).")
-    _check(m.num_query_groups is None or m.group_query_attention,
-           f"--num-query-groups {m.num_query_groups} only acts with --group-query-attention; pass both or neither.")
     g, n = m.query_groups, m.num_attention_heads
     _check(n % g == 0, f"--num-query-groups {g} does not divide --num-attention-heads {n}; each group serves the "
                        "same number of query heads: choose G dividing the heads.")

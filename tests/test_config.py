@@ -277,6 +277,7 @@ def test_numbers_float32_or_the_model_cannot_hold_are_refused(argv, message):
     (["--wandb-exp-name", "x"], "--wandb-project NAME"), (["--wandb-save-dir", "w"], "--wandb-project NAME"),
     (["--bias-swiglu-fusion"], "--swiglu"), (["--swiglu", "--bias-gelu-fusion"], "the GeLU MLP, not --swiglu"),
     (["--rotary-base", "5e5"], "--position-embedding-type rope"),
+    (["--use-rope-scaling"], "--position-embedding-type rope"), (["--num-query-groups", "2"], "--group-query-attention"),
     (["--position-embedding-type", "rope", "--rope-scaling-factor", "8"], "--use-rope-scaling"),
     (["--loss-scale-window", "10"], "--fp16"),
     (["--mask-prob", "0.3"], "--model-type bert"), (["--mlm-head-positions", "all"], "--model-type bert"),
@@ -297,6 +298,9 @@ def test_a_flag_whose_feature_is_off_is_refused(argv, enabler):
     parse_config(["--sequence-parallel", "--tensor-model-parallel-size", "1"])  # off at TP 1, as Megatron turns it
     # the model of --use-checkpoint-args is the checkpoint's, read later: a BERT one takes --mask-prob
     parse_config(["--load", "ck", "--use-checkpoint-args", "--mask-prob", "0.2", "--bias-swiglu-fusion"])
+    # a preset's setting of a feature a flag turns off (its partner flag was once refused, naming the preset's value)
+    parse_config(["--config", "configs/llama_8b.toml", "--no-group-query-attention"]).validate(8)
+    parse_config(["--config", "configs/llama_8b.toml", "--position-embedding-type", "learned_absolute"]).validate(8)
     cfg = parse_config(["--config", "configs/llama_8b.toml", "--no-use-rope-scaling"])
     assert not cfg.model.use_rope_scaling and cfg.model.rope_scaling_factor != 1
 
@@ -308,7 +312,8 @@ def test_a_home_directory_in_a_preset_or_a_quoted_flag_is_the_users(tmp_path, mo
     preset.write_text('save = "~/ckpt"\ndata_path = ["0.7", "~/a", "0.3", "b~"]\nvocab_file = "~/vocab.json"\n')
     cfg = parse_config(["--config", str(preset), "--tensorboard-dir", "~/tb"])
     assert (cfg.training.save, cfg.training.tensorboard_dir) == (f"{tmp_path}/ckpt", f"{tmp_path}/tb")
-    assert cfg.data.data_path == ("0.7", f"{tmp_path}/a", "0.3", "b~") and cfg.data.vocab_file == f"{tmp_path}/vocab.json"
+    assert cfg.data.data_path == ("0.7", f"{tmp_path}/a", "0.3", "b~")
+    assert cfg.data.vocab_file == f"{tmp_path}/vocab.json"
     assert Config().replace(load="~").training.load == str(tmp_path)
 
 

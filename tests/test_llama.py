@@ -137,7 +137,6 @@ def test_key_value_groups_are_split_or_replicated_by_the_mesh_alone():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (dict(num_query_groups=2), "--num-query-groups 2 only acts with --group-query-attention"),
     (dict(group_query_attention=True, num_query_groups=3), "--num-query-groups 3 does not divide"),
     (dict(group_query_attention=True, num_query_groups=3, num_attention_heads=12, hidden_size=96,
           tensor_model_parallel_size=2), "--num-query-groups 3 neither splits over --tensor-model-parallel-size 2"),

@@ -72,8 +72,6 @@ def test_scalings_mtx_lacks_are_refused_in_one_line(tmp_path, capsys, rope, need
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (dict(use_rope_scaling=True), "--use-rope-scaling scales rotary frequencies; pass it with "
-                                  "--position-embedding-type rope."),
     (dict(position_embedding_type="rope", use_rope_scaling=True, rope_scaling_high_freq_factor=1.0),
      "--rope-scaling-high-freq-factor 1.0 must be above --rope-scaling-low-freq-factor 1.0"),
     (dict(rope_scaling_original_max_position_embeddings=0), "--rope-scaling-original-max-position-embeddings must "
