@@ -153,7 +153,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Vocabulary padded so every shard of every TP size up to 8 is a multiple of 128 (50,257 -> 51,200).
+        """Vocabulary padded so every shard of TP 1, 2, 4 or 8 is a multiple of 128 (50,257 -> 51,200).
 
         Megatron pads to a multiple of 128 x TP, which makes the embedding's shape depend on the mesh; padding for
         TP = 8 once gives every mesh the same parameter shapes (so the same seed gives the same weights on any mesh

@@ -146,9 +146,10 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
                             "64) is 0; pass --ffn-hidden-size.")
     _check(m.ffn_size % tp == 0,
            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}.")
-    _check(m.padded_vocab_size % (tp * m.make_vocab_size_divisible_by) == 0,
-           f"--tensor-model-parallel-size {tp} does not divide the padded vocabulary "
-           f"{m.padded_vocab_size} into multiples of 128; use a TP size of at most 8.")
+    rows, shard = m.padded_vocab_size, m.make_vocab_size_divisible_by
+    _check(rows % (tp * shard) == 0,
+           f"--tensor-model-parallel-size {tp} does not split the padded vocabulary's {rows:,} rows into shards of a "
+           f"multiple of {shard}; use a TP size dividing {rows // shard} (1, 2, 4 and 8 always do).")
     _check(not p.sequence_parallel or t.micro_batch_size % tp == 0,
            f"--sequence-parallel splits each microbatch's {t.micro_batch_size} sequences over "
            f"--tensor-model-parallel-size {tp}; use a --micro-batch-size that is a multiple of {tp}.")

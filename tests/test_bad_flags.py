@@ -32,6 +32,8 @@ BIG = str(10**20)
     (["--save=s\udcff"], "--save 's\\xff' is not valid UTF-8"),
     (["--data-path", "a", "b\udcff"], "train.py: 'b\\xff' is not valid UTF-8"),
     (["--save", "\ud800x"], "--save '\\ud800x' is not valid UTF-8"),  # (through the API): a crash in the message once
+    (["--num-attention-heads", "6", "--hidden-size", "192", "--tensor-model-parallel-size", "3"],  # "at most 8" once
+     "the padded vocabulary's 51,200 rows into shards of a multiple of 128; use a TP size dividing 400 (1, 2, 4"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(argv, message):
     with pytest.raises(ValueError) as e:
