@@ -60,9 +60,17 @@ def _orbax_quiet(asyncio_too: bool = False):
             logger.setLevel(level)
 
 
-# Besides the model: what a resume (the seed, the batch sizes) and evaluation (the micro batch, the tokenizer) read
-READ_FROM_CHECKPOINTS = ("seed", "global_batch_size", "micro_batch_size", "vocab_file", "merge_file",
-                         "tokenizer_type", "tokenizer_model")
+# What inference keeps of the saved config besides the model (mtx/loading.py): the tokenizer, the precision, the micro
+# batch, how a step computes, and BERT's masked positions (the head's size). The rest (the pipeline's layout and
+# schedule, sequence parallelism and the overlap of its collectives, the optimizer's sharding, processes, data
+# handling, checkpoint and run settings) was training's choice, which another mesh may not allow: it starts from the
+# defaults, so any checkpoint loads on any mesh.
+KEPT_FOR_INFERENCE = ("micro_batch_size", "seed", "bf16", "fp16", "recompute_granularity", "recompute_activations",
+                      "scan_layers", "use_flash_attn", "mlm_head_positions", "mask_prob", "vocab_file", "merge_file",
+                      "tokenizer_type", "tokenizer_model")
+# Besides the model, all that is read from a saved config, so checked before a step counts as intact: what
+# inference keeps, and what a resume compares (the global batch; the seed and micro batch are kept already).
+READ_FROM_CHECKPOINTS = ("global_batch_size", *KEPT_FOR_INFERENCE)
 
 
 def config_problem(saved) -> str | None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from mtx.checkpoint import Checkpointer
+from mtx.checkpoint import KEPT_FOR_INFERENCE, Checkpointer
 from mtx.config import Config
 from mtx.parallel.mesh import make_mesh
 from mtx.sharded_model import ShardedModel
@@ -37,16 +37,6 @@ def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model
     finally:
         ckpt.close()
     return model, state.params
-
-
-# What inference keeps of the saved config besides the model: the tokenizer, the precision, the micro batch, how a
-# step computes, and BERT's masked positions (the head's size). The rest (the pipeline's layout and schedule, sequence
-# parallelism and the overlap of its collectives, the optimizer's sharding, processes, data handling, checkpoint and
-# run settings) was training's choice, which another mesh may not allow: it starts from the defaults, so any
-# checkpoint loads on any mesh.
-KEPT_FOR_INFERENCE = ("micro_batch_size", "seed", "bf16", "fp16", "recompute_granularity", "recompute_activations",
-                      "scan_layers", "use_flash_attn", "mlm_head_positions", "mask_prob", "vocab_file", "merge_file",
-                      "tokenizer_type", "tokenizer_model")
 
 
 def inference_config(saved: Config) -> Config:

@@ -56,6 +56,9 @@ DAMAGE = {  # what was done to step 4 -> what the message says
                           "its config has a value mtx refuses: --global-batch-size must be an integer"),
     "micro batch zeroed": (lambda d: _edit_config(d, lambda c: c["training"].update(micro_batch_size=0)),
                            "its config has a value mtx refuses: --micro-batch-size must be >= 1, got 0."),
+    # one that only evaluation reads: the step counted as intact, then eval.py refused the flag (no fall-back)
+    "layer scan edited": (lambda d: _edit_config(d, lambda c: c["training"].update(scan_layers="yes")),
+                          "its config has a value mtx refuses: --scan-layers must be"),
     # fields each of a valid type and range, together impossible (no run could have saved them)
     "tokenizer pair broken": (
         lambda d: _edit_config(d, lambda c: c["data"].update(tokenizer_type="HuggingFaceTokenizer")),
