@@ -288,8 +288,8 @@ def _is_negative_number(token: str) -> bool:
 
 def refuse_idle(given, rules) -> None:
     """The one rule of every mtx tool for a flag that would do nothing: `rules` are (flags, whether they act, where
-    they act, the fix); the first flag of `given` (the flags of the command line) in a rule that does not act is
-    refused: ValueError "FLAG only acts WHERE; FIX"."""
+    they act, the fix); of `given` (the flags of the command line), the flags of the first rule that does not act are
+    refused, the first by name: ValueError "FLAG only acts WHERE; FIX"."""
     given = set(given)
     for flags, acts, where, fix in rules:
         if not acts and (idle := sorted(set(flags) & given)):
