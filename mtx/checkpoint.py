@@ -176,7 +176,7 @@ class Checkpointer:
         step is intact. `load` is the directory as the user wrote it."""
         steps = self.steps()
         if not steps:
-            raise ValueError(f"--load {load} holds no checkpoint; pass a directory written by --save.")
+            raise no_checkpoint(load)
         if wanted is not None and wanted not in steps:
             raise ValueError(f"--load {load} has no step {wanted} (it has {steps}); pass one of those to --ckpt-step.")
         broken = {}
@@ -246,7 +246,7 @@ class Checkpointer:
         """The state at `step` (default: latest), laid out like `abstract_state` (shapes and target shardings)."""
         step = self.latest_step() if step is None else step
         if step is None:
-            raise ValueError(f"--load {self.directory} holds no checkpoint; pass a directory written by --save.")
+            raise no_checkpoint(self.directory)
         check_compatible(self.saved_config(step).model, cfg.model, self.directory)
         return self._read(step, self._manager, ocp.args.StandardRestore(abstract_state))
 
@@ -315,6 +315,16 @@ def say_passed_over(load, broken: dict[int, str], step: int, doing: str = "readi
     for s, problem in broken.items() if is_main_process() else ():
         print(f"mtx: --load {load}: step {s} is broken ({problem}); {doing} step {step}, the newest intact one.",
               file=file or sys.stderr)
+
+
+def no_checkpoint(load: str | Path, written_by: str = "--save") -> ValueError:
+    """The one-line refusal of a --load that holds no checkpoint (a directory `written_by` does); one step of a
+    checkpoint directory, given for the directory, is named as such."""
+    path = Path(load)
+    if looks_like_step(path) and is_checkpoint_dir(path.parent):
+        return ValueError(f"--load {load} is step {path.name} of the checkpoints in {path.parent}; pass --load "
+                          f"{path.parent} --ckpt-step {path.name}.")
+    return ValueError(f"--load {load} holds no checkpoint; pass a directory written by {written_by}.")
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:

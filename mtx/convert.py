@@ -272,12 +272,12 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     import jax
     from safetensors.numpy import save_file
 
-    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, say_passed_over
+    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, no_checkpoint, say_passed_over
     from mtx.loading import load_model
 
     _check_fresh(hf_dir, "--hf-dir", "model")
-    _check(is_checkpoint_dir(load), f"--load {load} holds no checkpoint; pass a directory written by --save or "
-           "by from-hf.")
+    if not is_checkpoint_dir(load):
+        raise no_checkpoint(load, "--save or by from-hf")
     ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
     try:
         step, broken = ckpt.intact_step(ckpt_step, load)

@@ -262,11 +262,10 @@ def _bar(items: Iterable, enabled: bool, desc: str, **kw):
 # ---- what the checkpoint says ----
 def checkpoint_config(load: str, ckpt_step: int | None = None):
     """The resolved Config saved with a checkpoint (no arrays are read); one-line ValueError if there is none."""
-    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, say_passed_over
+    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, no_checkpoint, say_passed_over
 
     if not is_checkpoint_dir(load):
-        raise ValueError(f"--load {load} holds no checkpoint; pass a directory written by --save (or by "
-                         "`python -m mtx.convert from-hf`).")
+        raise no_checkpoint(load, "--save (or by `python -m mtx.convert from-hf`)")
     ckpt = Checkpointer(load)
     try:
         step, broken = ckpt.intact_step(ckpt_step, load)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from mtx.architecture import NOT_SHAPING
-from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, say_passed_over
+from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, no_checkpoint, say_passed_over
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import is_mtx_config, same_path
@@ -60,7 +60,7 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
                 print(f"mtx: --load {load} holds no finished checkpoint (its run stopped before the first save "
                       "completed); starting it again from step 0.")
             return None, (), Config.from_dict(saved)
-        raise ValueError(f"--load {t.load} holds no checkpoint; pass a directory written by --save.")
+        raise no_checkpoint(t.load)
     ckpt = Checkpointer(load)
     try:
         steps = ckpt.steps()

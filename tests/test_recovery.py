@@ -124,6 +124,19 @@ def test_no_intact_step_and_unreadable_arrays_are_one_line_errors(saved, tmp_pat
     assert not [r for r in caplog.records if r.name == "asyncio"]
 
 
+def test_one_step_given_as_the_checkpoint_directory_is_named_so(saved, tmp_path):
+    """--load RUN/2 once said "holds no checkpoint": every tool that reads --load names the directory and the step."""
+    from mtx.evaluation import checkpoint_config
+
+    step = saved[0] / "2"
+    said = f"--load {step} is step 2 of the checkpoints in {saved[0]}; pass --load {saved[0]} --ckpt-step 2."
+    for read in (lambda: prepare(TINY.replace(load=str(step), save=str(tmp_path / "new"))),
+                 lambda: checkpoint_config(str(step))):
+        with pytest.raises(ValueError) as e:
+            read()
+        assert str(e.value) == said
+
+
 def test_a_run_killed_in_its_first_save_restarts_with_load(saved, tmp_path):
     """Killed while writing its first checkpoint, a run leaves its config, metrics and orbax's unfinished step: a new
     run is refused the directory (naming --load), and --load restarts it from step 0."""
