@@ -287,8 +287,12 @@ def check_compatible(saved, current, directory) -> None:
     """Refuses to load a checkpoint of a different architecture, naming every differing field and the flags that
     would match it (the model type first: it explains the rest; the vocabulary by the tokenizer, which sets it)."""
     skipped = ("seq_length", *NOT_SHAPING)  # nor does the length of the sequences trained on
+
+    def value(m, name):  # a learned position table's rows as the model has them (unset: --seq-length's)
+        return m.max_positions if name == "max_position_embeddings" and not m.rope else getattr(m, name)
+
     differ = [f.name for f in dataclasses.fields(saved)
-              if f.name not in skipped and getattr(saved, f.name) != getattr(current, f.name)]
+              if f.name not in skipped and value(saved, f.name) != value(current, f.name)]
     if not differ:
         return
     where = f"--load {directory} was saved with"
@@ -302,10 +306,12 @@ def check_compatible(saved, current, directory) -> None:
                          "load a matching checkpoint.")
     from mtx.cli import flag_for  # the flags that set them as saved (train.py's parser; imported where used)
 
-    saved_values = ", ".join(f"{name}={getattr(saved, name)!r}" for name in differ)
-    flags = " ".join(flag_for(name, getattr(saved, name)) for name in differ if name != "vocab_size")
+    saved_values = ", ".join(f"{name}={value(saved, name)!r}" for name in differ)
+    flags = " ".join(flag_for(name, value(saved, name)) for name in differ if name != "vocab_size")
+    if "max_position_embeddings" in differ and current.seq_length > saved.max_positions:  # (a table cannot grow)
+        flags += f" --seq-length {saved.max_positions}"
     raise ValueError(f"{where} {saved_values} but this run has "
-                     f"{', '.join(repr(getattr(current, name)) for name in differ)}; pass {flags} (or "
+                     f"{', '.join(repr(value(current, name)) for name in differ)}; pass {flags} (or "
                      "--use-checkpoint-args), or load a matching checkpoint.")
 
 

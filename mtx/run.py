@@ -7,6 +7,7 @@ every process checks and meets the others before anything is written; only proce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -85,7 +86,9 @@ def prepare(cfg: Config) -> Plan:
     configured = cfg
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
-        check_compatible(saved.model, cfg.model, t.load)
+        # (a resume keeps the sequence length, which check_same_batches says: the model is compared at it)
+        kept = cfg.model if t.finetune else dataclasses.replace(cfg.model, seq_length=saved.model.seq_length)
+        check_compatible(saved.model, kept, t.load)
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
         if not t.finetune:
             check_same_batches(saved, cfg)

@@ -100,6 +100,13 @@ def test_a_different_model_names_every_field_and_a_fix_that_works():
         check_compatible(gpt, dataclasses.replace(gpt, swiglu=True, ffn_hidden_size=128), "ck")
     fix = str(e.value).split("; pass ")[1].split(" (or")[0]
     assert fix == "--ffn-hidden-size none --no-swiglu", str(e.value)
+    # a learned position table unset in both (its rows: --seq-length's) once compared equal, and read as "has None"
+    _refused("saved with max_position_embeddings=32 but this run has 64; pass --max-position-embeddings 32",
+             check_compatible, dataclasses.replace(gpt, seq_length=32), dataclasses.replace(gpt, seq_length=64), "ck")
+    _refused("this run has 64; pass --max-position-embeddings 16 --seq-length 16 \\(or",  # (a table cannot grow)
+             check_compatible, dataclasses.replace(gpt, seq_length=16), dataclasses.replace(gpt, seq_length=64), "ck")
+    rope = dataclasses.replace(gpt, position_embedding_type="rope")  # (no table: the rows are no parameter)
+    check_compatible(dataclasses.replace(rope, seq_length=32), dataclasses.replace(rope, seq_length=64), "ck")
     model = parse_config(["--config", "configs/tiny.toml", "--swiglu", "--ffn-hidden-size", "128", *fix.split()]).model
     assert (model.swiglu, model.ffn_hidden_size) == (gpt.swiglu, gpt.ffn_hidden_size)
 

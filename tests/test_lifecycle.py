@@ -139,8 +139,13 @@ def test_a_resume_keeps_the_batch_and_sequence_length_a_finetune_may_change_them
                            (dict(seq_length=s // 2), f"--seq-length {s} and this run has {s // 2}")):
         with pytest.raises(ValueError, match=f"was trained with {message}.*pass .* or --finetune"):
             prepare(TINY.replace(load=path, run_dir=str(tmp_path / "r"), **flags))
+    # a shorter sequence keeps the learned position table's rows only when told to (it was refused after the
+    # compile, as a step that "could not be read")
+    with pytest.raises(ValueError, match=f"saved with max_position_embeddings={s} but this run has {s // 2}; pass "
+                                         f"--max-position-embeddings {s} \\(or"):
+        prepare(TINY.replace(load=path, run_dir=str(tmp_path / "ft"), finetune=True, seq_length=s // 2))
     prepare(TINY.replace(load=path, run_dir=str(tmp_path / "ft"), finetune=True, global_batch_size=2 * gbs,
-                         seq_length=s // 2))
+                         seq_length=s // 2, max_position_embeddings=s))
 
 
 def test_no_load_optim_keeps_weights_step_and_lr_with_a_fresh_optimizer(base, resumed, tmp_path):
