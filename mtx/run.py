@@ -326,7 +326,9 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
         print(f"mtx: Llama's blocks: {' '.join(m.llama_blocks())}")
     print(f"mtx: mesh data={mesh.shape[DATA]} pipeline={mesh.shape[PIPELINE]} model={mesh.shape[MODEL]} on "
           f"{mesh.size} {jax.devices()[0].platform} device(s); {model.num_microbatches} microbatch(es) of "
-          f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}")
+          f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}" +
+          (" (the checkpoint is at --train-iters already: nothing to train; pass a larger one to go on)"
+           if start and start == t.train_iters else ""))
     if cfg.tp_comm_overlap:
         from mtx.kernels.collective_matmul import machine_condition
 
@@ -337,7 +339,7 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
         sch = model.pipeline
         chunks = f" x {sch.virtual} virtual stages" if sch.virtual > 1 else ""
         print(f"mtx: pipeline schedule {sch.kind}: {sch.stages} stages{chunks}, layers {list(sch.counts)}, "
-              f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble (p-1)/(v m+p-1) = {sch.bubble:.1%}")
+              f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble {sch.bubble:.1%}")
 
 
 def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float, devices: int,

@@ -184,7 +184,7 @@ def test_use_checkpoint_args_takes_the_architecture_and_says_what_it_overrode(ba
                "arguments win)" in out
 
 
-def test_resuming_before_the_checkpoints_step_is_refused(base, tmp_path):
+def test_resuming_before_the_checkpoints_step_is_refused(base, tmp_path, capsys):
     """--train-iters before the checkpoint's step: one line naming the fix (the run built its mesh, trained nothing
     and exited 0). At the step itself (a finished run requeued) there is nothing to do, as in Megatron-LM; a
     fine-tuned run starts again from step 0, so it may be shorter."""
@@ -195,6 +195,10 @@ def test_resuming_before_the_checkpoints_step_is_refused(base, tmp_path):
                                              f"{base[0]}; pass a larger --train-iters"):
             prepare(TINY.replace(train_iters=iters, load=str(base[0]), run_dir=str(tmp_path / "r"), ckpt_step=step))
     assert prepare(TINY.replace(train_iters=4, load=str(base[0]), run_dir=str(tmp_path / "r"))).load_step == 4
+    capsys.readouterr()
+    run(tmp_path, "requeued", train_iters=4, load=str(base[0]))  # said so (it exited 0 in silence)
+    assert "steps 4 -> 4 (the checkpoint is at --train-iters already: nothing to train; pass a larger one to go " \
+           "on)" in capsys.readouterr().out
     assert prepare(TINY.replace(train_iters=2, load=str(base[0]), ckpt_step=4, run_dir=str(tmp_path / "r"),
                                 finetune=True)).load_step == 4
 
