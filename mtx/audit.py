@@ -21,7 +21,7 @@ fewer launches, a scheduling choice rather than the algorithm's communication. O
 MLP's forward `g` with its own backward `f` (nothing downstream waits for the layer's output, unlike in a stack),
 and in the loss it merges the sum-of-exponentials and target-logit psums; left on, it would hide the per-op counts.
 
-Runs on CPU with simulated devices (tp x dp of them unless XLA_FLAGS already sets a count); JAX_PLATFORMS=cuda
+Runs on CPU with simulated devices (tp x dp x pp of them unless XLA_FLAGS already sets a count); JAX_PLATFORMS=cuda
 audits the GPU compilation instead (async start/done pairs count once; same counts on 2 H200s at tp = 2).
 
     python -m mtx.audit --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
