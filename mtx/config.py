@@ -152,6 +152,12 @@ class TrainingConfig:
     def compute_dtype(self) -> str:
         return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
 
+    @property
+    def resumes(self) -> bool:
+        """--load without --finetune: this run goes on from the checkpoint's step (a fine-tuned run is a new run:
+        new metrics, from step 0, its own seed and optimizer)."""
+        return bool(self.load) and not self.finetune
+
 
 @dataclass(frozen=True)
 class DataConfig:

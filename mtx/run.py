@@ -87,19 +87,18 @@ def prepare(cfg: Config) -> Plan:
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
         # (a resume keeps the sequence length, which check_same_batches says: the model is compared at it)
-        kept = cfg.model if t.finetune else dataclasses.replace(cfg.model, seq_length=saved.model.seq_length)
+        kept = dataclasses.replace(cfg.model, seq_length=saved.model.seq_length) if t.resumes else cfg.model
         check_compatible(saved.model, kept, t.load)
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
-        if not t.finetune:
+        if t.resumes:
             check_same_batches(saved, cfg)
-        if t.profile and not t.finetune and t.profile_step_start < load_step:  # a requeued command line, say
+        if t.profile and t.resumes and t.profile_step_start < load_step:  # a requeued command line, say
             traced = t.profile_step_end > load_step
             if is_main_process():
                 print(f"mtx: --profile's steps {t.profile_step_start + 1}..{t.profile_step_end} begin before step "
                       f"{load_step}, where this run resumes: " + (f"tracing steps {load_step + 1}.."
                       f"{t.profile_step_end}." if traced else "no trace."))
             cfg = cfg.replace(**(dict(profile_step_start=load_step) if traced else dict(profile=False)))
-    resuming = bool(t.load) and not t.finetune  # a fine-tuned run is a new run: new metrics, from step 0
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_flag = _run_flag(t)
     check_run_dir(run_dir, run_flag)  # never over a file mtx did not write
@@ -115,11 +114,11 @@ def prepare(cfg: Config) -> Plan:
         check_outside(t.compilation_cache_dir, run_dir, "--compilation-cache-dir")
     if jax.default_backend() != "cpu":  # before the first compilation; CPU runs compile quickly and leave it off
         use_compilation_cache(t.compilation_cache_dir)
-    if t.save and is_checkpoint_dir(t.save) and not (resuming and same_path(t.load, t.save)):
+    if t.save and is_checkpoint_dir(t.save) and not (t.resumes and same_path(t.load, t.save)):
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")
     # A run appends to (and on resuming, trims) only its own metrics: those of the directory it resumes from
-    if (run_dir / "metrics.jsonl").exists() and not (resuming and same_path(run_dir, t.load)):
+    if (run_dir / "metrics.jsonl").exists() and not (t.resumes and same_path(run_dir, t.load)):
         raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
                          f"--run-dir (or --save), or pass --load {run_dir} to resume it (or restart it, if it "
                          "stopped before its first checkpoint).")
@@ -156,7 +155,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
         wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
                      dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
         logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step,
-                               wandb=wandb, resumed_at=(plan.load_step or 0) if t.load and not t.finetune else None)
+                               wandb=wandb, resumed_at=(plan.load_step or 0) if t.resumes else None)
         saver = workers = batches = None  # closed in the finally below, whatever fails after this point
         try:
             saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
