@@ -344,11 +344,13 @@ def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, 
     from benchmarks import gpu_checks
     shape = ["--batch", "4", "--seq", "32", "--heads", "2", "--head-dim", "8"]
     assert gpu_checks.main(shape) == 0
+    assert "not a GPU: cuDNN's attention, and the peer-memory kernels, do not run" in capsys.readouterr().err
     unmasked = lambda q, k, v, *, mask_BS=None, causal=True: gpu_checks.attention_core(q, k, v, causal=causal)
     monkeypatch.setattr(gpu_checks, "fused_attention", unmasked)
     assert gpu_checks.main(shape) == 1
     checks = {c["check"]: c for c in map(json.loads, capsys.readouterr().out.splitlines()[-2:])}
     assert "out_real" in checks["bert_padding"]["failed"] and checks["collective_matmul"]["failed"] == []
+    assert checks["bert_padding"]["fused_path"] == "xla (no cuDNN attention here)"
 
 
 def test_gpu_checks_of_the_flash_kernel_pass_it_interpreted_and_catch_wrong_masks(monkeypatch, capsys):
