@@ -97,9 +97,18 @@ def field_types(hint) -> tuple[tuple[type, ...], bool]:
 _KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", tuple: "a list of paths"}
 
 
+# The settings of every field that names one (tests/test_config.py checks that its help lists them all).
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTokenizer", "byte")
+CHOICES = {"model_type": ("gpt", "bert"), "layernorm_placement": ("pre", "post"),
+           "position_embedding_type": ("learned_absolute", "rope"), "normalization": ("LayerNorm", "RMSNorm"),
+           "pipeline_schedule": ("gpipe", "1f1b", "interleaved"), "lr_decay_style": ("constant", "linear", "cosine"),
+           "recompute_granularity": ("full", "selective", "matmuls"), "mlm_head_positions": ("masked", "all"),
+           "tokenizer_type": TOKENIZER_TYPES}
+
+
 def check_field(name: str, hint, value: Any) -> None:
-    """One field's type (config files and Python callers can pass anything) and numeric range; `hint` is its resolved
-    annotation."""
+    """One field's type (config files and Python callers can pass anything), numeric range and setting (CHOICES);
+    `hint` is its resolved annotation."""
     flag = flag_name(name)
     kinds, optional = field_types(hint)
     if value is None and optional:
@@ -117,6 +126,9 @@ def check_field(name: str, hint, value: Any) -> None:
     if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, tuple) else (value,))):
         # an empty path once meant "the default" silently (--run-dir '' wrote runs/ into the working directory)
         raise ValueError(f"{flag} is empty; pass a value, or leave {flag} out for its default.")
+    if name in CHOICES and value not in CHOICES[name]:
+        words = ("none",) * optional + CHOICES[name]
+        raise ValueError(f"{flag} must be {', '.join(words[:-1])} or {words[-1]}, got {value!r}.")
     if name not in RANGES:
         return
     valid = RANGES[name]
@@ -160,12 +172,6 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     _check_overlap(p)
     cfg.stage_layer_counts()  # refuses layers that do not split over the stages as asked
     _check(not (t.bf16 and t.fp16), "--fp16 and --bf16 are mutually exclusive; pass at most one of them.")
-    _check(t.recompute_granularity in (None, "full", "selective", "matmuls"),
-           f"--recompute-granularity must be none, full, selective or matmuls, got {t.recompute_granularity!r}.")
-    _check(o.lr_decay_style in ("constant", "linear", "cosine"),
-           f"--lr-decay-style must be constant, linear or cosine, got {o.lr_decay_style!r}.")
-    _check(t.mlm_head_positions in ("masked", "all"),
-           f"--mlm-head-positions must be masked or all, got {t.mlm_head_positions!r}.")
     _check_model_against_run(cfg)
     _check_checkpointing(t)
     _check_megatron_flags(cfg)
@@ -264,9 +270,6 @@ def check_saved_combinations(cfg) -> None:
 
 def _check_model_type(cfg) -> None:
     m = cfg.model
-    _check(m.model_type in ("gpt", "bert"), f"--model-type must be gpt or bert, got {m.model_type!r}.")
-    _check(m.layernorm_placement in ("pre", "post"),
-           f"--layernorm-placement must be pre or post, got {m.layernorm_placement!r}.")
     if not m.is_bert:
         _check(m.layernorm_placement == "pre",
                "--layernorm-placement post is only implemented for --model-type bert; drop it for GPT.")
@@ -307,10 +310,6 @@ def _check_model_shapes(m) -> None:
            f"--num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_size} and the "
            f"vocabulary ({m.padded_vocab_size:,} padded) make {m.num_params():.3g} parameters, beyond what mtx can "
            f"train ({MAX_PARAMETERS:.3g}); check these sizes.")
-    _check(m.position_embedding_type in ("learned_absolute", "rope"),
-           f"--position-embedding-type must be learned_absolute or rope, got {m.position_embedding_type!r}.")
-    _check(m.normalization in ("LayerNorm", "RMSNorm"),
-           f"--normalization must be LayerNorm or RMSNorm, got {m.normalization!r}.")
     _check(not m.rope or (m.rotary_dim >= 2 and m.rotary_dim % 2 == 0),
            f"--rotary-percent {m.rotary_percent} of head dim {m.head_dim} rotates {m.rotary_dim} dimensions, which "
            "must be even and at least 2 (they rotate in pairs); choose a percent giving an even count.")
@@ -331,8 +330,6 @@ def _check_model_shapes(m) -> None:
 def _check_pipeline(cfg) -> None:
     p, pp, layers = cfg.parallel, cfg.parallel.pipeline_model_parallel_size, cfg.model.num_layers
     v, n = p.virtual_pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
-    _check(p.pipeline_schedule in ("gpipe", "1f1b", "interleaved"),
-           f"--pipeline-schedule must be gpipe, 1f1b or interleaved, got {p.pipeline_schedule!r}.")
     if n is not None:
         _check(layers % (pp * n) == 0,
                f"--num-layers {layers} does not split into --pipeline-model-parallel-size {pp} x "

@@ -322,3 +322,18 @@ def test_an_empty_config_is_refused():
     for empty in ("", " "):
         with pytest.raises(ValueError, match="^--config is empty; pass a preset file such as configs/gpt2_124m.toml"):
             parse_config(["--config", empty])
+
+
+def test_every_setting_of_a_field_is_in_its_help_and_only_those_are_taken():
+    """CHOICES (mtx/schema_checks.py) is the one list of a field's settings: its help names each one, and another
+    value is refused naming them all, from a flag or a config file."""
+    import dataclasses
+
+    from mtx.config import SECTIONS
+    from mtx.schema_checks import CHOICES
+
+    helps = {f.name: f.metadata["help"] for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    for name, choices in CHOICES.items():
+        assert all(choice in helps[name] for choice in choices), (name, helps[name])
+        with pytest.raises(ValueError, match=f" must be .*{re.escape(choices[-1])}, got 'x'.$"):
+            Config().replace(**{name: "x"}).validate(8)

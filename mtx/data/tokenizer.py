@@ -17,12 +17,12 @@ from typing import Iterable, Protocol
 
 from mtx.errors import first_line
 from mtx.files import not_a_file
+from mtx.schema_checks import TOKENIZER_TYPES
 
 # GPT-2's pre-tokenization regex, as tiktoken_ext.openai_public uses it for "gpt2" (r50k_pat_str).
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _ENDOFTEXT = "<|endoftext|>"
 _FIX = "pass GPT-2's encoder.json and vocab.bpe"
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTokenizer", "byte")
 # HuggingFaceTokenizer's end-of-document token when tokenizer_config.json names no eos_token: the first one present.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 
