@@ -34,10 +34,9 @@ from mtx.architecture import ADDED_FIELDS, NOT_SHAPING
 from mtx.config import FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
-from mtx.files import looks_like_step
+from mtx.files import MANIFEST, looks_like_step
 from mtx.schema_checks import check_field, check_saved_combinations
 
-MANIFEST = "mtx_files.json"  # in a finished step: {path relative to the step: size in bytes} of its every file
 
 
 class CheckpointError(ValueError):

@@ -21,6 +21,9 @@ MARK = ("Software", "mtx.plot")  # the PNG tEXt entry that tells mtx.plot's figu
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 WANDB_ID = "wandb_run_id"  # the W&B run of a run directory, so that a resumed run logs into it (mtx/metrics.py)
 RUN_LOCK = "mtx.lock"  # held by the run writing a run directory (mtx/run_lock.py)
+CONFIG = "config.json"  # a run directory's resolved config (mtx/run.py)
+METRICS = "metrics.jsonl"  # its metrics, a line per --log-interval (mtx/metrics.py)
+MANIFEST = "mtx_files.json"  # in a finished step: {path relative to the step: size in bytes} of its every file
 
 
 def check_run_dir(path: str | Path, flag: str) -> None:
@@ -41,7 +44,7 @@ def _check_run_dir(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path} is a file, not a directory; pass a directory path.")
     if path.is_dir():
         foreign = sorted(entry.name for entry in path.iterdir() if not _written_by_mtx(entry))
-        if foreign == ["config.json"] and any(_is_step(entry) for entry in path.iterdir()):
+        if foreign == [CONFIG] and any(_is_step(entry) for entry in path.iterdir()):
             raise ValueError(f"{flag} {path}: its config.json is not the one mtx wrote (damaged or replaced), beside "
                              "its checkpoints; put back the run's config.json (each step keeps a copy: "
                              "<step>/config/metadata), or choose a new directory.")
@@ -136,9 +139,9 @@ def _check_writable(path: Path, flag: str, a_run_dir: bool) -> None:
                          "directory you can write.") from None
 
 
-# What an orbax step directory holds, one of them even when damaged: mtx's file record (checkpoint.MANIFEST), orbax's
+# What an orbax step directory holds, one of them even when damaged: mtx's file record (MANIFEST), orbax's
 # metadata, its items, its commit marker.
-OWN_STEP_MARKS = ("mtx_files.json", "_CHECKPOINT_METADATA", "commit_success.txt")  # names only mtx and orbax write
+OWN_STEP_MARKS = (MANIFEST, "_CHECKPOINT_METADATA", "commit_success.txt")  # names only mtx and orbax write
 STEP_MARKS = OWN_STEP_MARKS + ("state", "config")
 
 
@@ -156,11 +159,11 @@ def _is_step(path: Path) -> bool:
 def _written_by_mtx(entry: Path) -> bool:
     """Whether a run directory entry is one mtx writes: its config, its metrics, an orbax checkpoint step, trackers'
     files, mtx.plot's figures."""
-    if entry.name == "config.json":
+    if entry.name == CONFIG:
         return is_mtx_config(entry)
     if entry.name.startswith(PROBE):  # another process's check_writable, about to remove it
         return True
-    if entry.name in ("metrics.jsonl", "metrics.jsonl.tmp"):  # (a tmp: a resume cut short while it rewrote the file)
+    if entry.name in (METRICS, "metrics.jsonl.tmp"):  # (a tmp: a resume cut short while it rewrote the file)
         return is_mtx_metrics(entry)
     if entry.name in (WANDB_ID, WANDB_ID + ".tmp", RUN_LOCK) or entry.name.startswith(f".{RUN_LOCK}."):
         return entry.is_file()  # (the last: a lock being written, mtx/run_lock.py)
@@ -200,8 +203,8 @@ def is_mtx_metrics(path: Path) -> bool:
 
 def _is_run_dir(path: Path) -> bool:
     """A directory a run of mtx wrote into: its config.json or metrics.jsonl is mtx's."""
-    return is_mtx_config(path / "config.json") or (path / "metrics.jsonl").is_file() and is_mtx_metrics(
-        path / "metrics.jsonl")
+    return is_mtx_config(path / CONFIG) or (path / METRICS).is_file() and is_mtx_metrics(
+        path / METRICS)
 
 
 def same_path(a, b) -> bool:
@@ -222,7 +225,7 @@ def run_files(cfg, run_dir) -> str:
     """The line that says where the run's files go: its directory (--save, else --run-dir, else runs/<time>) and the
     tracker directories outside it."""
     t, folder = cfg.training, lambda path: os.path.join(path, "")  # "runs/x" and "runs/x/" -> "runs/x/"
-    files = ["config.json", "metrics.jsonl", *([WANDB_ID] if t.wandb_project else []),
+    files = [CONFIG, METRICS, *([WANDB_ID] if t.wandb_project else []),
              *(["checkpoints"] if t.save else [])]
     line = f"mtx: run directory {folder(run_dir)} ({', '.join(files)})"
     if t.tensorboard_dir:
@@ -250,7 +253,7 @@ def forget_new_run_dir(path: Path) -> None:
     go, then the directory if nothing else is in it (a W&B folder, say, stays)."""
     if not path.is_dir():  # taken back already
         return
-    for name in ("config.json", "metrics.jsonl", RUN_LOCK):
+    for name in (CONFIG, METRICS, RUN_LOCK):
         (path / name).unlink(missing_ok=True)
     if not any(path.iterdir()):
         path.rmdir()

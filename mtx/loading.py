@@ -15,8 +15,8 @@ from mtx.state import abstract_state
 
 def load_model(load: str, *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                data_parallel_size: int = -1, ckpt_step: int | None = None, **overrides: Any):
-    """(model, params) of the checkpoint in `load` (the newest intact step unless ckpt_step), laid out on a fresh mesh of the
-    given sizes. The model is the checkpoint's own; dropout is off; `overrides` may set other fields (e.g.
+    """(model, params) of the checkpoint in `load` (the newest intact step unless ckpt_step), laid out on a fresh
+    mesh of the given sizes. The model is the checkpoint's own; dropout is off; `overrides` may set other fields (e.g.
     micro_batch_size, bf16). One-line ValueError for a missing checkpoint or a mesh that does not fit."""
     ckpt = Checkpointer(load)
     try:

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 
 from mtx.errors import first_line
-from mtx.files import WANDB_ID, json_line
+from mtx.files import METRICS, WANDB_ID, json_line
 
 # Dense bf16 peak FLOP/s per device (H100/H200 SXM: 989 TFLOP/s).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -59,7 +59,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard_dir: str | None = None, *, enabled: bool = True,
                  resumed_at: int | None = None, tokens_per_step: int | None = None,
                  wandb: dict[str, Any] | None = None):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS
         self.enabled = enabled  # False on every process but the first of a multi-host run: one writer per file
         self.tokens_per_step = tokens_per_step
         if enabled:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Sequence
 
 from mtx.cli import OneLineParser
-from mtx.files import MARK, check_writable, made_by_mtx_plot, new_temporary, refuse_empty, refuse_repeats
+from mtx.files import (CONFIG, MARK, METRICS, check_writable, made_by_mtx_plot, new_temporary, refuse_empty,
+                       refuse_repeats)
 
 # file stem -> (y label, [(field, line style)], scale); loss shows training and validation together
 FIGURES = {
@@ -106,7 +107,7 @@ def _read_run(path: Path, need_tokens: bool) -> dict:
     (tokens_per_step from config.json, needed only for --x tokens where records lack their own `tokens`)."""
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory; pass a run directory (train.py's --save or --run-dir).")
-    metrics = path / "metrics.jsonl"
+    metrics = path / METRICS
     if not metrics.is_file():
         raise ValueError(f"{path} holds no metrics.jsonl; pass a run directory (train.py's --save or --run-dir).")
     records = {}  # kind -> [record]: training records and validation records, each in step order
@@ -147,7 +148,7 @@ def _read_run(path: Path, need_tokens: bool) -> dict:
 def _tokens_per_step(path: Path) -> int:
     """global batch x sequence length from the run's config.json (what --x tokens counts)."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads((path / CONFIG).read_text())
         return int(config["training"]["global_batch_size"]) * int(config["model"]["seq_length"])
     except (OSError, ValueError, KeyError, TypeError):
         raise ValueError(f"--x tokens: {path}'s records have no tokens and it has no config.json with "

@@ -25,7 +25,7 @@ from mtx.architecture import NOT_SHAPING
 from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, no_checkpoint, say_passed_over
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
-from mtx.files import is_mtx_config, same_path
+from mtx.files import CONFIG, is_mtx_config, same_path
 from mtx.schema_checks import flag_name
 
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
@@ -40,8 +40,8 @@ def resume_point(cfg: Config) -> tuple[int | None, tuple[Path, ...], Config | No
     t = cfg.training
     load = Path(t.load)
     if not is_checkpoint_dir(load):
-        if is_mtx_config(load / "config.json"):  # an mtx run directory without a finished step
-            saved = json.loads((load / "config.json").read_text())  # readable JSON: is_mtx_config
+        if is_mtx_config(load / CONFIG):  # an mtx run directory without a finished step
+            saved = json.loads((load / CONFIG).read_text())  # readable JSON: is_mtx_config
             if problem := config_problem(saved):
                 raise ValueError(f"--load {load}: {problem} (config.json of its unfinished run); start a new run "
                                  "in a new directory, or put back the config.json the run wrote.")

@@ -25,7 +25,7 @@ from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, devices, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
-from mtx.files import check_outside, check_run_dir, check_writable, forget_new_run_dir, same_path
+from mtx.files import CONFIG, METRICS, check_outside, check_run_dir, check_writable, forget_new_run_dir, same_path
 from mtx.loop_controls import Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
@@ -118,7 +118,7 @@ def prepare(cfg: Config) -> Plan:
         raise ValueError(f"--save {t.save} already holds checkpoints of another run; pass --load {t.save} to "
                          "resume it, or choose a new --save directory.")
     # A run appends to (and on resuming, trims) only its own metrics: those of the directory it resumes from
-    if (run_dir / "metrics.jsonl").exists() and not (t.resumes and same_path(run_dir, t.load)):
+    if (run_dir / METRICS).exists() and not (t.resumes and same_path(run_dir, t.load)):
         raise ValueError(f"run directory {run_dir} already holds metrics.jsonl of another run; choose a new "
                          f"--run-dir (or --save), or pass --load {run_dir} to resume it (or restart it, if it "
                          "stopped before its first checkpoint).")
@@ -145,7 +145,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     trained = False  # whether a step has finished
     try:
         if main:
-            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (run_dir / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             for step_dir in plan.set_aside:  # kept, not deleted: the new steps of this run take their numbers
                 set_aside(step_dir)
         barrier("mtx: broken steps set aside")
