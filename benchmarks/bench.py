@@ -205,10 +205,10 @@ def run_cli(measure_fn, argv=None, check=None, *, uses=None, prog="bench.py", de
         return 2
     result = measure_fn(cfg, steps=own.steps, warmup=own.warmup, profile=own.profile)
     line = json_line(result)
-    print(line, flush=True)
-    if own.json:
+    if own.json:  # (on disk first: a reader of the output that goes away loses nothing)
         with open(own.json, "a") as fh:
             fh.write(line + "\n")
+    print(line, flush=True)
     return 0
 
 

@@ -130,14 +130,15 @@ def time_per_call(fn, args, *, iters: int, repeats: int) -> float:
 
 
 def emit(records, out: str | None) -> list[dict]:
-    """Prints each record as a JSON line (as it comes) and appends them all to `out` when given; -> the records."""
+    """Appends each record to `out` when given, then prints it as a JSON line, as it comes (on disk first: a reader
+    of the output that goes away loses none); -> the records."""
     results = []
     for r in records:
+        if out:
+            with open(out, "a") as fh:
+                fh.write(json_line(r) + "\n")
         print(json_line(r), flush=True)
         results.append(r)
-    if out:
-        with open(out, "a") as fh:
-            fh.writelines(json_line(r) + "\n" for r in results)
     return results
 
 

@@ -76,15 +76,15 @@ def main(argv=None) -> int:
                    "device": flat["device"], "layers": flat["layers"], "hidden": flat["hidden"],
                    "micro_batch": mb, "seq": flat["seq"], "dtype": flat["dtype"]}
             rows.append(row)
+            if a.json:  # (on disk first, as it comes)
+                with open(a.json, "a") as fh:
+                    fh.write(json_line(row) + "\n")
             print(json_line(row), flush=True)
     print(f"{'m':>4} {'schedule':>12} {'T1 s':>9} {'Tp s':>9} {'speedup':>8} {'ideal bubble':>13} {'measured':>9} "
           f"{'peak GiB':>9}")
     for r in rows:
         print(f"{r['microbatches']:>4} {r['schedule']:>12} {r['t1_s']:>9.4f} {r['tp_s']:>9.4f} {r['speedup']:>8.2f} "
               f"{r['ideal_bubble']:>13.1%} {r['measured_bubble']:>9.1%} {r['tp_peak_mem_gib']:>9.1f}")
-    if a.json:
-        with open(a.json, "a") as fh:
-            fh.writelines(json_line(r) + "\n" for r in rows)
     return 0
 
 

@@ -378,11 +378,11 @@ def main(argv=None) -> int:
             row = {**row, "name": row["name"] + "".join(f", {k}={v}" for k, v in extra_env.items()),
                    "base_name": row["name"], "env": {**(row.get("env") or {}), **extra_env}}
         rec = run_row(row, args.steps, args.warmup, args.timeout)
-        print(json_line({"name": rec["name"], **rec["result"]}), flush=True)
         records.append(rec)
-        if args.out:
+        if args.out:  # (on disk first: a reader of the output that goes away loses no row)
             with open(args.out, "a") as fh:
                 fh.write(json_line(rec) + "\n")
+        print(json_line({"name": rec["name"], **rec["result"]}), flush=True)
     print(table(earlier + records))
     if records and all("error" in r["result"] for r in records):  # nothing measured: never a success
         print("error: every row failed; the table says why.", file=sys.stderr)

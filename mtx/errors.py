@@ -53,6 +53,7 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
     try:
         status = main()
         status = status if isinstance(status, int) and not isinstance(status, bool) else 0
+        sys.stdout.flush()  # what a pipe's buffer still holds, written here, not at the interpreter's exit
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         status = 2

@@ -266,7 +266,9 @@ def test_outputs_of_a_run_inside_its_own_new_directory_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("tool", [["train.py", "--train-iters", "1", "--run-dir", "RUN"],
-                                  ["benchmarks/suite.py", "--list", "--rows", "1gpu", "2gpu"]])
+                                  ["benchmarks/suite.py", "--list", "--rows", "1gpu", "2gpu"],
+                                  ["benchmarks/collectives.py", "--collectives", "all_reduce", "--sizes-mb", "0.01",
+                                   "--iters", "1", "--repeats", "1", "--out", "RESULTS"]])
 def test_a_reader_that_goes_away_ends_a_tool_in_one_line(tool, tmp_path):
     """`python train.py ... | head -1`: ended in a traceback (BrokenPipeError); now one line, exit status 141, and
     a training run lets its run directory go on the way (nothing trained: taken back)."""
@@ -276,11 +278,14 @@ def test_a_reader_that_goes_away_ends_a_tool_in_one_line(tool, tmp_path):
 
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the tool writes
-    argv = [str(tmp_path / "run") if arg == "RUN" else arg for arg in tool]
+    argv = [str(tmp_path / arg.lower()) if arg in ("RUN", "RESULTS") else arg for arg in tool]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (a pipe's output buffered, as usual)
     proc = subprocess.run([sys.executable, *argv], cwd=Path(__file__).resolve().parents[1], stdout=write,
-                          stderr=subprocess.PIPE, text=True)
+                          stderr=subprocess.PIPE, text=True, env=env)
     os.close(write)
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"note: {Path(tool[0]).name} stopped: the reader of its output went "
                                                 "away (a closed pipe)."]
     assert not (tmp_path / "run").exists()
+    if "RESULTS" in tool:  # the measurement is on disk: written before it was printed
+        assert json.loads((tmp_path / "results").read_text())["collective"] == "all_reduce"
