@@ -91,8 +91,11 @@ def check_free(run_dir: str | Path, flag: str, *, by_pid: bool, quiet: bool = Fa
     said, touched = holder
     if _told_by_pid(said, by_pid):
         raise _in_use(path, flag, said)
+    if (ahead := touched - time.time()) > HEARTBEAT_S:  # another host's clock ahead of this one's: no age to go by
+        raise InUse(f"{flag} {path.parent}: {path.name} of a run on {said.get('host')} was last touched {ahead:.0f} s "
+                    "ahead of this host's clock; set the clocks right, or remove it if no run uses the directory.")
     if not quiet:
-        age = time.time() - touched
+        age = max(time.time() - touched, 0.0)
         print(f"mtx: {flag} {path.parent} is held by a run on {said.get('host')} (pid {said.get('pid')}), last alive "
               f"{age:.0f} s ago; watching for up to {STALE_S - age:.0f} s whether it still lives (its lock is "
               f"touched every {HEARTBEAT_S:.0f} s) before taking it over.", file=sys.stderr, flush=True)

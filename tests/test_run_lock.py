@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -26,6 +25,17 @@ def _lock(run_dir, pid, host=None, age=0.0):
     path.write_text(json.dumps({"host": host or socket.gethostname(), "pid": pid, "started": "then", "token": "x"}))
     os.utime(path, (time.time() - age, time.time() - age))
     return path
+
+
+def _beat_while_watched(monkeypatch, path):
+    """The other run's heartbeat, landing while check_free watches the lock (at its first wait, whatever the load)."""
+    sleep, beats = time.sleep, [path]
+
+    def watched(seconds):
+        while beats:
+            os.utime(beats.pop())
+        sleep(seconds)
+    monkeypatch.setattr(time, "sleep", watched)
 
 
 def _dead_pid() -> int:
@@ -50,7 +60,7 @@ def test_a_lock_told_by_its_age_is_watched_until_it_is_touched_or_stale(tmp_path
     monkeypatch.setattr(run_lock, "STALE_S", 30.0)
     run = tmp_path / "run"
     path = _lock(run, 1, host="elsewhere", age=10.0)
-    threading.Timer(0.2, os.utime, (path,)).start()  # the other run's heartbeat
+    _beat_while_watched(monkeypatch, path)
     with pytest.raises(ValueError, match="in use by another run .*pid 1 on elsewhere"):
         check_free(run, "--run-dir", by_pid=by_pid)
     assert "held by a run on elsewhere (pid 1), last alive 10 s ago; watching for up to 20 s" in capsys.readouterr().err
@@ -102,16 +112,19 @@ def test_the_lock_lives_while_the_run_writes_and_is_kept_alive(tmp_path, monkeyp
     assert seen == [True] and sorted(p.name for p in run.iterdir()) == ["2", "config.json", "metrics.jsonl"]
 
 
-def test_whose_lock_is_stale(tmp_path):
+def test_whose_lock_is_stale(tmp_path, monkeypatch):
     """This very process's (a container restarted in place reuses ids) and a damaged one at once; with several
     processes (by_pid False, all deciding alike) only the age counts, even for a process gone on this host."""
     run = tmp_path / "run"
     _lock(run, os.getpid())
     check_free(run, "--save", by_pid=True)
     path = _lock(run, _dead_pid())
-    threading.Timer(0.2, os.utime, (path,)).start()  # its heartbeat: alive, whatever the pid says
+    _beat_while_watched(monkeypatch, path)  # alive, whatever the pid says
     with pytest.raises(ValueError, match="in use by another run"):
         check_free(run, "--save", by_pid=False, quiet=True)
+    _lock(run, 1, host="elsewhere", age=-3600)  # a clock an hour ahead: refused, not watched for an hour
+    with pytest.raises(ValueError, match="was last touched 3600 s ahead of this host's clock; set the clocks right"):
+        check_free(run, "--save", by_pid=True)
     (run / RUN_LOCK).write_text("")
     check_free(run, "--save", by_pid=False)
 
