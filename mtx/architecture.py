@@ -100,6 +100,16 @@ class ModelConfig:
     def is_bert(self) -> bool:
         return self.model_type == "bert"
 
+    def acts(self, name: str) -> bool:
+        """Whether the field `name` changes this model: a setting of a feature that is off (--rotary-base without
+        rope, --num-query-groups without grouped-query attention, ...) does not."""
+        gated = {"rotary_base": self.rope, "rotary_percent": self.rope, "use_rope_scaling": self.rope,
+                 "num_query_groups": self.group_query_attention, "num_tokentypes": self.is_bert,
+                 "layernorm_placement": self.is_bert}
+        if name.startswith("rope_scaling_"):
+            return self.rope_scaling is not None
+        return gated.get(name, True)
+
     @property
     def tokentypes(self) -> int:
         """Rows of the token-type table: num_tokentypes for BERT, none for GPT."""

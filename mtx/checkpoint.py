@@ -290,8 +290,10 @@ def check_compatible(saved, current, directory) -> None:
     def value(m, name):  # a learned position table's rows as the model has them (unset: --seq-length's)
         return m.max_positions if name == "max_position_embeddings" and not m.rope else getattr(m, name)
 
-    differ = [f.name for f in dataclasses.fields(saved)
-              if f.name not in skipped and value(saved, f.name) != value(current, f.name)]
+    # (a setting of a feature off in both models changes neither: a preset's --num-query-groups under
+    # --no-group-query-attention once refused a checkpoint, naming a flag mtx then refused)
+    differ = [f.name for f in dataclasses.fields(saved) if f.name not in skipped
+              and (saved.acts(f.name) or current.acts(f.name)) and value(saved, f.name) != value(current, f.name)]
     if not differ:
         return
     where = f"--load {directory} was saved with"
@@ -306,7 +308,8 @@ def check_compatible(saved, current, directory) -> None:
     from mtx.cli import flag_for  # the flags that set them as saved (train.py's parser; imported where used)
 
     saved_values = ", ".join(f"{name}={value(saved, name)!r}" for name in differ)
-    flags = " ".join(flag_for(name, value(saved, name)) for name in differ if name != "vocab_size")
+    flags = " ".join(flag_for(name, value(saved, name)) for name in differ  # (what turns a feature on or off, and
+                     if name != "vocab_size" and saved.acts(name))  # the saved model's settings of those it has)
     if "max_position_embeddings" in differ and current.seq_length > saved.max_positions:  # (a table cannot grow)
         flags += f" --seq-length {saved.max_positions}"
     raise ValueError(f"{where} {saved_values} but this run has "

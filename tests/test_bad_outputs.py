@@ -105,6 +105,13 @@ def test_a_different_model_names_every_field_and_a_fix_that_works():
              check_compatible, dataclasses.replace(gpt, seq_length=32), dataclasses.replace(gpt, seq_length=64), "ck")
     _refused("this run has 64; pass --max-position-embeddings 16 --seq-length 16 \\(or",  # (a table cannot grow)
              check_compatible, dataclasses.replace(gpt, seq_length=16), dataclasses.replace(gpt, seq_length=64), "ck")
+    # settings of a feature off in both models (a Llama preset under --no-group-query-attention) change neither;
+    # where one model has the feature, only flags the saved model takes are named
+    llama = Config().replace(**load_preset("configs/llama_8b.toml")).model
+    off = dataclasses.replace(llama, group_query_attention=False)
+    check_compatible(off, dataclasses.replace(off, num_query_groups=None), "ck")
+    _refused("pass --position-embedding-type learned_absolute \\(or", check_compatible,
+             dataclasses.replace(llama, position_embedding_type="learned_absolute"), llama, "ck")
     rope = dataclasses.replace(gpt, position_embedding_type="rope")  # (no table: the rows are no parameter)
     check_compatible(dataclasses.replace(rope, seq_length=32), dataclasses.replace(rope, seq_length=64), "ck")
     model = parse_config(["--config", "configs/tiny.toml", "--swiglu", "--ffn-hidden-size", "128", *fix.split()]).model
