@@ -8,7 +8,8 @@ code 2 before any device work. Without an accelerator it runs on 8 simulated CPU
 
 import sys
 
-from mtx.cli import OneLineParser, add_config_flags, flags_in, ranged, refuse_idle, with_negative_values
+from mtx.cli import (OneLineParser, add_config_flags, flags_in, ranged, refuse_idle, subcommand,
+                     with_negative_values)
 from mtx.devices import simulate_cpu_devices
 from mtx.files import json_line
 
@@ -85,19 +86,28 @@ def build_parser() -> OneLineParser:
 
 
 def idle_rules(args) -> list:
-    """The flags that a task, as the others set it, would not read: mtx.cli.refuse_idle's rules."""
+    """The flags that a task, as the others set it, would not read: mtx.cli.refuse_idle's rules. A flag given at its
+    default (`--top-k 0`, `--top-p 1`: their off settings) is let be, as train.py lets a preset's feature be turned
+    off."""
+    task = subcommand(build_parser(), [args.task])
+
+    def changed(*flags):  # those of `flags` whose value is not the task's default
+        return [f for f in flags if getattr(args, dest := f[2:].replace("-", "_")) != task.get_default(dest)]
+
     again = "pass that too, or leave it out."
     rules = [(("--distributed-timeout", "--distributed-timeout-minutes"), args.coordinator_address is not None,
               "with several processes (--coordinator-address)", again)]
     if args.task == "wikitext":  # a dry run reads the checkpoint's config (tokenizer, sequence length), no model
-        rules.append((("--micro-batch-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                       "--data-parallel-size", "--bf16", "--no-bf16"), not args.dry_run,
-                      "with a model, not with --dry-run (which counts tokens and windows)", "leave it out."))
+        rules.append(([*changed("--micro-batch-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                "--data-parallel-size"), *(["--bf16", "--no-bf16"] if args.bf16 is not None else [])],
+                      not args.dry_run, "with a model, not with --dry-run (which counts tokens and windows)",
+                      "leave it out."))
     if args.task == "generate":
-        rules.append((("--top-k", "--top-p", "--seed"), args.temperature > 0,
+        rules.append((changed("--top-k", "--top-p", "--seed"), args.temperature > 0,
                       "with a --temperature above 0 (0 is greedy: nothing is sampled)",
                       "drop it, or pass a temperature above 0."))
     return rules
+
 
 
 def main(argv=None) -> int:

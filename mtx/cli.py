@@ -190,7 +190,7 @@ class OneLineParser(argparse.ArgumentParser):
         parser, known = self, set()
         while parser is not None:
             known.update(s for action in parser._actions for s in action.option_strings)
-            owner, parser = parser, _subcommand(parser, tokens if argv is None else argv)
+            owner, parser = parser, subcommand(parser, tokens if argv is None else argv)
         unknown = [flag for flag in flags_in(tokens) if flag not in known]
         if unknown:
             owner.error(unknown_flags_message(unknown, known, f"{owner.prog} --help lists the flags"))
@@ -230,7 +230,7 @@ def flags_in(argv: Iterable[str]):
             yield token.split("=", 1)[0]
 
 
-def _subcommand(parser: argparse.ArgumentParser, argv: Iterable[str]) -> argparse.ArgumentParser | None:
+def subcommand(parser: argparse.ArgumentParser, argv: Iterable[str]) -> argparse.ArgumentParser | None:
     """The subparser of `parser` that `argv` names (eval.py's task, mtx.convert's direction), or None."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -136,3 +136,14 @@ def test_eval_flags_that_would_do_nothing_are_refused(argv, message, capsys):
     assert script.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_eval_flags_at_their_defaults_are_let_be(capsys, tmp_path):
+    """--top-k 0, --top-p 1 (the filters' off settings), --seed 0 and a dry run's --tensor-model-parallel-size 1 do
+    nothing either way: scripts that always pass them go on (to the missing checkpoint here)."""
+    import eval as script
+
+    for argv in (["generate", "--prompt", "hi", "--temperature", "0", "--top-k", "0", "--top-p", "1", "--seed", "0"],
+                 ["wikitext", "--data-path", "x", "--dry-run", "--tensor-model-parallel-size", "1"]):
+        assert script.main([*argv, "--load", str(tmp_path / "none")]) == 2
+        assert "only acts" not in capsys.readouterr().err
