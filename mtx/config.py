@@ -99,7 +99,8 @@ class TrainingConfig:
         True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it", step=True)
     compilation_cache_dir: str | None = _f(
         "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "
-                            "instead of compiling (none turns it off; CPU runs compile quickly and ignore it)")
+                            "instead of compiling (none turns it off; CPU runs compile quickly and ignore it)",
+        path=True)
     scheduler_memory_percent: int | None = _f(
         None, "GPU: the share (percent) of the memory left beside the step's arguments that XLA's latency-hiding "
               "scheduler may plan into when it moves collectives to overlap compute (XLA's "
@@ -115,7 +116,7 @@ class TrainingConfig:
     log_interval: int = _f(10, "steps between metrics lines")
     eval_interval: int = _f(100, "steps between validation runs; 0 disables")
     eval_iters: int = _f(10, "validation batches per evaluation")
-    save: str | None = _f(None, "checkpoint (and run) directory")
+    save: str | None = _f(None, "checkpoint (and run) directory", path=True)
     save_interval: int | None = _f(None, "steps between checkpoints; None saves only at the end")
     async_save: bool = _f(False, "write each checkpoint in the background while training goes on (finished before "
                                  "the next save and before exit); off: each save is on disk before the next step")
@@ -123,7 +124,7 @@ class TrainingConfig:
         None, "delete older checkpoints of --save beyond its newest N intact ones (never the newest, never a broken "
         "or foreign one); None keeps every checkpoint")
     keep_checkpoint_every: int | None = _f(None, "with --keep-last-n-checkpoints: also keep every step divisible by K")
-    load: str | None = _f(None, "checkpoint directory to resume from")
+    load: str | None = _f(None, "checkpoint directory to resume from", path=True)
     ckpt_step: int | None = _f(None, "step to load from --load; None means the latest")
     finetune: bool = _f(False, "load only the weights of --load: step 0, fresh optimizer, this run's --seed, new "
                                "metrics (Megatron's --finetune)")
@@ -133,12 +134,13 @@ class TrainingConfig:
                               "seed and step); --no-load-rng: this run's --seed")
     use_checkpoint_args: bool = _f(False, "take the model architecture from --load's saved config; it wins over "
                                           "flags and presets (each overridden value is printed)")
-    run_dir: str | None = _f(None, "where metrics and the resolved config go when --save is not given")
-    tensorboard_dir: str | None = _f(None, "TensorBoard event directory (pip install 'mtx[tensorboard]')")
+    run_dir: str | None = _f(None, "where metrics and the resolved config go when --save is not given", path=True)
+    tensorboard_dir: str | None = _f(None, "TensorBoard event directory (pip install 'mtx[tensorboard]')", path=True)
     wandb_project: str | None = _f(None, "Weights & Biases project: the TensorBoard scalars are logged there too "
                                          "(process 0; pip install 'mtx[wandb]'; WANDB_MODE=offline works)")
     wandb_exp_name: str | None = _f(None, "W&B run name; None: the run directory's name")
-    wandb_save_dir: str | None = _f(None, "directory W&B writes its wandb/ folder into; None: the run directory")
+    wandb_save_dir: str | None = _f(
+        None, "directory W&B writes its wandb/ folder into; None: the run directory", path=True)
     generate_tokens: int = _f(200, "tokens of a sample printed after training; 0 disables")
     exit_interval: int | None = _f(None, "stop after the first step divisible by this, saving a checkpoint")
     exit_duration_in_mins: float | None = _f(None, "stop after this many minutes of training, saving a checkpoint")
@@ -162,13 +164,13 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class DataConfig:
     data_path: tuple[str, ...] = _f(
-        (), 'text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in')
-    vocab_file: str | None = _f(None, "GPT-2 encoder.json (tokenizer for --data-path)")
-    merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges")
+        (), 'text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in', path=True)
+    vocab_file: str | None = _f(None, "GPT-2 encoder.json (tokenizer for --data-path)", path=True)
+    merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges", path=True)
     tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; "
                                           "None: by the files given")
     tokenizer_model: str | None = _f(None, "HuggingFaceTokenizer: a local directory holding tokenizer.json, or "
-                                           "that file")
+                                           "that file", path=True)
     split: str = _f("949,50,1", "train,valid,test weights of the token stream, as in Megatron")
     prefetch_depth: int = _f(2, "training batches prepared ahead on a background thread; 0 prepares each at its step")
     num_workers: int = _f(0, "processes that build training batches (each builds the dataset from these flags, then "
@@ -345,10 +347,10 @@ STEP_FIELDS = tuple(f.name for s, cls in SECTIONS.items() for f in dataclasses.f
                     if f.metadata.get("step", s in ("model", "parallel", "optimizer")))
 
 
-# The fields that name files or directories, by section: a leading "~" is the home directory wherever the value comes
-# from (the shell expands it only on an unquoted command line; a preset's "~/ckpt" once went to ./~/ckpt).
-PATH_FIELDS = {"training": ("compilation_cache_dir", "save", "load", "run_dir", "tensorboard_dir", "wandb_save_dir"),
-               "data": ("data_path", "vocab_file", "merge_file", "tokenizer_model")}
+# The fields that name files or directories (`path=True`), by section: a leading "~" is the home directory in a preset
+# and a quoted flag too (the shell expands only an unquoted one; a preset's "~/ckpt" once went to ./~/ckpt).
+PATH_FIELDS = {s: tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("path"))
+               for s, cls in SECTIONS.items()}
 
 
 def _expand_user(value: Any) -> Any:

@@ -18,11 +18,13 @@ from typing import Any
 from mtx.files import same_path
 
 
-def described(default: Any, help: str, *, step: bool | None = None) -> Any:
+def described(default: Any, help: str, *, step: bool | None = None, path: bool = False) -> Any:
     """A schema field: its default and its help, which `train.py --help` shows for the field's flag (mtx/cli.py).
     `step`: whether the training step reads it, where that differs from its section's rule (mtx/config.py's
-    `STEP_FIELDS`, the train.py flags a benchmark of the step takes)."""
-    return dataclasses.field(default=default, metadata={"help": help} | ({} if step is None else {"step": step}))
+    `STEP_FIELDS`, the train.py flags a benchmark of the step takes); `path`: it names files or directories (a
+    leading ~ is the home directory, mtx/config.py's `PATH_FIELDS`)."""
+    return dataclasses.field(default=default, metadata={"help": help} | ({} if step is None else {"step": step}) |
+                             ({"path": True} if path else {}))
 
 
 # The valid range of every numeric field, checked first by `Config.validate` with the field's flag in the message
