@@ -81,7 +81,8 @@ def compare(*, num_layers: int = 24, hidden_size: int = 64, num_attention_heads:
         raise ValueError(f"--data-path {data_path} {not_a_file(data_path)}; pass a text file.")
     run_dir = Path(run_dir or f"runs/bert_layernorm-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists():  # (its runs and vocabulary are this study's own: never over an earlier one's, or a user's)
-        raise ValueError(f"{run_dir} exists already; the study's runs go into a new directory.")
+        raise ValueError(f"{run_dir} exists already; the study's runs go into a new directory: start it again (a "
+                         "directory of its own each second), or pass another --out.")
     check_writable(run_dir, "the runs' directory")
     base = Config().replace(
         model_type="bert", num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,

@@ -57,10 +57,10 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def parse_args(sizes, argv=None, doc=__doc__):
+def parse_args(sizes, argv=None, doc=__doc__, prog="torch_gpt.py"):
     """The shape flags (name, default: its type is the flag's; a bool is a switch) of a baseline plus the timing
     flags every baseline shares."""
-    ap = OneLineParser(description=doc.splitlines()[0])
+    ap = OneLineParser(prog=prog, description=doc.splitlines()[0])
     for name, default in [*sizes, ("micro-batch", 8), ("steps", 10), ("warmup", 3)]:
         if isinstance(default, bool):
             ap.add_argument(f"--{name}", action="store_true")

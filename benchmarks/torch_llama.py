@@ -134,7 +134,8 @@ def flops_per_token(model: Llama, layers, d, seq) -> float:
 
 def main(argv=None):
     a = parse_args([("layers", 16), ("hidden", 2048), ("heads", 32), ("groups", 8), ("ffn", 8192), ("seq", 4096),
-                    ("vocab", 128256), ("rope-base", 500000.0), ("eps", 1e-5), ("untied", False)], argv, __doc__)
+                    ("vocab", 128256), ("rope-base", 500000.0), ("eps", 1e-5), ("untied", False)], argv, __doc__,
+                   "torch_llama.py")
     torch.manual_seed(0)
     model = Llama(a.layers, a.hidden, a.heads, a.groups, a.ffn, a.seq, a.vocab, base=a.rope_base, eps=a.eps,
                   untied=a.untied)

@@ -75,8 +75,8 @@ READ_FROM_CHECKPOINTS = ("global_batch_size", *KEPT_FOR_INFERENCE)
 def config_problem(saved) -> str | None:
     """What is wrong with a config as mtx saved it (a step's, or a run directory's config.json), None if nothing:
     another shape, an unknown field, a model field missing, or a value of a type or out of a range no run could have
-    saved (an edited file) among the fields read from it: the model's, the seed and batch sizes a resume takes, the
-    micro batch and tokenizer evaluation takes; or such values together (check_saved_combinations). The file's
+    saved (an edited file) among the fields read from it: the model's and READ_FROM_CHECKPOINTS (what a resume and
+    evaluation take); or such values together (check_saved_combinations). The file's
     fault, not a flag's. Only those: a check of other fields added since the file was written must not break it."""
     try:
         cfg = Config.from_dict(saved)

@@ -344,8 +344,9 @@ def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Confi
     values = vars(build_parser(prog).parse_args(with_negative_values(argv)))  # "unknown flag --hiden-size; did you mean
     # --hidden-size?"
     preset = values.pop("config", None)
-    refuse_empty(preset, "--config", "a preset file such as configs/gpt2_124m.toml, or drop --config")  # (once the
-    fields = load_preset(preset) if preset is not None else {}  # default run, silently)
+    # (an empty --config once trained the default model, silently)
+    refuse_empty(preset, "--config", "a preset file such as configs/gpt2_124m.toml, or drop --config")
+    fields = load_preset(preset) if preset is not None else {}
     for target, sources in DERIVED.items():  # a count the command line sets replaces the preset's way of setting it
         if any(name in values for name in (target, *sources)):
             for name in (target, *sources):

@@ -102,8 +102,8 @@ def prepare(cfg: Config) -> Plan:
     run_dir = Path(t.save or t.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_flag = _run_flag(t)
     check_run_dir(run_dir, run_flag)  # never over a file mtx did not write
-    check_free(run_dir, run_flag, by_pid=jax.process_count() == 1, quiet=not is_main_process())  # nor beside a
-    # run still writing there
+    # nor beside a run still writing there
+    check_free(run_dir, run_flag, by_pid=jax.process_count() == 1, quiet=not is_main_process())
     for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         if path:  # W&B writes a folder wandb/ into its directory: the run directory, or that folder, is the run's
             own = flag == "--wandb-save-dir" and (same_path(path, run_dir) or same_path(path, run_dir / "wandb"))
