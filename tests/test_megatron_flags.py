@@ -79,7 +79,8 @@ def test_unimplemented_megatron_flags_say_so(tmp_path):
     preset.write_text("hidden_size = 64\nnum_experts = 4\n")  # in a preset too (was "unknown field")
     with pytest.raises(ValueError, match="sets num_experts: Megatron-LM's --num-experts, which mtx does not implement"):
         parse_config(["--config", str(preset)])
-    parse_config(["--recompute-activations", "--eod-mask-loss", "--profile", "--use-rope-scaling"])  # implemented
+    parse_config(["--recompute-activations", "--eod-mask-loss", "--profile", "--position-embedding-type", "rope",
+                  "--use-rope-scaling"])  # implemented
     with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it.$"):
         parse_config(["--num-experts", "8", "--lr", "1e-3"])
     with pytest.raises(ValueError, match="--rotary-interleaved, --use-mcore-models: mtx does not implement them"):
