@@ -51,8 +51,11 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
     status 141 (a shell's "killed by SIGPIPE"), not a traceback; the tool's own cleanup has run on the way (a training
     run lets its run directory go)."""
     try:
-        status = main()
-        status = status if isinstance(status, int) and not isinstance(status, bool) else 0
+        try:
+            status = main()
+            status = status if isinstance(status, int) and not isinstance(status, bool) else 0
+        except SystemExit as e:  # argparse's --help, or a tool's own exit: its status, flushed below all the same
+            status = e.code
         sys.stdout.flush()  # what a pipe's buffer still holds, written here, not at the interpreter's exit
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
