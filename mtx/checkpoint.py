@@ -325,6 +325,21 @@ def say_passed_over(load, broken: dict[int, str], step: int, doing: str = "readi
               file=file or sys.stderr)
 
 
+def saved_step(load: str | Path, ckpt_step: int | None, written_by: str) -> tuple[int, Config]:
+    """(The step to read, its saved Config) of the checkpoints in `load`: `ckpt_step`, else the newest intact one,
+    the broken ones passed over said in a line each; no arrays are read. One-line ValueError if there is none (a
+    directory `written_by` writes is named)."""
+    if not is_checkpoint_dir(load):
+        raise no_checkpoint(load, written_by)
+    ckpt = Checkpointer(load)
+    try:
+        step, broken = ckpt.intact_step(ckpt_step, load)
+        say_passed_over(load, broken, step)
+        return step, ckpt.saved_config(step)
+    finally:
+        ckpt.close()
+
+
 def no_checkpoint(load: str | Path, written_by: str = "--save") -> ValueError:
     """The one-line refusal of a --load that holds no checkpoint (a directory `written_by` does); one step of a
     checkpoint directory, given for the directory, is named as such."""

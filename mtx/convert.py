@@ -272,19 +272,12 @@ def to_hf(load: str | Path, hf_dir: str | Path, *, ckpt_step: int | None = None)
     import jax
     from safetensors.numpy import save_file
 
-    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, no_checkpoint, say_passed_over
+    from mtx.checkpoint import saved_step
     from mtx.loading import load_model
 
     _check_fresh(hf_dir, "--hf-dir", "model")
-    if not is_checkpoint_dir(load):
-        raise no_checkpoint(load, "--save or by from-hf")
-    ckpt = Checkpointer(load)  # load_model turns dropout off; config.json keeps the trained values
-    try:
-        step, broken = ckpt.intact_step(ckpt_step, load)
-        say_passed_over(load, broken, step)
-        model_cfg = ckpt.saved_config(step).model
-    finally:
-        ckpt.close()
+    step, saved = saved_step(load, ckpt_step, "--save or by from-hf")
+    model_cfg = saved.model  # (load_model turns dropout off; config.json keeps the trained values)
     _check(not model_cfg.is_bert, f"--load {load} holds a BERT model; to-hf writes causal language models only "
            "(GPT2LMHeadModel, LlamaForCausalLM).")
     llama = bool(model_cfg.llama_blocks())

@@ -262,17 +262,9 @@ def _bar(items: Iterable, enabled: bool, desc: str, **kw):
 # ---- what the checkpoint says ----
 def checkpoint_config(load: str, ckpt_step: int | None = None):
     """The resolved Config saved with a checkpoint (no arrays are read); one-line ValueError if there is none."""
-    from mtx.checkpoint import Checkpointer, is_checkpoint_dir, no_checkpoint, say_passed_over
+    from mtx.checkpoint import saved_step
 
-    if not is_checkpoint_dir(load):
-        raise no_checkpoint(load, "--save (or by `python -m mtx.convert from-hf`)")
-    ckpt = Checkpointer(load)
-    try:
-        step, broken = ckpt.intact_step(ckpt_step, load)
-        say_passed_over(load, broken, step)
-        return ckpt.saved_config(step)
-    finally:
-        ckpt.close()
+    return saved_step(load, ckpt_step, "--save (or by `python -m mtx.convert from-hf`)")[1]
 
 
 def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | None = None,
