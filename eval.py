@@ -11,7 +11,7 @@ import sys
 from mtx.cli import (OneLineParser, add_config_flags, flags_in, ranged, refuse_idle, subcommand,
                      with_negative_values)
 from mtx.devices import simulate_cpu_devices
-from mtx.files import json_line
+from mtx.files import expand_home, json_line
 
 simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
 
@@ -56,7 +56,7 @@ def build_parser() -> OneLineParser:
         return sub.add_argument_group(f"{name} flags")
 
     wiki = task("wikitext", "WikiText perplexity with overlapping windows, normalized by the original token count")
-    wiki.add_argument("--data-path", required=True, metavar="FILE",
+    wiki.add_argument("--data-path", required=True, metavar="FILE", type=expand_home,
                       help="word-level WikiText file, e.g. wiki.test.tokens (required)")
     wiki.add_argument("--seq-length", type=ranged(int, ">= 1"), metavar="INT",
                       help="window length S (default: the model's)")
@@ -66,7 +66,8 @@ def build_parser() -> OneLineParser:
                       help="score the raw word-level text (default: detokenize it with the paper's rules)")
     wiki.add_argument("--dry-run", action="store_true", help="only count tokens and windows, with no model")
     lam = task("lambada", "LAMBADA last-word accuracy (every subword of the last word the argmax)")
-    lam.add_argument("--data-path", required=True, metavar="FILE", help='.jsonl of {"text": ...} lines (required)')
+    lam.add_argument("--data-path", required=True, metavar="FILE", type=expand_home,
+                     help='.jsonl of {"text": ...} lines (required)')
     lam.add_argument("--seq-length", type=ranged(int, ">= 1"), metavar="INT",
                      help="longest window (default: the model's)")
     gen = task("generate", "sample continuations of --prompt (KV-cached)")
@@ -94,9 +95,8 @@ def idle_rules(args) -> list:
     def changed(*flags):  # those of `flags` whose value is not the task's default
         return [f for f in flags if getattr(args, dest := f[2:].replace("-", "_")) != task.get_default(dest)]
 
-    again = "pass that too, or leave it out."
-    rules = [(("--distributed-timeout", "--distributed-timeout-minutes"), args.coordinator_address is not None,
-              "with several processes (--coordinator-address)", again)]
+    rules = [(changed("--distributed-timeout", "--distributed-timeout-minutes"), args.coordinator_address is not None,
+              "with several processes (--coordinator-address)", "pass that too, or leave it out.")]
     if args.task == "wikitext":  # a dry run reads the checkpoint's config (tokenizer, sequence length), no model
         rules.append(([*changed("--micro-batch-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                                 "--data-parallel-size"), *(["--bf16", "--no-bf16"] if args.bf16 is not None else [])],

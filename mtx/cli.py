@@ -19,8 +19,9 @@ from typing import Any
 
 from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
 from mtx.errors import UsageError
-from mtx.files import refuse_empty
-from mtx.schema_checks import LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, field_types, flag_name, in_range
+from mtx.files import expand_home, refuse_empty
+from mtx.schema_checks import (CHOICES, LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, check_field, field_types,
+                               flag_name, in_range)
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -68,12 +69,15 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
             parser.add_argument(_off_flag(name), action="store_false",
                                 dest=name, default=default, help=f"turn {flag} off")
         elif name == "data_path":
-            parser.add_argument(flag, nargs="+", metavar="PATH", **kw)
+            parser.add_argument(flag, nargs="+", metavar="PATH", type=expand_home, **kw)
         else:
-            # the tools' flags (eval.py, the audit) are range-checked here: no Config.validate sees them
+            # the tools' flags (eval.py, the audit) are range-checked here: no Config.validate sees them; their paths
+            # start at the home directory with a quoted ~ too (train.py's: Config expands them as well)
             checked = ranged(kind, RANGES[name]) if defaults is not None and name in RANGES else STRICT.get(kind, kind)
             if defaults is None and kind in STRICT and field_types(hint)[1]:  # an optional number: "none" unsets it
                 checked = _or_none(checked)
+            if f.metadata.get("path"):
+                checked = expand_home
             parser.add_argument(flag, type=checked, metavar=kind.__name__.upper(), **kw)
 
 
@@ -353,5 +357,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Confi
                 fields.pop(name, None)
     fields.update({k: tuple(v) if k == "data_path" else v for k, v in values.items()})
     cfg = Config().replace(**unset_nones(fields))
+    for name in set(values) & set(CHOICES):  # a setting mtx lacks is named as such, not as a flag that does nothing
+        check_field(name, FIELD_TYPES[name], cfg.value(name))
     check_unused_flags(cfg, values)
     return cfg

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
-from mtx.files import not_a_file
+from mtx.files import expand_home, not_a_file, unexpanded_home
 from mtx.schema_checks import MEGATRON_UNIMPLEMENTED, check_combinations, check_field, described as _f, flag_name
 
 
@@ -216,7 +215,7 @@ class Config:
         for section, names in PATH_FIELDS.items():  # "~/ckpt" from a preset or a quoted flag: the home directory's
             part = getattr(self, section)
             object.__setattr__(self, section, dataclasses.replace(part, **{
-                name: _expand_user(getattr(part, name)) for name in names}))
+                name: expand_home(getattr(part, name)) for name in names}))
         t, o = self.training, self.optimizer
         gbs = t.global_batch_size
         if not _is_count(gbs) or gbs < 1:
@@ -280,6 +279,9 @@ class Config:
         for part in (getattr(self, section) for section in SECTIONS):
             for f in dataclasses.fields(part):
                 check_field(f.name, FIELD_TYPES[f.name], getattr(part, f.name))
+                if f.metadata.get("path") and (path := unexpanded_home(getattr(part, f.name))):  # (not ./~user)
+                    raise ValueError(f"{flag_name(f.name)} {path}: {path.split('/')[0]} names no home directory "
+                                     "here; write the path out.")
         check_combinations(self, num_devices)
         return self
 
@@ -351,12 +353,6 @@ STEP_FIELDS = tuple(f.name for s, cls in SECTIONS.items() for f in dataclasses.f
 # and a quoted flag too (the shell expands only an unquoted one; a preset's "~/ckpt" once went to ./~/ckpt).
 PATH_FIELDS = {s: tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("path"))
                for s, cls in SECTIONS.items()}
-
-
-def _expand_user(value: Any) -> Any:
-    if isinstance(value, (tuple, list)):  # --data-path's files (a blend's weights are left as they are)
-        return type(value)(_expand_user(v) for v in value)
-    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 def _is_count(value: Any) -> bool:

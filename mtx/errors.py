@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import select
@@ -48,29 +49,49 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
     """A command line tool's end: `sys.exit` with the status `main()` returns (0 if it returns what it wrote, or
     None). A command line its parser refuses that `main` did not catch is one "error: ..." line, exit status 2; a
     reader of its output that went away (`| head`, a `tee` that was stopped) ends it with one line on stderr and exit
-    status 141 (a shell's "killed by SIGPIPE"), not a traceback; the tool's own cleanup has run on the way (a training
-    run lets its run directory go)."""
+    status 141 (a shell's "killed by SIGPIPE"), not a traceback; a full disk (its output's, or a file's it writes) is
+    one "error: ..." line, status 1. The tool's own cleanup has run on the way (a training run lets its run directory
+    go)."""
     try:
         try:
             status = main()
             status = status if isinstance(status, int) and not isinstance(status, bool) else 0
         except SystemExit as e:  # argparse's --help, or a tool's own exit: its status, flushed below all the same
             status = e.code
-        sys.stdout.flush()  # what a pipe's buffer still holds, written here, not at the interpreter's exit
+        if sys.stdout is not None:  # (None: the tool was started with its standard output closed)
+            sys.stdout.flush()  # what a pipe's buffer still holds, written here, not at the interpreter's exit
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         status = 2
     except BrokenPipeError:
         if not _stdout_gone():  # another pipe (a worker's): not about the output
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        _quiet_stdout()
         try:
             print(f"note: {os.path.basename(sys.argv[0])} stopped: the reader of its output went away (a closed pipe).",
                   file=sys.stderr, flush=True)
         except OSError:  # stderr went the same way
             pass
         status = 141
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _quiet_stdout()  # (it may be the full one)
+        try:
+            print(f"error: {e.strerror}{f' ({e.filename})' if e.filename else ''}; free some space, or write the "
+                  "output elsewhere.", file=sys.stderr)
+        except OSError:  # stderr on the same full disk
+            pass
+        status = 1
     sys.exit(status)
+
+
+def _quiet_stdout() -> None:
+    """Standard output pointed at /dev/null: what is left in its buffer would fail again at the interpreter's exit."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def _stdout_gone() -> bool:

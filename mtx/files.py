@@ -259,6 +259,20 @@ def forget_new_run_dir(path: Path) -> None:
         path.rmdir()
 
 
+def expand_home(value):
+    """A path (or a tuple of them: a blend's weights are left as they are) with a leading ~ or ~user made that home
+    directory; one naming no home directory here is left as it was (unexpanded_home finds it)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(expand_home(v) for v in value)
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+
+def unexpanded_home(value) -> str | None:
+    """The first path of `value` (one, or a tuple) still starting with ~ after expand_home: ~nosuchuser, ~+."""
+    return next((v for v in (value if isinstance(value, (tuple, list)) else (value,))
+                 if isinstance(v, str) and v.startswith("~")), None)
+
+
 def not_a_file(path: str | Path) -> str:
     """What a path that is no regular file is, for a one-line refusal: a directory, another kind of file (a FIFO,
     a device, which reading would block on or consume), or nothing."""

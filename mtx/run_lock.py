@@ -125,6 +125,9 @@ class RunLock:
                 try:
                     os.link(written, self.path)
                 except FileExistsError:
+                    if self.path.is_dir():  # (made there by hand while this run looked: no lock of mtx's)
+                        raise InUse(f"{self.flag} {self.path.parent}: {self.path.name} is a directory, not a lock "
+                                    "mtx wrote; remove it, or choose another directory.") from None
                     holder = _holder(self.path)
                     if holder and _alive(*holder, self.by_pid):
                         raise _in_use(self.path, self.flag, holder[0]) from None

@@ -147,3 +147,14 @@ def test_eval_flags_at_their_defaults_are_let_be(capsys, tmp_path):
                  ["wikitext", "--data-path", "x", "--dry-run", "--tensor-model-parallel-size", "1"]):
         assert script.main([*argv, "--load", str(tmp_path / "none")]) == 2
         assert "only acts" not in capsys.readouterr().err
+
+
+def test_eval_paths_start_at_the_home_directory_when_quoted(monkeypatch, tmp_path):
+    """eval.py's paths are its own flags (no Config expands them): a quoted ~ once read ./~/ck."""
+    import eval as script
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = script.build_parser().parse_args(["wikitext", "--load", "~/ck", "--data-path", "~/wiki.tokens",
+                                             "--vocab-file", "~/v.json"])
+    assert (args.load, args.data_path, args.vocab_file) == tuple(f"{tmp_path}/{n}" for n in ("ck", "wiki.tokens",
+                                                                                            "v.json"))

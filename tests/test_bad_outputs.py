@@ -297,3 +297,19 @@ def test_a_reader_that_goes_away_ends_a_tool_in_one_line(tool, tmp_path):
     assert not (tmp_path / "run").exists()
     if "RESULTS" in tool:  # the measurement is on disk: written before it was printed
         assert json.loads((tmp_path / "results").read_text())["collective"] == "all_reduce"
+
+
+def test_a_tool_started_with_its_output_closed_or_on_a_full_disk_ends_in_one_line(tmp_path):
+    """stdout closed (sys.stdout None: exit_with's flush once crashed) or on a full disk (a traceback once)."""
+    import shlex
+    import subprocess
+    import sys
+
+    tool = [sys.executable, "-c", "from mtx.errors import exit_with; exit_with(lambda: print('result') or 0)"]
+    closed = subprocess.run(f"{shlex.join(tool)} >&-", shell=True, stderr=subprocess.PIPE, text=True)
+    assert closed.returncode == 0 and closed.stderr == "", closed.stderr
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(tool, stdout=full, stderr=subprocess.PIPE, text=True)
+        assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+            "error: No space left on device; free some space, or write the output elsewhere."], proc.stderr

@@ -315,6 +315,9 @@ def test_a_home_directory_in_a_preset_or_a_quoted_flag_is_the_users(tmp_path, mo
     assert cfg.data.data_path == ("0.7", f"{tmp_path}/a", "0.3", "b~")
     assert cfg.data.vocab_file == f"{tmp_path}/vocab.json"
     assert Config().replace(load="~").training.load == str(tmp_path)
+    for path in ("~nosuchuser/x", "~+/x"):  # names no home directory: refused, not made as ./~nosuchuser/x
+        with pytest.raises(ValueError, match=f"^--save {re.escape(path)}: .* names no home directory here"):
+            parse_config(["--save", path]).validate(8)
 
 
 def test_an_empty_config_is_refused():
@@ -337,3 +340,6 @@ def test_every_setting_of_a_field_is_in_its_help_and_only_those_are_taken():
         assert all(choice in helps[name] for choice in choices), (name, helps[name])
         with pytest.raises(ValueError, match=f" must be .*{re.escape(choices[-1])}, got 'x'.$"):
             Config().replace(**{name: "x"}).validate(8)
+    # named as a setting mtx lacks before the rule for flags that do nothing (PP 1 here) speaks
+    with pytest.raises(ValueError, match="^--pipeline-schedule must be gpipe, 1f1b or interleaved, got '1F1B'"):
+        parse_config(["--pipeline-schedule", "1F1B"])

@@ -122,6 +122,11 @@ def test_whose_lock_is_stale(tmp_path, monkeypatch):
     _beat_while_watched(monkeypatch, path)  # alive, whatever the pid says
     with pytest.raises(ValueError, match="in use by another run"):
         check_free(run, "--save", by_pid=False, quiet=True)
+    (run / RUN_LOCK).unlink()
+    (run / RUN_LOCK).mkdir()  # made by hand while a run looked: refused (unlinking it once raised IsADirectoryError)
+    with pytest.raises(ValueError, match=f"{RUN_LOCK} is a directory, not a lock mtx wrote; remove it"):
+        RunLock(run, "--save", by_pid=True).acquire()
+    (run / RUN_LOCK).rmdir()
     _lock(run, 1, host="elsewhere", age=-3600)  # a clock an hour ahead: refused, not watched for an hour
     with pytest.raises(ValueError, match="was last touched 3600 s ahead of this host's clock; set the clocks right"):
         check_free(run, "--save", by_pid=True)
