@@ -38,7 +38,6 @@ from mtx.files import MANIFEST, looks_like_step
 from mtx.schema_checks import check_field, check_saved_combinations
 
 
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read, found while loading it (after the checks of mtx.run.prepare)."""
 
@@ -76,8 +75,8 @@ def config_problem(saved) -> str | None:
     """What is wrong with a config as mtx saved it (a step's, or a run directory's config.json), None if nothing:
     another shape, an unknown field, a model field missing, or a value of a type or out of a range no run could have
     saved (an edited file) among the fields read from it: the model's and READ_FROM_CHECKPOINTS (what a resume and
-    evaluation take); or such values together (check_saved_combinations). The file's
-    fault, not a flag's. Only those: a check of other fields added since the file was written must not break it."""
+    evaluation take); or such values together (check_saved_combinations). The file's fault, not a flag's. Only
+    those: a check of other fields added since the file was written must not break it."""
     try:
         cfg = Config.from_dict(saved)
     except (ValueError, TypeError) as e:
@@ -308,8 +307,8 @@ def check_compatible(saved, current, directory) -> None:
     from mtx.cli import flag_for  # the flags that set them as saved (train.py's parser; imported where used)
 
     saved_values = ", ".join(f"{name}={value(saved, name)!r}" for name in differ)
-    flags = " ".join(flag_for(name, value(saved, name)) for name in differ  # (what turns a feature on or off, and
-                     if name != "vocab_size" and saved.acts(name))  # the saved model's settings of those it has)
+    # what turns a feature on or off, and the saved model's settings of the features it has
+    flags = " ".join(flag_for(name, value(saved, name)) for name in differ if name != "vocab_size" and saved.acts(name))
     if "max_position_embeddings" in differ and current.seq_length > saved.max_positions:  # (a table cannot grow)
         flags += f" --seq-length {saved.max_positions}"
     raise ValueError(f"{where} {saved_values} but this run has "
