@@ -86,11 +86,11 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def idle_rules(args) -> list:
+def idle_rules(parser, args) -> list:
     """The flags that a task, as the others set it, would not read: mtx.cli.refuse_idle's rules. A flag given at its
-    default (`--top-k 0`, `--top-p 1`: their off settings) is let be, as train.py lets a preset's feature be turned
-    off."""
-    task = subcommand(build_parser(), [args.task])
+    default (`--top-k 0`, `--top-p 1`: their off settings; the defaults are `parser`'s) is let be, as train.py lets
+    a preset's feature be turned off."""
+    task = subcommand(parser, [args.task])
 
     def changed(*flags):  # those of `flags` whose value is not the task's default
         return [f for f in flags if getattr(args, dest := f[2:].replace("-", "_")) != task.get_default(dest)]
@@ -109,16 +109,15 @@ def idle_rules(args) -> list:
     return rules
 
 
-
 def main(argv=None) -> int:
     from mtx.devices import devices
     from mtx.distributed import initialize_from, is_main_process, watch_peers
     from mtx.eval_tasks import prepare
 
     try:  # bad input fails here, in one line that names the fix, before any device work
-        argv = with_negative_values(sys.argv[1:] if argv is None else argv)
-        args = build_parser().parse_args(argv)
-        refuse_idle(flags_in(argv), idle_rules(args))
+        argv, parser = with_negative_values(sys.argv[1:] if argv is None else argv), build_parser()
+        args = parser.parse_args(argv)
+        refuse_idle(flags_in(argv), idle_rules(parser, args))
         initialize_from(args)  # before any device is asked for
         devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         load, task = prepare(args)  # mtx/eval_tasks.py

@@ -163,7 +163,7 @@ def _written_by_mtx(entry: Path) -> bool:
         return is_mtx_config(entry)
     if entry.name.startswith(PROBE):  # another process's check_writable, about to remove it
         return True
-    if entry.name in (METRICS, "metrics.jsonl.tmp"):  # (a tmp: a resume cut short while it rewrote the file)
+    if entry.name in (METRICS, METRICS + ".tmp"):  # (a tmp: a resume cut short while it rewrote the file)
         return is_mtx_metrics(entry)
     if entry.name in (WANDB_ID, WANDB_ID + ".tmp", RUN_LOCK) or entry.name.startswith(f".{RUN_LOCK}."):
         return entry.is_file()  # (the last: a lock being written, mtx/run_lock.py)
@@ -203,8 +203,7 @@ def is_mtx_metrics(path: Path) -> bool:
 
 def _is_run_dir(path: Path) -> bool:
     """A directory a run of mtx wrote into: its config.json or metrics.jsonl is mtx's."""
-    return is_mtx_config(path / CONFIG) or (path / METRICS).is_file() and is_mtx_metrics(
-        path / METRICS)
+    return is_mtx_config(path / CONFIG) or (path / METRICS).is_file() and is_mtx_metrics(path / METRICS)
 
 
 def same_path(a, b) -> bool:
