@@ -76,6 +76,8 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
             checked = ranged(kind, RANGES[name]) if defaults is not None and name in RANGES else STRICT.get(kind, kind)
             if defaults is None and kind in STRICT and field_types(hint)[1]:  # an optional number: "none" unsets it
                 checked = _or_none(checked)
+            elif defaults is not None and kind in STRICT and default is None:  # a tool's "unset" (its help's None)
+                checked = _or_none(checked, unset=None)
             if f.metadata.get("path"):
                 checked = expand_home
             parser.add_argument(flag, type=checked, metavar=kind.__name__.upper(), **kw)
@@ -97,10 +99,11 @@ def _off_flag(name: str) -> str:
     return _OFF_FLAGS.get(name, "--no-" + name.replace("_", "-"))
 
 
-def _or_none(parse):
-    """A number parser that also takes "none" (any case), which parse_config turns into None."""
+def _or_none(parse, unset="none"):
+    """A number parser that also takes "none" (any case) as `unset`: "none" for parse_config to turn into None
+    (train.py's preset can be unset), or a tool's None itself."""
     def parse_or_none(text: str):
-        return text if text.lower() == "none" else parse(text)
+        return unset if text.lower() == "none" else parse(text)
 
     parse_or_none.__name__ = parse.__name__
     return parse_or_none
@@ -142,6 +145,10 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def print_help(self, file=None):
+        """argparse's, but a failed write is not swallowed: --help into a closed pipe ends as any output does."""
+        (file or sys.stdout).write(self.format_help())
 
     def parse_known_args(self, args=None, namespace=None):
         """A later flag overrides an earlier one (argparse's rule, which scripts use: base flags, then one changed),

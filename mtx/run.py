@@ -103,7 +103,7 @@ def prepare(cfg: Config) -> Plan:
     run_flag = _run_flag(t)
     check_run_dir(run_dir, run_flag)  # never over a file mtx did not write
     # nor beside a run still writing there
-    check_free(run_dir, run_flag, by_pid=jax.process_count() == 1, quiet=not is_main_process())
+    check_free(run_dir, run_flag, by_pid=_alone(), quiet=not is_main_process())
     for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         if path:  # W&B writes a folder wandb/ into its directory: the run directory, or that folder, is the run's
             own = flag == "--wandb-save-dir" and (same_path(path, run_dir) or same_path(path, run_dir / "wandb"))
@@ -141,7 +141,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     if main:  # the directory made here (not found) is this run's own: taken back if nothing trains in it
         created = _made(run_dir)
         # (refused, InUse: another run that passed its checks beside this one's holds it)
-        lock = RunLock(run_dir, _run_flag(t), by_pid=jax.process_count() == 1).acquire()
+        lock = RunLock(run_dir, _run_flag(t), by_pid=_alone()).acquire()
     trained = False  # whether a step has finished
     try:
         if main:
@@ -276,6 +276,11 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
 def _run_flag(t) -> str:
     """The flag that names the run directory, for messages about it."""
     return "--save" if t.save else "--run-dir"
+
+
+def _alone() -> bool:
+    """Whether this is the run's only process: its lock's holder may then be asked of by pid (mtx/run_lock.py)."""
+    return jax.process_count() == 1
 
 
 def _made(run_dir: Path) -> bool:

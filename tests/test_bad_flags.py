@@ -97,6 +97,16 @@ def test_tools_range_check_the_config_flags_they_take(capsys):
     assert "argument --num-microbatches: must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_a_tools_unset_flag_takes_none_as_its_help_says():
+    """eval.py's --micro-batch-size and --ckpt-step say "None: the checkpoint's" / "the latest": `none` is that."""
+    import eval as script
+
+    args = script.build_parser().parse_args(["wikitext", "--data-path", "w", "--micro-batch-size", "None",
+                                             "--ckpt-step", "none"])
+    assert args.micro_batch_size is None and args.ckpt_step is None
+    assert script.build_parser().parse_args(["wikitext", "--data-path", "w", "--ckpt-step", "3"]).ckpt_step == 3
+
+
 def test_the_audit_refuses_flags_whose_feature_is_off(capsys):
     from mtx.audit import main as audit
 

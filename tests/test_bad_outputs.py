@@ -275,6 +275,7 @@ def test_outputs_of_a_run_inside_its_own_new_directory_are_refused(tmp_path):
 @pytest.mark.parametrize("tool", [["train.py", "--train-iters", "1", "--run-dir", "RUN"],
                                   ["benchmarks/suite.py", "--list", "--rows", "1gpu", "2gpu"],
                                   ["eval.py", "wikitext", "--help"],  # (argparse's exit, flushed at the end)
+                                  ["train.py", "--help"],  # (longer than a pipe's buffer: argparse swallowed it)
                                   ["benchmarks/collectives.py", "--collectives", "all_reduce", "--sizes-mb", "0.01",
                                    "--iters", "1", "--repeats", "1", "--out", "RESULTS"]])
 def test_a_reader_that_goes_away_ends_a_tool_in_one_line(tool, tmp_path):
