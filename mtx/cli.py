@@ -68,7 +68,7 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
             parser.add_argument(flag, action="store_true", **kw)
             parser.add_argument(_off_flag(name), action="store_false",
                                 dest=name, default=default, help=f"turn {flag} off")
-        elif name == "data_path":
+        elif field_types(hint)[0][0] is tuple:  # --data-path and the per-split paths: weights and paths
             parser.add_argument(flag, nargs="+", metavar="PATH", type=expand_home, **kw)
         else:
             # the tools' flags (eval.py, the audit) are range-checked here: no Config.validate sees them; their paths
@@ -115,15 +115,18 @@ def _scalar_type(hint):
     return str if kind is tuple else kind
 
 
+_PATH_LISTS = {flag_name(name) for name, hint in FIELD_TYPES.items() if field_types(hint)[0][0] is tuple}
+
+
 def with_negative_values(argv: list[str] | None) -> list[str]:
     """`--flag -1e-3` -> `--flag=-1e-3`: argparse takes a value that starts with "-" for a flag unless it looks like
     a plain negative number, so `--lr -1e-3` would fail to parse (the range check then names the flag:
-    mtx/schema_checks.py). Not for --data-path, whose list of weights and paths argparse takes as it is (a negative
-    weight is then refused by the blend's own check)."""
+    mtx/schema_checks.py). Not for --data-path (nor the per-split paths), whose list of weights and paths argparse
+    takes as it is (a negative weight is then refused by the blend's own check)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out, i = [], 0
     while i < len(argv):
-        if (argv[i].startswith("--") and "=" not in argv[i] and argv[i] != "--data-path" and i + 1 < len(argv)
+        if (argv[i].startswith("--") and "=" not in argv[i] and argv[i] not in _PATH_LISTS and i + 1 < len(argv)
                 and _is_negative_number(argv[i + 1])):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
@@ -333,7 +336,10 @@ def check_unused_flags(cfg, given) -> None:
              (("tp_comm_overlap",), p.tensor_model_parallel_size > 1, "--tensor-model-parallel-size 2 or more",
               again),
              (("profile_step_start", "profile_step_end"), t.profile, "--profile", again),
-             (("eval_iters",), t.eval_interval > 0, "--eval-interval N (N > 0)", again),
+             (("eval_iters", "valid_data_path", "test_data_path"), t.eval_interval > 0, "--eval-interval N (N > 0)",
+              again),
+             (("split",), not cfg.data.train_data_path, "--data-path (or the built-in corpus)",
+              "leave it out: --train-data-path's data is all for training."),
              (("lr_decay_iters", "lr_decay_samples", "min_lr"), cfg.optimizer.lr_decay_style != "constant",
               "--lr-decay-style linear or cosine", again),
              (("distributed_timeout", "distributed_timeout_minutes"), p.coordinator_address is not None,
@@ -362,7 +368,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Confi
         if any(name in values for name in (target, *sources)):
             for name in (target, *sources):
                 fields.pop(name, None)
-    fields.update({k: tuple(v) if k == "data_path" else v for k, v in values.items()})
+    fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
     cfg = Config().replace(**unset_nones(fields))
     for name in set(values) & set(CHOICES):  # a setting mtx lacks is named as such, not as a flag that does nothing
         check_field(name, FIELD_TYPES[name], cfg.value(name))

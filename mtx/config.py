@@ -19,7 +19,8 @@ from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
 from mtx.files import expand_home, not_a_file, unexpanded_home
-from mtx.schema_checks import MEGATRON_UNIMPLEMENTED, check_combinations, check_field, described as _f, flag_name
+from mtx.schema_checks import (MEGATRON_UNIMPLEMENTED, check_combinations, check_field, described as _f, field_types,
+                               flag_name)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class TrainingConfig:
                                  step=True)
     log_interval: int = _f(10, "steps between metrics lines")
     eval_interval: int = _f(100, "steps between validation runs; 0 disables")
-    eval_iters: int = _f(10, "validation batches per evaluation")
+    eval_iters: int = _f(10, "global batches per evaluation (validation; test once training ends)")
     save: str | None = _f(None, "checkpoint (and run) directory", path=True)
     save_interval: int | None = _f(None, "steps between checkpoints; None saves only at the end")
     async_save: bool = _f(False, "write each checkpoint in the background while training goes on (finished before "
@@ -164,6 +165,9 @@ class TrainingConfig:
 class DataConfig:
     data_path: tuple[str, ...] = _f(
         (), 'text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in', path=True)
+    train_data_path: tuple[str, ...] = _f((), "training data alone (--data-path's forms; no --split)", path=True)
+    valid_data_path: tuple[str, ...] = _f((), "the validation data alone, read every --eval-interval", path=True)
+    test_data_path: tuple[str, ...] = _f((), "the test data alone, evaluated once training ends", path=True)
     vocab_file: str | None = _f(None, "GPT-2 encoder.json (tokenizer for --data-path)", path=True)
     merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges", path=True)
     tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; "
@@ -360,7 +364,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _coerce(key: str, value: Any) -> Any:
-    if key == "data_path" and value is not None:  # a list (checked item by item later), or one path
+    if field_types(FIELD_TYPES[key])[0] == (tuple,) and value is not None:  # a list (checked later), or one path
         return tuple(value) if isinstance(value, (list, tuple)) else (value,)
     return value
 

@@ -130,7 +130,8 @@ def _read_run(path: Path, need_tokens: bool) -> dict:
             except OverflowError:
                 raise ValueError(f"{metrics} line {number} holds a number too large to draw; fix or delete that "
                                  "line.") from None
-            kind = records.setdefault("val" if "val_loss" in record else "train", [])
+            # (training, validation and, once training ends, test records: each kind continued on its own)
+            kind = records.setdefault(next((k for k in ("val", "test") if f"{k}_loss" in record), "train"), [])
             while kind and kind[-1]["step"] >= step:  # logged again after a resume: the later run continues
                 kind.pop()
             kind.append(record)

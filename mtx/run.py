@@ -213,18 +213,20 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                         console.update(logger.log(record), len(fetched))
                         pending, interval_steps = [], 0
                     evaluating = t.eval_interval and ((step + 1) % t.eval_interval == 0 or final)
-                    if evaluating and dataset.num_samples("valid"):
+                    # validation every --eval-interval steps and at the end; the test split once training ends
+                    for split in [s for s, now in (("valid", evaluating), ("test", evaluating and final))
+                                  if now and dataset.num_samples(s)]:
                         if cpu and pending:  # the evaluation's batches queue behind the steps still running
                             jax.block_until_ready(pending[-1][1])
-                        val = evaluate(model, state.params, dataset, t.eval_iters,
-                                       t.micro_batch_size * mesh.shape[DATA])
+                        loss = evaluate(model, state.params, dataset, t.eval_iters, split)
+                        key, name = _EVALUATED[split]
                         if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
-                            logger.log({"step": step + 1, "val_loss": val})
-                            message = f"step {step + 1}: validation loss (MLM + SOP) {val:.4f}"
+                            logger.log({"step": step + 1, f"{key}_loss": loss})
+                            message = f"step {step + 1}: {name} loss (MLM + SOP) {loss:.4f}"
                         else:
-                            ppl = math.exp(min(val, 50.0))
-                            logger.log({"step": step + 1, "val_loss": val, "val_ppl": ppl})
-                            message = f"step {step + 1}: validation loss {val:.4f}, perplexity {ppl:.2f}"
+                            ppl = math.exp(min(loss, 50.0))
+                            logger.log({"step": step + 1, f"{key}_loss": loss, f"{key}_ppl": ppl})
+                            message = f"step {step + 1}: {name} loss {loss:.4f}, perplexity {ppl:.2f}"
                         if main:
                             console.write(message)
                     if saver and t.save_interval and (step + 1) % t.save_interval == 0:
@@ -301,14 +303,28 @@ def _unsaved_checkpoints(t) -> str | None:
     return None
 
 
-def evaluate(model: ShardedModel, params, dataset, iters: int, batch_size: int) -> float:
-    """Mean validation loss over `iters` batches (the same batches at every evaluation)."""
-    chunk = MAX_IN_FLIGHT if jax.default_backend() == "cpu" else iters  # the CPU's bound on queued work
-    losses = []
-    for start in range(0, iters, chunk):
-        losses += jax.device_get([model.eval_loss(params, model.put_batch(dataset.batch("valid", i, batch_size)))
-                                  for i in range(start, min(start + chunk, iters))])
-    return float(np.mean(losses))
+# a split evaluated in training -> (its metrics' prefix, its name in the log)
+_EVALUATED = {"valid": ("val", "validation"), "test": ("test", "test")}
+
+
+def evaluate(model: ShardedModel, params, dataset, iters: int, split: str = "valid") -> float:
+    """Mean loss of a split (validation, or test) over `iters` batches of --global-batch-size samples (the same
+    samples at every evaluation and on every mesh), as Megatron evaluates: each batch scored a micro batch a data rank
+    at a time (the step's memory) and normalized as one batch."""
+    t, cpu = model.cfg.training, jax.default_backend() == "cpu"
+    rows = t.micro_batch_size * model.mesh.shape[DATA]
+    losses, queued = [], 0
+    for i in range(iters):
+        batch = dataset.batch(split, i, t.global_batch_size)
+        counts = model.eval_counts(model.put_batch(batch))  # the whole batch's: its parts are normalized as one
+        loss = 0.0
+        for start in range(0, t.global_batch_size, rows):
+            part = model.put_batch(jax.tree.map(lambda a: a[start:start + rows], batch))
+            loss, queued = loss + model.eval_loss(params, part, counts), queued + 1
+            if cpu and queued % MAX_IN_FLIGHT == 0:  # the CPU's bound on queued work
+                jax.block_until_ready(loss)
+        losses.append(loss)
+    return float(np.mean(jax.device_get(losses)))
 
 
 def sample_text(model: ShardedModel, params, dataset, num_tokens: int, seed: int) -> str:

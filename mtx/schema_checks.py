@@ -99,6 +99,9 @@ def field_types(hint) -> tuple[tuple[type, ...], bool]:
 _KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", tuple: "a list of paths"}
 
 
+# Megatron's data of each split on its own (--train-data-path, ...), in place of --data-path split by --split
+SPLIT_PATHS = {"train": "train_data_path", "valid": "valid_data_path", "test": "test_data_path"}
+
 # The settings of every field that names one (tests/test_config.py checks that its help lists them all).
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTokenizer", "byte")
 CHOICES = {"model_type": ("gpt", "bert"), "layernorm_placement": ("pre", "post"),
@@ -117,7 +120,7 @@ def check_field(name: str, hint, value: Any) -> None:
         return
     admitted = kinds + ((int,) if float in kinds else ())  # an integer is a fine float
     bad_type = not isinstance(value, admitted) or (isinstance(value, bool) and bool not in kinds)
-    if name == "data_path" and not bad_type:
+    if kinds == (tuple,) and not bad_type:  # a list of paths
         bad_type = not all(isinstance(v, str) for v in value)
     if value is None:  # "none" on the command line, which only optional settings take
         raise ValueError(f"{flag} has no \"none\" setting; pass one of its values ({flag.lstrip('-')} in train.py "
@@ -241,6 +244,11 @@ def _check_megatron_flags(cfg) -> None:
     _check(not t.fp16 or t.min_loss_scale <= t.initial_loss_scale,
            f"--min-loss-scale {t.min_loss_scale:g} is above --initial-loss-scale {t.initial_loss_scale:g}; the scale "
            "starts at the initial one and never halves below the minimum.")
+    alone = [flag_name(name) for name in SPLIT_PATHS.values() if getattr(d, name)]
+    _check(not alone or not d.data_path, f"--data-path and {alone[0] if alone else ''} both give data; pass one "
+           "--data-path (split by --split), or each split's data with its own flag.")
+    _check(not alone or d.train_data_path, f"{alone[0] if alone else ''} without --train-data-path: pass the training "
+           "data with --train-data-path too, or all the data with --data-path (split by --split).")
     documents = [f for f in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(d, f)]
     _check(not documents or not m.is_bert,
            f"{flag_name(documents[0]) if documents else ''} acts on GPT's packed documents; BERT's samples "
@@ -376,7 +384,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
     end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    train-data-path valid-data-path test-data-path mock-data vocab-extra-ids timing-log-level
+    mock-data vocab-extra-ids timing-log-level
     log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
     log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
     """.split())

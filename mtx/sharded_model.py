@@ -80,6 +80,7 @@ class ShardedModel:
         self.objective = objective_for(cfg)
         self.batch_sharding = NamedSharding(mesh, BATCH)
         self.eval_loss = jax.jit(self._eval_loss)
+        self.eval_counts = jax.jit(self._eval_counts)
 
     def merge(self, params) -> nnx.Module:
         """The local model of these (local) parameters, inside shard_map."""
@@ -164,10 +165,10 @@ class ShardedModel:
             return jax.lax.pmean(model(tokens_BS), PIPELINE)
         return pipelined_final_hidden(model, tokens_BS, self.forward_pipeline)
 
-    def _local_eval_loss(self, params, batch):
+    def _local_eval_loss(self, params, batch, counts):
         objective = self.objective.for_evaluation()
         model = self.merge(params)
-        counts = objective.normalizers(batch)
+        counts = objective.normalizers(batch) if counts is None else counts
         if self.pipeline is None:
             loss = micro_loss(objective, model, batch, counts)
         else:
@@ -176,10 +177,18 @@ class ShardedModel:
         return jax.lax.psum(loss, (DATA, PIPELINE))
 
     # ---- jitted ----
-    def _eval_loss(self, params, batch):
-        """The loss of one batch (GPT: mean next-token loss; BERT: MLM + SOP), no dropout, no gradient."""
-        return jax.shard_map(self._local_eval_loss, mesh=self.mesh, in_specs=(self.param_specs, BATCH),
-                             out_specs=P())(self.forward_params(params), batch)
+    def _eval_loss(self, params, batch, counts=None):
+        """The loss of one batch (GPT: mean next-token loss; BERT: MLM + SOP), no dropout, no gradient. counts: the
+        normalizers (`eval_counts`) of a larger batch this one is a part of, whose loss is then the sum of its parts'
+        (evaluated a part at a time, as training runs microbatches); None: this batch's own."""
+        return jax.shard_map(self._local_eval_loss, mesh=self.mesh, in_specs=(self.param_specs, BATCH, P()),
+                             out_specs=P())(self.forward_params(params), batch, counts)
+
+    def _eval_counts(self, batch):
+        """The loss's normalizers of a batch (its predicted tokens; BERT's masked tokens and sequences): the counts
+        of a batch evaluated in parts are the sums of its parts'."""
+        return jax.shard_map(self.objective.for_evaluation().normalizers, mesh=self.mesh, in_specs=BATCH,
+                             out_specs=P())(batch)
 
 
 class HostRows(NamedTuple):

@@ -272,7 +272,7 @@ def test_a_process_builds_and_places_only_the_rows_its_devices_hold():
 def test_the_cpu_never_queues_more_than_max_in_flight_steps_or_batches(tmp_path, monkeypatch):
     """With a long log interval (or many evaluation batches) every step was dispatched before one wait, and XLA's
     CPU collectives aborted the process (rc 134) with 100 or more queued: the loop waits every MAX_IN_FLIGHT steps,
-    evaluation fetches its losses in chunks of that many."""
+    evaluation every MAX_IN_FLIGHT parts of its batches."""
     import mtx.run
 
     monkeypatch.setattr(mtx.run, "MAX_IN_FLIGHT", 4)
@@ -283,6 +283,8 @@ def test_the_cpu_never_queues_more_than_max_in_flight_steps_or_batches(tmp_path,
     r = run(tmp_path, "queued", train_iters=10, log_interval=100, eval_interval=5, eval_iters=9)
     assert len(r.losses) == 10
     # the initial state's and the first step's waits, one a step from the 4th queued on (7), one before evaluating
-    # at step 5 (at step 10 the interval's logging has waited for every step)
-    assert len(waits) == 2 + 7 + 1, len(waits)
-    assert fetched[-7:] == [4, 4, 1, 10, 4, 4, 1], fetched  # 9 evaluation losses 4 at a time, twice
+    # at step 5 (at step 10 the interval's logging has waited for every step); each evaluation's 9 global batches are
+    # 18 parts of micro batch x data-parallel size (8 of 16 rows), waited for every 4th: validation at steps 5 and
+    # 10, and the test split's once training ends
+    assert len(waits) == 2 + 7 + 1 + 3 * (18 // 4), len(waits)
+    assert fetched[-4:] == [9, 10, 9, 9], fetched  # each evaluation's 9 losses at once, the interval's 10 steps

@@ -72,14 +72,14 @@ class BertDataset:
         self._maps = {name: self._mapping(bounds[i], bounds[i + 1], i) for i, name in enumerate(SPLITS)}
         self._perm, self._perm_epoch = np.empty(0, np.int64), -1
         for name in ("train", "valid"):
-            if self.num_samples(name) == 0 and (name == "train" or evaluated and self._weights[name] > 0):
+            if self.num_samples(name) == 0 and self._weights[name] > 0 and (name == "train" or evaluated):
                 sentences = np.diff(self.doc_idx)
                 found = (f"; {int((sentences >= 2).sum())} of its {len(sentences)} documents have 2+ (a sentence "
                          "ends at . ! or ? before a capital, a digit or a quote)" if binary_head else "")
                 raise ValueError(f"the {name} split of {source} holds no BERT sample (documents of "
-                                 f"{2 if binary_head else 1}+ sentences{found}); use more data (--data-path) or a "
-                                 "larger --split share for it" + (" (or --eval-interval 0: no validation)."
-                                                                  if name == "valid" else "."))
+                                 f"{2 if binary_head else 1}+ sentences{found}); use more data (--data-path)" +
+                                 (" or a larger --split share for it" if self._weights[name] < 1 else "") +
+                                 (" (or --eval-interval 0: no validation)." if name == "valid" else "."))
 
     # ---- the sample mapping ----
     def _mapping(self, first_doc: int, last_doc: int, split_index: int) -> np.ndarray:

@@ -68,13 +68,14 @@ class BlendedDataset:
             members = [i for i, (ds, w) in enumerate(zip(self.datasets, self.weights))
                        if w > 0 and ds.num_samples(split) > 0]
             self._members[split] = members
-        if not self._members["train"]:
+        if not self._members["train"] and first._weights["train"] > 0:  # (none: a blend of another split's own data)
             raise ValueError("no blended dataset holds a training sample; give a dataset with data a positive "
                              "--data-path weight.")
         if not self._members["valid"] and first._weights["valid"] > 0 and first.evaluated:  # refused now, not later
+            share = " or a larger --split share for valid" if first._weights["valid"] < 1 else ""
             raise ValueError(f"no blended dataset holds a validation sample of --seq-length {self.seq_length} + 1 "
-                             "tokens; use more data, a shorter --seq-length or a larger --split share for valid "
-                             "(or --eval-interval 0: no validation).")
+                             f"tokens; use more data, a shorter --seq-length{share} (or --eval-interval 0: no "
+                             "validation).")
 
     def num_samples(self, split: str) -> int:
         """Samples of the split summed over its datasets: one pass over each, roughly (an epoch of the blend)."""

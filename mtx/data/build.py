@@ -1,5 +1,6 @@
 """`build_dataset(cfg)`: the --data-path entries (text, .npy, Megatron .bin/.idx prefixes, weighted blends) as one
-dataset with the `GPTDataset` batch API.
+dataset with the `GPTDataset` batch API; or, as Megatron's --train-data-path, --valid-data-path and
+--test-data-path, each split from entries of its own (`SplitDatasets`), each in --data-path's forms.
 
 --data-path forms, as Megatron's:
   a.txt b.npy            one corpus: the files joined with end-of-document tokens, split by tokens
@@ -18,17 +19,61 @@ import numpy as np
 
 from mtx.data.bert_dataset import build_bert_dataset
 from mtx.data.blend import BlendedDataset, parse_weights
-from mtx.data.dataset import GPTDataset, builtin_corpus, check_token_ids
+from mtx.data.dataset import GPTDataset, _parse_split, builtin_corpus, check_token_ids
 from mtx.data.documents import FIELDS as DOCUMENT_FLAGS, DocumentBatches
 from mtx.data.indexed import IndexedDataset
 from mtx.data.paths import indexed_prefix, parse_data_path
 from mtx.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from mtx.files import not_a_file, read_text, refuse_repeats
+from mtx.schema_checks import SPLIT_PATHS, flag_name
+
+_ALONE = {"train": "1,0,0", "valid": "0,1,0", "test": "0,0,1"}  # a split's own data: all of it that split's
+_BUILTIN = ", or omit --data-path to train on the built-in corpus"  # (no fix for a split's own flag)
 
 
-def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches:
-    """The dataset of a `mtx.config.Config`: its --data-path entries (or the built-in corpus) and tokenizer; with
-    --eod-mask-loss, --reset-position-ids or --reset-attention-mask its batches carry the document fields."""
+def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches | SplitDatasets:
+    """The dataset of a `mtx.config.Config`: its --data-path entries (or the built-in corpus), or each split's own
+    entries, and tokenizer; with --eod-mask-loss, --reset-position-ids or --reset-attention-mask its batches carry
+    the document fields."""
+    if own := {split: getattr(cfg.data, name) for split, name in SPLIT_PATHS.items() if getattr(cfg.data, name)}:
+        return SplitDatasets({split: _alone(cfg, split, paths) for split, paths in own.items()})
+    if _parse_split(cfg.data.split)[0] == 0:
+        raise ValueError(f"--split {cfg.data.split} gives training no share; give train a weight, e.g. --split "
+                         "949,50,1.")
+    return _dataset(cfg)
+
+
+class SplitDatasets:
+    """Each split read from a dataset of its own (`GPTDataset`'s batch API); a split given no data has no samples."""
+
+    def __init__(self, datasets: dict):
+        self.datasets = datasets
+        self.tokenizer = datasets["train"].tokenizer  # (the same flags built every split's)
+
+    def num_samples(self, split: str) -> int:
+        return self.datasets[split].num_samples(split) if split in self.datasets else 0
+
+    def batch(self, split: str, index: int, batch_size: int, rows: slice = slice(None)):
+        if split not in self.datasets:
+            raise ValueError(f"no {split} data was given; pass {flag_name(SPLIT_PATHS[split])}.")
+        return self.datasets[split].batch(split, index, batch_size, rows)
+
+
+def _alone(cfg, split: str, paths: tuple[str, ...]):
+    """The dataset of one split's own entries: all of them that split's (the builders' messages name its flag)."""
+    flag = flag_name(SPLIT_PATHS[split])
+    try:
+        dataset = _dataset(cfg.replace(data_path=paths, split=_ALONE[split]))
+        if not dataset.num_samples(split):  # (train and, when evaluated, valid: refused by the dataset itself)
+            raise ValueError(f"the {split} split of --data-path {' '.join(paths)} holds no sample of --seq-length "
+                             f"{cfg.model.seq_length}; pass more data, or a shorter --seq-length.")
+    except ValueError as e:
+        raise ValueError(str(e).replace(_BUILTIN, "").replace("--data-path", flag)) from None
+    return dataset
+
+
+def _dataset(cfg):
+    """The dataset of --data-path (split by --split), or of the built-in corpus."""
     if cfg.model.is_bert:  # sentence-pair samples (mtx/data/bert_dataset.py)
         return build_bert_dataset(cfg)
     dataset = _gpt_dataset(cfg)
@@ -54,9 +99,11 @@ def say_what_data_overrides(cfg, dataset) -> None:
         print(f"mtx: --data-path {', '.join(never)}: weight 0, never sampled.", file=sys.stderr)
     t = cfg.training
     if t.eval_interval and not dataset.num_samples("valid"):
-        print(f"mtx: --split {cfg.data.split} gives validation no share, so --eval-interval {t.eval_interval} "
-              "evaluates nothing; pass --eval-interval 0, or give valid a --split share (e.g. 949,50,1).",
-              file=sys.stderr)
+        gives, fix = ((f"--split {cfg.data.split} gives validation no share", "give valid a --split share (e.g. "
+                       "949,50,1)") if not cfg.data.train_data_path else ("no --valid-data-path was given",
+                                                                          "pass --valid-data-path"))
+        print(f"mtx: {gives}, so --eval-interval {t.eval_interval} evaluates nothing; pass --eval-interval 0, or "
+              f"{fix}.", file=sys.stderr)
 
 
 def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
@@ -115,8 +162,7 @@ def _files_dataset(paths: list[str], tokenizer: Tokenizer, **kw) -> GPTDataset:
 def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     if not path.is_file():
         what = not_a_file(path) + (" or indexed dataset (PATH.bin + PATH.idx)" if not path.exists() else "")
-        raise ValueError(f"--data-path {path}: {what}; pass text, .npy or indexed-dataset prefixes, or omit "
-                         "--data-path to train on the built-in corpus.")
+        raise ValueError(f"--data-path {path}: {what}; pass text, .npy or indexed-dataset prefixes{_BUILTIN}.")
     if path.suffix in (".bin", ".idx") and not indexed_prefix(str(path.with_suffix(""))):
         missing = path.with_suffix(".idx" if path.suffix == ".bin" else ".bin")
         raise ValueError(f"--data-path {path} is half of an indexed dataset and {missing} does not exist; pass the "

@@ -92,11 +92,12 @@ class GPTDataset:
         self._perm, self._perm_epoch = np.empty(0, np.int64), -1  # the last epoch's training order
         self.evaluated = evaluated  # whether the run reads the valid split (--eval-interval > 0)
         for name in ("train", "valid"):
-            # Train must hold a sample, and valid too when it has weight and the run evaluates, since evaluation
-            # reads it. Test is read by nothing during training and its default 0.1% share is often shorter than one
-            # sequence, so an empty test split is only refused when someone asks it for a batch. In a blend, the
-            # blend checks that some member holds validation samples (`BlendedDataset`).
-            needed = name == "train" or evaluated and self._weights[name] > 0 and not in_blend
+            # Train must hold a sample where it has weight (a dataset of one other split's own data has none), and
+            # valid too when the run evaluates, since evaluation reads it. Test is read only once training ends and its
+            # default 0.1% share is often shorter than one sequence: an empty test split is skipped then, and only
+            # refused when someone asks it for a batch. In a blend, the blend checks that some member holds
+            # validation samples (`BlendedDataset`).
+            needed = self._weights[name] > 0 and (name == "train" or evaluated and not in_blend)
             if self.num_samples(name) == 0 and needed:
                 raise ValueError(self._too_small(name))
 
@@ -148,10 +149,10 @@ class GPTDataset:
         if self._weights[split] == 0:
             return (f"the {split} split is empty because its --split weight is 0; give it a weight (e.g. "
                     "--split 949,50,1) to read from it.")
+        share = ", or a larger --split share for it" if self._weights[split] < 1 else ""  # (not all of it already)
         return (f"the {split} split of {self.source} holds {self.num_tokens(split)} tokens, fewer than one sequence of "
-                f"--seq-length {self.seq_length} + 1; use a shorter --seq-length, more data (--data-path), or a "
-                "larger --split share for it" + (" (or --eval-interval 0: no validation)." if split == "valid" else
-                                                 "."))
+                f"--seq-length {self.seq_length} + 1; use a shorter --seq-length, more data (--data-path){share}" +
+                (" (or --eval-interval 0: no validation)." if split == "valid" else "."))
 
 
 def _parse_split(split: str) -> list[float]:
