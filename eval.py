@@ -73,7 +73,7 @@ def build_parser() -> OneLineParser:
     gen = task("generate", "sample continuations of --prompt (KV-cached)")
     gen.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                      help="prompt text; repeat the flag for a batch (required)")
-    gen.add_argument("--max-new-tokens", type=ranged(int, ">= 1"), default=64, metavar="INT",
+    gen.add_argument("--max-new-tokens", type=ranged(int, "[1, 65536]"), default=64, metavar="INT",
                      help="tokens to generate per prompt (default: %(default)s)")
     gen.add_argument("--temperature", type=ranged(float, ">= 0"), default=1.0, metavar="FLOAT",
                      help="softmax temperature; 0 is greedy (default: %(default)s)")

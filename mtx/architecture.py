@@ -45,7 +45,7 @@ class ModelConfig:
     vocab_size: int = _f(50257, "tokenizer vocabulary before padding (set from the tokenizer when data is loaded)")
     make_vocab_size_divisible_by: int = _f(128, "each model-parallel vocab shard is a multiple of this")
     hidden_dropout: float = _f(0.1, "dropout on the residual branches and embeddings (one mask per sequence, any mesh)")
-    attention_dropout: float = _f(0.1, "dropout on attention probabilities (a different stream per model rank)")
+    attention_dropout: float = _f(0.1, "dropout on attention probabilities (masks by sequence and head: any mesh's)")
     init_method_std: float = _f(0.02, "std of N(0, std) init; residual projections use std / sqrt(2 L)")
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
     label_smoothing: float = _f(0.0, "label smoothing of the vocab-parallel cross-entropy")

@@ -34,8 +34,8 @@ _SCHEMA = {f.name: (f, FIELD_TYPES[f.name]) for cls in SECTIONS.values() for f i
 def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
     """train.py's parser: --config and one flag per schema field, grouped by section (`prog`: the tool that takes
     them, which its messages name)."""
-    parser = OneLineParser(prog=prog,
-                           description="Train a GPT with tensor and data parallelism (Megatron-LM flags).")
+    parser = OneLineParser(prog=prog, description="Train a GPT or BERT with tensor, pipeline and data parallelism "
+                                                  "(Megatron-LM flags).")
     parser.add_argument("--config", metavar="FILE",
                         help="TOML preset (configs/*.toml) of flat field names; flags override it")
     for section, cls in SECTIONS.items():

@@ -168,7 +168,7 @@ class DataConfig:
     train_data_path: tuple[str, ...] = _f((), "training data alone (--data-path's forms; no --split)", path=True)
     valid_data_path: tuple[str, ...] = _f((), "the validation data alone, read every --eval-interval", path=True)
     test_data_path: tuple[str, ...] = _f((), "the test data alone, evaluated once training ends", path=True)
-    vocab_file: str | None = _f(None, "GPT-2 encoder.json (tokenizer for --data-path)", path=True)
+    vocab_file: str | None = _f(None, "GPT-2 encoder.json, or BERT's vocab.txt (the tokenizer)", path=True)
     merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges", path=True)
     tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; "
                                           "None: by the files given")

@@ -49,9 +49,9 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
     """A command line tool's end: `sys.exit` with the status `main()` returns (0 if it returns what it wrote, or
     None). A command line its parser refuses that `main` did not catch is one "error: ..." line, exit status 2; a
     reader of its output that went away (`| head`, a `tee` that was stopped) ends it with one line on stderr and exit
-    status 141 (a shell's "killed by SIGPIPE"), not a traceback; a full disk (its output's, or a file's it writes) is
-    one "error: ..." line, status 1. The tool's own cleanup has run on the way (a training run lets its run directory
-    go)."""
+    status 141 (a shell's "killed by SIGPIPE"), not a traceback; a full disk (its output's, or a file's it writes) or
+    a path with a name too long for the file system is one "error: ..." line, status 1. The tool's own cleanup has
+    run on the way (a training run lets its run directory go)."""
     try:
         try:
             status = main()
@@ -74,16 +74,21 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
             pass
         status = 141
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if e.errno not in _ONE_LINE:
             raise
         _quiet_stdout()  # (it may be the full one)
         try:
-            print(f"error: {e.strerror}{f' ({e.filename})' if e.filename else ''}; free some space, or write the "
-                  "output elsewhere.", file=sys.stderr)
+            print(f"error: {e.strerror}{f' ({e.filename})' if e.filename else ''}; {_ONE_LINE[e.errno]}.",
+                  file=sys.stderr)
         except OSError:  # stderr on the same full disk
             pass
         status = 1
     sys.exit(status)
+
+
+# The system's refusals a tool ends on in one line (status 1), whichever of its paths met them: the fix of each.
+_ONE_LINE = {errno.ENOSPC: "free some space, or write the output elsewhere", errno.EDQUOT: "free some space, or write "
+             "the output elsewhere", errno.ENAMETOOLONG: "choose a shorter name (at most 255 bytes a component)"}
 
 
 def _quiet_stdout() -> None:

@@ -86,11 +86,13 @@ def prepare(cfg: Config) -> Plan:
     configured = cfg
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
-        # (a resume keeps the sequence length, which check_same_batches says: the model is compared at it)
-        kept = dataclasses.replace(cfg.model, seq_length=saved.model.seq_length) if t.resumes else cfg.model
+        # A resume keeps the sequence length, which check_same_batches says: the model is compared at it. A step 0
+        # (a converted checkpoint, say) has read no data: its run's batch and sequence length need not continue.
+        continues = t.resumes and load_step > 0
+        kept = dataclasses.replace(cfg.model, seq_length=saved.model.seq_length) if continues else cfg.model
         check_compatible(saved.model, kept, t.load)
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
-        if t.resumes:
+        if continues:
             check_same_batches(saved, cfg)
         if t.profile and t.resumes and t.profile_step_start < load_step:  # a requeued command line, say
             traced = t.profile_step_end > load_step

@@ -53,7 +53,7 @@ RANGES = {
     "initial_loss_scale": "(0, 4294967296]", "loss_scale_window": ">= 1", "min_loss_scale": "(0, 4294967296]",
     "log_interval": ">= 1", "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
-    "keep_checkpoint_every": ">= 1", "generate_tokens": ">= 0", "train_samples": ">= 0",
+    "keep_checkpoint_every": ">= 1", "generate_tokens": "[0, 65536]", "train_samples": ">= 0",
     "profile_step_start": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
     # data
     "prefetch_depth": ">= 0", "num_workers": "[0, 256]", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",

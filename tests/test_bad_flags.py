@@ -95,6 +95,11 @@ def test_tools_range_check_the_config_flags_they_take(capsys):
     assert f"argument --seed: {BIG} is beyond what mtx can use" in capsys.readouterr().err  # "must be >= 0" once
     assert audit(["--num-microbatches", "0"]) == 2
     assert "argument --num-microbatches: must be >= 1, got 0" in capsys.readouterr().err
+    # a billion new tokens ran for hours with no output (generation slides its window past the positions)
+    assert eval_cli.main(["generate", "--load", "x", "--prompt", "hi", "--max-new-tokens", "1000000000"]) == 2
+    assert "argument --max-new-tokens: must be in [1, 65536], got 1000000000" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^--generate-tokens must be in \[0, 65536\], got 1000000000.$"):
+        parse_config(["--generate-tokens", "1000000000"]).validate(8)
 
 
 def test_a_tools_unset_flag_takes_none_as_its_help_says():

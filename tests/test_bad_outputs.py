@@ -314,3 +314,19 @@ def test_a_tool_started_with_its_output_closed_or_on_a_full_disk_ends_in_one_lin
             proc = subprocess.run(tool, stdout=full, stderr=subprocess.PIPE, text=True)
         assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
             "error: No space left on device; free some space, or write the output elsewhere."], proc.stderr
+
+
+@pytest.mark.parametrize("tool", [["-m", "mtx.plot", "LONG"], ["train.py", "--config", "LONG.toml"],
+                                  ["eval.py", "generate", "--load", "LONG", "--prompt", "hi"]])
+def test_a_name_too_long_for_the_file_system_is_one_line(tool, tmp_path):
+    """A path component over 255 bytes: Path.exists() raises (ENAMETOOLONG) where a missing file would be named; each
+    tool ended in a traceback."""
+    import subprocess
+    import sys
+
+    long = str(tmp_path / ("y" * 300))
+    proc = subprocess.run([sys.executable, *[arg.replace("LONG", long) for arg in tool]], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: File name too long ({long}{'.toml' * ('.toml' in tool[-1])});"
+                                                " choose a shorter name (at most 255 bytes a component)."]

@@ -188,7 +188,7 @@ def test_wrong_types_in_a_config_file_fail_with_the_field_named(tmp_path, line, 
 
 @pytest.mark.parametrize("argv,message", [
     (["eval.py", "generate", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
-    (["eval.py", "generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    (["eval.py", "generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be in [1, 65536], got 0"),
     (["eval.py", "wikitext", "--overlapping-eval", "-3"], "argument --overlapping-eval: must be >= 1, got -3"),
     (["mtx.data.preprocess", "--input", "x", "--output-prefix", "y", "--workers", "0"],
      "argument --workers: must be in [1, 256], got 0"),

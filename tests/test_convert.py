@@ -300,3 +300,22 @@ def test_eval_loss_matches_gpt2_reference(converted):
     log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     expected = (log_z - np.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0]).mean()
     assert abs(float(model.eval_loss(params, model.put_batch(tokens))) - expected) < 1e-5
+
+
+def test_a_converted_checkpoint_resumes_at_any_batch_and_sequence_length(converted, shared_data, tmp_path):
+    """A step-0 checkpoint has read no data: its converter's default batch and sequence length need not continue
+    (--load of published weights was refused "its data and token count would not continue")."""
+    from mtx.checkpoint import saved_step
+    from mtx.run import prepare
+
+    _, vocab, root = converted
+    if vocab != 50257:
+        pytest.skip("GPT-2's tokenizer reads the data: the 50,257-row checkpoint")
+    saved = saved_step(root / "ckpt", None, "test")[1]
+    data = shared_data / "tinyshakespeare" / "input.txt"
+    plan = prepare(saved.replace(load=str(root / "ckpt"), run_dir=str(tmp_path / "r"), train_iters=1,
+                                 global_batch_size=2 * saved.training.global_batch_size,
+                                 seq_length=saved.model.seq_length // 2, data_path=(str(data),),
+                                 vocab_file=str(shared_data / "gpt2" / "encoder.json"),
+                                 merge_file=str(shared_data / "gpt2" / "vocab.bpe")))
+    assert plan.load_step == 0 and plan.cfg.model.seq_length == saved.model.seq_length // 2
