@@ -8,10 +8,14 @@ code 2 before any device work. Without an accelerator it runs on 8 simulated CPU
 
 import sys
 
-from mtx.cli import (OneLineParser, add_config_flags, flags_in, ranged, refuse_idle, subcommand,
-                     with_negative_values)
-from mtx.devices import simulate_cpu_devices
-from mtx.files import expand_home, json_line
+from mtx.errors import script_needs
+
+script_needs("jax", "pip install -e . here first; '.[cuda12]' for NVIDIA GPUs", __name__)  # (else a traceback)
+
+from mtx.cli import (OneLineParser, add_config_flags, flags_in, ranged, refuse_idle,  # noqa: E402
+                     subcommand, with_negative_values)
+from mtx.devices import simulate_cpu_devices  # noqa: E402
+from mtx.files import expand_home, json_line  # noqa: E402
 
 simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
 

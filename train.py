@@ -7,7 +7,11 @@ With no flags it trains the embedded default (a small GPT on the built-in corpus
 import os
 import sys
 
-from mtx.devices import simulate_cpu_devices
+from mtx.errors import script_needs
+
+script_needs("jax", "pip install -e . here first; '.[cuda12]' for NVIDIA GPUs", __name__)  # (else a traceback)
+
+from mtx.devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GPUs
 

@@ -25,11 +25,12 @@ def main(argv=None) -> int:
     from benchmarks.bench import check_mesh, measure
     from mtx.cli import COUNT, OneLineParser, parse_config, ranged
     from mtx.files import check_json_lines, json_line, refuse_empty
+    from mtx.schema_checks import CHOICES
 
     ap = OneLineParser(prog="pipeline_bubble.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=ranged(int, ">= 2"), default=2, help="pipeline stages of the pipelined step")
     ap.add_argument("--microbatches", type=ranged(int, COUNT), nargs="+", default=[2, 4, 8])
-    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=CHOICES["pipeline_schedule"])
     ap.add_argument("--virtual", type=ranged(int, ">= 2"), default=None,
                     help="virtual stages of the interleaved schedule (default: 2)")
     ap.add_argument("--steps", type=ranged(int, COUNT), default=5)

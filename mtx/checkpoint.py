@@ -149,9 +149,10 @@ class Checkpointer:
     def _prune(self) -> None:
         """Deletes the steps that --keep-last-n-checkpoints / --keep-checkpoint-every no longer keep. Only a step that
         matches its file record exactly (intact, and nothing in it that mtx did not write) is ever deleted, and only
-        once `keep_last` newer steps are intact: the newest step, a broken or unrecorded step, and a step that a
-        fallback from broken newer ones would resume are kept. Each goes in two moves, renamed to <step>.deleting
-        (no longer a step to any reader) and then removed; a leftover from a run killed in between goes next time."""
+        once `keep_last` newer steps are intact: the newest step, a broken or unrecorded step, a step that a fallback
+        from broken newer ones would resume and a step that is a link are kept. Each goes in two moves, renamed to
+        <step>.deleting (no longer a step to any reader) and then removed; a leftover from a run killed in between
+        goes next time."""
         for leftover in self.directory.glob("*.deleting"):
             if re.fullmatch(r"\d+\.deleting", leftover.name):  # only what this method renamed (5.old.deleting: not)
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -159,7 +160,8 @@ class Checkpointer:
         intact = [s for s in steps if self._recorded_problem(self.directory / str(s)) is None]
         kept = set(intact[-self.keep_last:]) | set(steps[-1:])
         kept |= {s for s in steps if self.keep_every and s % self.keep_every == 0}
-        doomed = [s for s in intact if s not in kept and self._only_recorded_files(self.directory / str(s))]
+        doomed = [s for s in intact if s not in kept and self._only_recorded_files(self.directory / str(s))
+                  and not (self.directory / str(s)).is_symlink()]  # (a link put there: its files are not mtx's here)
         for step in doomed:
             path = self.directory / str(step)
             trash = path.with_name(f"{step}.deleting")

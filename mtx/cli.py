@@ -336,6 +336,8 @@ def check_unused_flags(cfg, given) -> None:
              (("tp_comm_overlap",), p.tensor_model_parallel_size > 1, "--tensor-model-parallel-size 2 or more",
               again),
              (("profile_step_start", "profile_step_end"), t.profile, "--profile", again),
+             (("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"), t.resumes,
+              "--load (resuming, not --finetune)", again),
              (("eval_iters", "valid_data_path", "test_data_path"), t.eval_interval > 0, "--eval-interval N (N > 0)",
               again),
              (("split",), not cfg.data.train_data_path, "--data-path (or the built-in corpus)",

@@ -69,8 +69,7 @@ class OptimizerConfig:
     lr_decay_style: str = _f("cosine", "constant | linear | cosine")
     lr_warmup_iters: int = _f(30, "linear warmup from 0 over this many steps")
     lr_decay_iters: int | None = _f(None, "steps of decay after which lr stays at min_lr; None means train_iters")
-    lr_warmup_fraction: float | None = _f(
-        None, "warmup over this fraction of the decay steps (sets --lr-warmup-iters, rounded down)")
+    lr_warmup_fraction: float | None = _f(None, "warmup as a fraction of the decay steps (sets --lr-warmup-iters)")
     lr_warmup_samples: int | None = _f(None, "warmup in samples: --lr-warmup-iters = this // --global-batch-size")
     lr_decay_samples: int | None = _f(None, "decay in samples: --lr-decay-iters = this // --global-batch-size")
     weight_decay: float = _f(0.01, "AdamW decoupled weight decay (not on biases or LayerNorm)")
@@ -95,8 +94,7 @@ class TrainingConfig:
     recompute_granularity: str | None = _f(
         None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)", step=True)
     recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective", step=True)
-    scan_layers: bool = _f(
-        True, "run the layer stack as one lax.scan (compiles one layer); False unrolls it", step=True)
+    scan_layers: bool = _f(True, "the layer stack as one lax.scan (compiles one layer); False unrolls it", step=True)
     compilation_cache_dir: str | None = _f(
         "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "
                             "instead of compiling (none turns it off; CPU runs compile quickly and ignore it)",
@@ -130,6 +128,8 @@ class TrainingConfig:
                                "metrics (Megatron's --finetune)")
     load_optim: bool = _f(True, "load --load's optimizer state; --no-load-optim: fresh Adam moments and loss scale "
                                 "(the step and the lr schedule continue; Megatron's restarts its scheduler)")
+    override_opt_param_scheduler: bool = _f(False, "resuming: take this run's lr schedule where --load's differs")
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "resuming: keep --load's lr schedule, whatever the flags say")
     load_rng: bool = _f(True, "take --load's seed (mtx's RNG state: dropout masks and data order are functions of "
                               "seed and step); --no-load-rng: this run's --seed")
     use_checkpoint_args: bool = _f(False, "take the model architecture from --load's saved config; it wins over "
@@ -224,9 +224,9 @@ class Config:
         gbs = t.global_batch_size
         if not _is_count(gbs) or gbs < 1:
             return
-        steps = {target: getattr(part, source) // gbs for target, (part, source) in
-                 (("train_iters", (t, "train_samples")), ("lr_decay_iters", (o, "lr_decay_samples")),
-                  ("lr_warmup_iters", (o, "lr_warmup_samples"))) if _is_count(getattr(part, source))}
+        # each step count from its Megatron sample count (DERIVED's first source; the warmup fraction is below)
+        steps = {target: self.value(samples) // gbs for target, (samples, *_) in DERIVED.items()
+                 if _is_count(self.value(samples))}
         if t.recompute_activations is True and t.recompute_granularity is None:
             t = dataclasses.replace(t, recompute_granularity="selective")
         t = dataclasses.replace(t, **{k: v for k, v in steps.items() if k == "train_iters"})

@@ -136,8 +136,8 @@ def wikitext_perplexity(score: ScoreFn, batch_size: int, tokens: Sequence[int], 
     assert scored == max(len(tokens) - 1, 0), (scored, len(tokens))
     loss = total / max(scored, 1)
     return {"original_tokens": original_tokens, "tokens": len(tokens), "scored_tokens": scored, "windows": n,
-            "seq_length": seq_length, "overlapping_eval": overlap, "loss": loss, "ppl": _exp(loss),
-            "adjusted_ppl": _exp(total / max(original_tokens, 1))}
+            "seq_length": seq_length, "overlapping_eval": overlap, "loss": loss, "ppl": perplexity(loss),
+            "adjusted_ppl": perplexity(total / max(original_tokens, 1))}
 
 
 # ---- LAMBADA: the last word, every subword the argmax ----
@@ -249,8 +249,9 @@ def _read_text(path: str | Path) -> str:
                      ".jsonl).")
 
 
-def _exp(x: float) -> float:
-    return math.exp(x) if x < 700 else float("inf")
+def perplexity(loss: float) -> float:
+    """exp(loss); inf past a float's range, NaN for NaN (a diverged run's: metrics.jsonl writes either as null)."""
+    return float("inf") if loss >= 700 else math.exp(loss)
 
 
 def _bar(items: Iterable, enabled: bool, desc: str, **kw):

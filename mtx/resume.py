@@ -2,6 +2,7 @@
 
 - The step: the newest intact one (or --ckpt-step), found before any device work (`resume_point`); broken later steps
   are set aside (`set_aside`), never deleted.
+- Its lr schedule (`check_same_schedule`): a changed one refused, as Megatron does, unless told which to take.
 - Its settings (`from_checkpoint`): the seed, which is mtx's whole RNG state (data order and dropout masks are
   functions of (seed, step)), unless --no-load-rng or --finetune; with --use-checkpoint-args the model architecture
   too. As in Megatron the checkpoint's values win over flags and presets, and each one that differs is printed.
@@ -111,6 +112,35 @@ def check_same_batches(saved: Config, cfg: Config) -> None:
             raise ValueError(f"--load {cfg.training.load} was trained with {flag} {then} and this run has {now}, so "
                              f"its data and token count would not continue; pass {flag} {then}, or --finetune to "
                              "start a new run from its weights.")
+
+
+def lr_schedule(cfg: Config) -> dict:
+    """The learning-rate schedule a run follows (mtx/optim.py): its peak and warmup, and unless constant its decay."""
+    o = cfg.optimizer
+    kept = dict(lr=o.lr, lr_warmup_iters=o.lr_warmup_iters, lr_decay_style=o.lr_decay_style)
+    return kept if o.lr_decay_style == "constant" else kept | dict(
+        min_lr=o.min_lr, lr_decay_iters=o.lr_decay_iters or cfg.training.train_iters)
+
+
+def check_same_schedule(saved: Config, cfg: Config) -> Config:
+    """Megatron's rule for a resumed run's learning-rate schedule: the checkpoint's run's, unless told otherwise (an
+    lr that jumps at the step the run resumes, taken silently, was once the rule). --use-checkpoint-opt-param-scheduler
+    keeps the checkpoint's (returned in `cfg`), --override-opt-param-scheduler takes this run's flags."""
+    t, then, now = cfg.training, lr_schedule(saved), lr_schedule(cfg)
+    if t.use_checkpoint_opt_param_scheduler:
+        o = saved.optimizer
+        return cfg.replace(lr_warmup_fraction=None, lr_warmup_samples=None, lr_decay_samples=None, **{
+            name: getattr(o, name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters")},
+            lr_decay_iters=o.lr_decay_iters or saved.training.train_iters)
+    if then == now or t.override_opt_param_scheduler:
+        return cfg
+    name = next(name for name in (*then, *now) if then.get(name) != now.get(name))
+    said = {"lr_warmup_iters": "{} warmup steps",
+            "lr_decay_iters": "{} decay steps (--lr-decay-iters, or --train-iters)"}.get(name, flag_name(name) + " {}")
+    raise ValueError(f"--load {t.load} was trained with {said.format(then.get(name, 'no decay'))} and this run has "
+                     f"{now.get(name, 'no decay')}, so its learning rate would jump where it resumes; pass "
+                     "--override-opt-param-scheduler to take this run's schedule, or "
+                     "--use-checkpoint-opt-param-scheduler to keep the checkpoint's (Megatron's flags).")
 
 
 def say_if_tokenizer_changed(saved: Config, tokenizer, load: str) -> None:

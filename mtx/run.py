@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,12 +24,13 @@ from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
 from mtx.devices import check_accelerator, devices, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
+from mtx.evaluation import perplexity
 from mtx.files import CONFIG, METRICS, check_outside, check_run_dir, check_writable, forget_new_run_dir, same_path
 from mtx.loop_controls import Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
-from mtx.resume import (check_same_batches, from_checkpoint, load_state, resume_point, say_if_tokenizer_changed,
-                        set_aside)
+from mtx.resume import (check_same_batches, check_same_schedule, from_checkpoint, load_state, resume_point,
+                        say_if_tokenizer_changed, set_aside)
 from mtx.run_lock import RunLock, check_free
 from mtx.schema_checks import flag_name
 from mtx.sharded_model import ShardedModel
@@ -94,6 +94,7 @@ def prepare(cfg: Config) -> Plan:
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
         if continues:
             check_same_batches(saved, cfg)
+            cfg = check_same_schedule(saved, cfg)
         if t.profile and t.resumes and t.profile_step_start < load_step:  # a requeued command line, say
             traced = t.profile_step_end > load_step
             if is_main_process():
@@ -226,7 +227,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                             logger.log({"step": step + 1, f"{key}_loss": loss})
                             message = f"step {step + 1}: {name} loss (MLM + SOP) {loss:.4f}"
                         else:
-                            ppl = math.exp(min(loss, 50.0))
+                            ppl = perplexity(loss)
                             logger.log({"step": step + 1, f"{key}_loss": loss, f"{key}_ppl": ppl})
                             message = f"step {step + 1}: {name} loss {loss:.4f}, perplexity {ppl:.2f}"
                         if main:

@@ -244,6 +244,9 @@ def _check_megatron_flags(cfg) -> None:
     _check(not t.fp16 or t.min_loss_scale <= t.initial_loss_scale,
            f"--min-loss-scale {t.min_loss_scale:g} is above --initial-loss-scale {t.initial_loss_scale:g}; the scale "
            "starts at the initial one and never halves below the minimum.")
+    _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
+           "--override-opt-param-scheduler takes this run's lr schedule and --use-checkpoint-opt-param-scheduler the "
+           "checkpoint's; pass one of them.")
     alone = [flag_name(name) for name in SPLIT_PATHS.values() if getattr(d, name)]
     _check(not alone or not d.data_path, f"--data-path and {alone[0] if alone else ''} both give data; pass one "
            "--data-path (split by --split), or each split's data with its own flag.")
@@ -382,7 +385,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
     accumulate-allreduce-grads-in-fp32 recompute-method
     recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
-    end-weight-decay weight-decay-incr-style override-opt-param-scheduler use-checkpoint-opt-param-scheduler
+    end-weight-decay weight-decay-incr-style
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
     mock-data vocab-extra-ids timing-log-level
     log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard

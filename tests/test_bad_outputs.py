@@ -17,7 +17,9 @@ from mtx.metrics import MetricsLogger
 from mtx.run import prepare, train
 from helpers import refused_in_one_line as _refused
 
-TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(hidden_dropout=0.0, attention_dropout=0.0)
+# a fixed decay: a run resumed to more steps keeps its schedule (mtx/resume.py)
+TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(
+    hidden_dropout=0.0, attention_dropout=0.0, lr_decay_iters=10)
 
 
 

@@ -201,3 +201,6 @@ def test_a_script_missing_a_module_ends_in_one_line(capsys, monkeypatch):
     for script in ("torch_gpt.py", "torch_llama.py"):
         source = (Path(__file__).resolve().parents[1] / "benchmarks" / script).read_text()
         assert source.index('script_needs("torch"') < source.index("import torch")
+    for script in ("train.py", "eval.py"):  # a Python without mtx's requirements (the system's): jax, before mtx's
+        source = (Path(__file__).resolve().parents[1] / script).read_text()
+        assert source.index('script_needs("jax"') < source.index("from mtx.devices import")

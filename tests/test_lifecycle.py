@@ -62,11 +62,16 @@ def test_retention_keeps_the_newest_n_and_every_kth_step(tmp_path):
 def test_pruning_deletes_only_intact_steps_that_hold_nothing_but_mtx_files(tmp_path):
     """Steps 1-6 of which 2 has no file record, 3 holds a file someone added and 5 (or 6) is truncated; a leftover
     of an interrupted deletion and a folder that is no step. Keeping 1: the newest step stays, and when it is broken
-    so does the newest intact one (5), which a resume would fall back to; only 1 and 4 go."""
-    for broken in (5, 6):
-        folder = tmp_path / f"broken{broken}"
+    so does the newest intact one (5), which a resume would fall back to; only 1 and 4 go. Step 1 a link to a step
+    kept elsewhere: kept (pruning it once renamed the link and died in rmtree mid-run)."""
+    for broken, linked in ((5, False), (6, False), (5, True)):
+        folder = tmp_path / f"broken{broken}{linked}"
         for s in range(1, 7):
-            (folder / str(s)).mkdir(parents=True)
+            where = tmp_path / f"elsewhere{broken}" if linked and s == 1 else folder / str(s)
+            where.mkdir(parents=True)
+            if where != folder / str(s):
+                folder.mkdir(parents=True)
+                (folder / str(s)).symlink_to(where)
             (folder / str(s) / "a").write_text("x")
             if s != 2:
                 (folder / str(s) / MANIFEST).write_text(json.dumps({"a": 1}))
@@ -77,7 +82,8 @@ def test_pruning_deletes_only_intact_steps_that_hold_nothing_but_mtx_files(tmp_p
         ckpt = Checkpointer(folder, keep_last=1)
         ckpt._prune()
         left = sorted(p.name for p in folder.iterdir())
-        assert left == ["2", "3", "5", "6", "notes"], (broken, left)
+        assert left == ["1"] * linked + ["2", "3", "5", "6", "notes"], (broken, left)
+        assert not linked or (tmp_path / f"elsewhere{broken}" / "a").read_text() == "x"
         assert ckpt.steps() == [int(s) for s in left if s.isdigit()]
 
 
@@ -171,7 +177,8 @@ def test_the_seed_comes_from_the_checkpoint_unless_no_load_rng(base, resumed, tm
 
 def test_use_checkpoint_args_takes_the_architecture_and_says_what_it_overrode(base, tmp_path, capsys):
     path = str(base[0])
-    flags = dict(load=path, num_layers=3, hidden_size=128, seq_length=64, run_dir=str(tmp_path / "r"))
+    flags = dict(load=path, num_layers=3, hidden_size=128, seq_length=64, run_dir=str(tmp_path / "r"),
+                 override_opt_param_scheduler=True)  # (the preset's 200 steps)
     with pytest.raises(ValueError, match="saved with num_layers=2, hidden_size=64 but this run has 3, 128; pass "
                                          "--num-layers 2 --hidden-size 64 \\(or --use-checkpoint-args\\)"):
         prepare(TINY.replace(**flags))
@@ -212,3 +219,27 @@ def test_checkpoint_flags_without_save_say_that_nothing_is_saved(tmp_path, capsy
             "them.") in err
     prepare(TINY.replace(save_interval=2, save=str(tmp_path / "b")))
     assert "--save-interval" not in capsys.readouterr().err
+
+
+def test_a_resume_keeps_the_lr_schedule_unless_told_which_one(base, resumed, tmp_path):
+    """Megatron's rule: a resumed run's lr schedule is its checkpoint's (a schedule changed by the flags, or by a
+    longer --train-iters that moves the decay's end, was taken silently and the lr jumped where the run resumed);
+    --use-checkpoint-opt-param-scheduler keeps the checkpoint's, --override-opt-param-scheduler takes this run's."""
+    path, lr = str(base[0]), TINY.optimizer.lr
+    for flags, message in ((dict(lr=2 * lr), f"--lr {lr} and this run has {2 * lr}"),
+                           (dict(train_iters=8), "4 decay steps \\(--lr-decay-iters, or --train-iters\\) and this run "
+                                                 "has 8"),
+                           (dict(lr_warmup_iters=1), f"{TINY.optimizer.lr_warmup_iters} warmup steps and this run "
+                                                     "has 1"),
+                           (dict(lr_decay_style="constant"), "--lr-decay-style cosine and this run has constant")):
+        with pytest.raises(ValueError, match=f"was trained with {message}, so its learning rate would jump where it "
+                                             "resumes; pass --override-opt-param-scheduler to take this run's"):
+            prepare(TINY.replace(load=path, ckpt_step=2, run_dir=str(tmp_path / "r"), **flags))
+    kept = run(tmp_path, "kept", train_iters=4, load=path, ckpt_step=2, lr=2 * lr, lr_decay_iters=100,
+               use_checkpoint_opt_param_scheduler=True)
+    assert [x["lr"] for x in records(kept.run_dir)] == [x["lr"] for x in records(resumed.run_dir)]
+    taken = run(tmp_path, "taken", train_iters=4, load=path, ckpt_step=2, lr=2 * lr,
+                override_opt_param_scheduler=True)
+    np.testing.assert_allclose([x["lr"] for x in records(taken.run_dir)],
+                               [2 * x["lr"] for x in records(resumed.run_dir)], rtol=1e-6)
+    assert json.loads((kept.run_dir / "config.json").read_text())["optimizer"]["lr"] == lr  # resumed alike later

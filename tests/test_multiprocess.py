@@ -109,7 +109,8 @@ def test_two_processes_on_a_2x2x2_mesh_train_like_one(reference, tmp_path):
     """Data and pipeline both cross the two processes; tensor parallelism stays inside each."""
     run = tmp_path / "piped"
     outs = _wait(_launch(["--train-iters", "10", "--run-dir", str(run), "--tensor-model-parallel-size", "2",
-                          "--pipeline-model-parallel-size", "2", "--generate-tokens", "8", "--eval-interval", "10"]))
+                          "--pipeline-model-parallel-size", "2", "--generate-tokens", "8", "--eval-interval", "10",
+                          "--eval-iters", "2"]))
     assert "mesh data=2 pipeline=2 model=2 on 8 cpu device(s)" in outs[0]
     _close(_losses(run), _losses(reference), range(1, 11), "2 processes, mesh (2, 2, 2)")
     # The end-of-run actions across both processes: the final validation, the sample (decoding).

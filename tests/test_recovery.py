@@ -11,7 +11,9 @@ from mtx.checkpoint import MANIFEST, CheckpointError
 from mtx.config import Config, load_preset
 from mtx.run import prepare, train
 
-TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(hidden_dropout=0.0, attention_dropout=0.0)
+# a fixed decay: a run resumed to more steps keeps its schedule (mtx/resume.py)
+TINY = Config().replace(**load_preset("configs/tiny.toml")).replace(
+    hidden_dropout=0.0, attention_dropout=0.0, lr_decay_iters=10)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from mtx.config import Config, load_preset
 from mtx.metrics import Progress
 from mtx.run import train
 
-TINY = Config().replace(**load_preset("configs/tiny.toml"))
+# a fixed decay: a run resumed to more steps keeps its schedule (mtx/resume.py)
+TINY = Config().replace(**load_preset("configs/tiny.toml"), lr_decay_iters=10)
 LINE = re.compile(r" iteration +(\d+)/ +4 \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \|"
                   r" throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: (\S+) \| global batch size: +16 \|"
                   r" lm loss: (\S+) \| loss scale: 1\.0 \| grad norm: [\d.]+ \| number of skipped iterations: +0 \|")
@@ -186,3 +187,22 @@ def test_a_diverged_loss_is_written_as_strict_json(tmp_path):
     returned = logger.log({"step": 1, "loss": nan})["loss"]
     assert returned != returned  # the record returned keeps its NaN (the console line, the trackers)
     assert strict((tmp_path / "metrics.jsonl").read_text())["loss"] is None
+
+
+def test_throughput_and_mfu_are_the_flops_done_over_the_peak(monkeypatch):
+    """MFU = tokens/s x FLOPs per token / devices / the device's peak (989 TFLOP/s dense bf16 on an H100 or H200);
+    None where mtx knows no peak (the CPU); the perplexity logged beside a loss is exp(loss), inf past a float's."""
+    import math
+    import types
+
+    from mtx import metrics
+    from mtx.evaluation import perplexity
+
+    card = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    assert metrics.peak_flops_per_device(card) == 989e12
+    assert metrics.peak_flops_per_device(types.SimpleNamespace(device_kind="cpu")) is None
+    monkeypatch.setattr(metrics, "peak_flops_per_device", lambda device=None: 1e12)
+    assert metrics.throughput(1000, 2.0, 6e9, 4) == {"tokens_per_s": 500.0, "tflops_per_device": 0.75, "mfu": 0.75}
+    monkeypatch.setattr(metrics, "peak_flops_per_device", lambda device=None: None)
+    assert metrics.throughput(1000, 2.0, 6e9, 4)["mfu"] is None
+    assert perplexity(2.0) == math.exp(2.0) and perplexity(800.0) == math.inf and math.isnan(perplexity(math.nan))

@@ -100,14 +100,14 @@ def test_resuming_with_another_precision_starts_the_loss_scale_afresh(tmp_path, 
     """fp32 -> --fp16 takes --initial-loss-scale (the saved scale 1 was kept once); --fp16 -> bf16 scale 1 (the saved
     65,536 scaled a loss that was never unscaled: grad norm 160,000 against 2.5, every step clipped)."""
     ckpt = tmp_path / "ckpt"
-    run(tmp_path, "fp32", train_iters=2, save=str(ckpt))
+    run(tmp_path, "fp32", train_iters=2, save=str(ckpt), lr_decay_iters=4)  # (resumed to 4 steps: one schedule)
     scales = lambda: [json.loads(line)["loss_scale"] for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     norms = lambda: [json.loads(line)["grad_norm"] for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     run(tmp_path, "fp16", train_iters=3, log_interval=1, load=str(ckpt), save=str(ckpt), fp16=True,
-        initial_loss_scale=1024.0)
+        initial_loss_scale=1024.0, lr_decay_iters=4)
     assert "trained without --fp16 and this run is: the loss scale starts at 1024" in capsys.readouterr().out
     assert scales()[-1] == 1024.0
-    run(tmp_path, "bf16", train_iters=4, log_interval=1, load=str(ckpt), save=str(ckpt), bf16=True)
+    run(tmp_path, "bf16", train_iters=4, log_interval=1, load=str(ckpt), save=str(ckpt), bf16=True, lr_decay_iters=4)
     assert "trained with --fp16 and this run is not: the loss scale starts at 1" in capsys.readouterr().out
     assert scales()[-1] == 1.0 and norms()[-1] < 10 * norms()[-2], norms()
 
