@@ -166,8 +166,8 @@ class DataConfig:
     data_path: tuple[str, ...] = _f(
         (), 'text/.npy files, .bin/.idx prefixes, or a blend "0.7 a 0.3 b"; empty: built-in', path=True)
     train_data_path: tuple[str, ...] = _f((), "training data alone (--data-path's forms; no --split)", path=True)
-    valid_data_path: tuple[str, ...] = _f((), "the validation data alone, read every --eval-interval", path=True)
-    test_data_path: tuple[str, ...] = _f((), "the test data alone, evaluated once training ends", path=True)
+    valid_data_path: tuple[str, ...] = _f((), "validation data alone, read every --eval-interval N > 0", path=True)
+    test_data_path: tuple[str, ...] = _f((), "test data alone, evaluated at the end (--eval-interval N > 0)", path=True)
     vocab_file: str | None = _f(None, "GPT-2 encoder.json, or BERT's vocab.txt (the tokenizer)", path=True)
     merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges", path=True)
     tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; "

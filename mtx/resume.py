@@ -127,18 +127,23 @@ def check_same_schedule(saved: Config, cfg: Config) -> Config:
     lr that jumps at the step the run resumes, taken silently, was once the rule). --use-checkpoint-opt-param-scheduler
     keeps the checkpoint's (returned in `cfg`), --override-opt-param-scheduler takes this run's flags."""
     t, then, now = cfg.training, lr_schedule(saved), lr_schedule(cfg)
+    changed = [name for name in dict.fromkeys((*then, *now)) if then.get(name) != now.get(name)]
     if t.use_checkpoint_opt_param_scheduler:
+        if changed and is_main_process():  # (as --use-checkpoint-args says what it overrode)
+            print("mtx: --use-checkpoint-opt-param-scheduler keeps --load's lr schedule: " + ", ".join(
+                f"{name} {then.get(name)} (this run's flags: {now.get(name)})" for name in changed) + ".")
         o = saved.optimizer
         return cfg.replace(lr_warmup_fraction=None, lr_warmup_samples=None, lr_decay_samples=None, **{
             name: getattr(o, name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters")},
             lr_decay_iters=o.lr_decay_iters or saved.training.train_iters)
-    if then == now or t.override_opt_param_scheduler:
+    if not changed or t.override_opt_param_scheduler:
         return cfg
-    name = next(name for name in (*then, *now) if then.get(name) != now.get(name))
+    name = changed[0]
     said = {"lr_warmup_iters": "{} warmup steps",
             "lr_decay_iters": "{} decay steps (--lr-decay-iters, or --train-iters)"}.get(name, flag_name(name) + " {}")
+    keep = f"--lr-decay-iters {then[name]} to keep its decay's end, " if name == "lr_decay_iters" else ""
     raise ValueError(f"--load {t.load} was trained with {said.format(then.get(name, 'no decay'))} and this run has "
-                     f"{now.get(name, 'no decay')}, so its learning rate would jump where it resumes; pass "
+                     f"{now.get(name, 'no decay')}, so its learning rate would jump where it resumes; pass {keep}"
                      "--override-opt-param-scheduler to take this run's schedule, or "
                      "--use-checkpoint-opt-param-scheduler to keep the checkpoint's (Megatron's flags).")
 

@@ -78,6 +78,12 @@ def prepare(cfg: Config) -> Plan:
     load_step, broken_later, saved = resume_point(cfg) if t.load else (None, (), None)
     if saved is not None:  # its seed (RNG state) and, with --use-checkpoint-args, its architecture, before the data
         cfg = from_checkpoint(cfg, saved).validate(num_devices)
+    # A resume goes on with its run's batches and lr schedule; a step 0 (a converted checkpoint, say) has read no data
+    # and followed no schedule: its run's batch, sequence length and schedule need not continue.
+    continues = t.resumes and bool(load_step)
+    if continues:
+        check_same_batches(saved, cfg)
+        cfg = check_same_schedule(saved, cfg)
     try:
         dataset = build_dataset(cfg)
     except OSError as e:  # a data or tokenizer file that exists but cannot be read (permissions, a device, ...)
@@ -86,15 +92,10 @@ def prepare(cfg: Config) -> Plan:
     configured = cfg
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
-        # A resume keeps the sequence length, which check_same_batches says: the model is compared at it. A step 0
-        # (a converted checkpoint, say) has read no data: its run's batch and sequence length need not continue.
-        continues = t.resumes and load_step > 0
+        # (a resume keeps the sequence length, which check_same_batches said: the model is compared at it)
         kept = dataclasses.replace(cfg.model, seq_length=saved.model.seq_length) if continues else cfg.model
         check_compatible(saved.model, kept, t.load)
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
-        if continues:
-            check_same_batches(saved, cfg)
-            cfg = check_same_schedule(saved, cfg)
         if t.profile and t.resumes and t.profile_step_start < load_step:  # a requeued command line, say
             traced = t.profile_step_end > load_step
             if is_main_process():
@@ -312,17 +313,19 @@ _EVALUATED = {"valid": ("val", "validation"), "test": ("test", "test")}
 
 def evaluate(model: ShardedModel, params, dataset, iters: int, split: str = "valid") -> float:
     """Mean loss of a split (validation, or test) over `iters` batches of --global-batch-size samples (the same
-    samples at every evaluation and on every mesh), as Megatron evaluates: each batch scored a micro batch a data rank
-    at a time (the step's memory) and normalized as one batch."""
+    samples at every evaluation and on every mesh), as Megatron evaluates: each batch scored in parts of a micro
+    batch a data rank (the step's memory), each part normalized by the whole batch's counts, so the parts sum to the
+    batch's loss. Each process builds only the rows its devices hold, as in training."""
     t, cpu = model.cfg.training, jax.default_backend() == "cpu"
     rows = t.micro_batch_size * model.mesh.shape[DATA]
+    per_batch, held = t.global_batch_size // rows, model.host_rows(rows)
     losses, queued = [], 0
-    for i in range(iters):
-        batch = dataset.batch(split, i, t.global_batch_size)
-        counts = model.eval_counts(model.put_batch(batch))  # the whole batch's: its parts are normalized as one
+    for i in range(iters):  # part p of batch i: the split's batch i x per_batch + p of `rows` samples
+        parts = [model.put_batch(dataset.batch(split, i * per_batch + p, rows, held.slice), held)
+                 for p in range(per_batch)]
+        counts = jax.tree.map(lambda *part_counts: sum(part_counts), *map(model.eval_counts, parts))
         loss = 0.0
-        for start in range(0, t.global_batch_size, rows):
-            part = model.put_batch(jax.tree.map(lambda a: a[start:start + rows], batch))
+        for part in parts:
             loss, queued = loss + model.eval_loss(params, part, counts), queued + 1
             if cpu and queued % MAX_IN_FLIGHT == 0:  # the CPU's bound on queued work
                 jax.block_until_ready(loss)

@@ -185,10 +185,12 @@ class ShardedModel:
                              out_specs=P())(self.forward_params(params), batch, counts)
 
     def _eval_counts(self, batch):
-        """The loss's normalizers of a batch (its predicted tokens; BERT's masked tokens and sequences): the counts
-        of a batch evaluated in parts are the sums of its parts'."""
-        return jax.shard_map(self.objective.for_evaluation().normalizers, mesh=self.mesh, in_specs=BATCH,
-                             out_specs=P())(batch)
+        """The loss's normalizers of a batch (its predicted tokens; BERT's masked tokens and sequences), float32: the
+        counts of a batch evaluated in parts are the sums of its parts' (each at least 1 where the objective keeps a
+        loss without targets finite)."""
+        counts = jax.shard_map(self.objective.for_evaluation().normalizers, mesh=self.mesh, in_specs=BATCH,
+                               out_specs=P())(batch)
+        return jax.tree.map(lambda c: jnp.asarray(c, jnp.float32), counts)  # (summed over parts: no int32 bound)
 
 
 class HostRows(NamedTuple):

@@ -176,11 +176,11 @@ print("backward", sp["by_axis"]["backward"], sp["elements"]["backward"])
 assert sp["by_axis"]["forward"] == {"all-gather model": 2, "reduce-scatter model": 2}
 # each gather delivers the b*s*h activation; each scatter leaves this rank's b/tp rows of it
 assert sp["elements"]["forward"] == {"all-gather model": 2 * b * s * h, "reduce-scatter model": 2 * b * s * h // tp}
-# elements a rank sends, from the audited counts of one gather and one scatter: the gather delivers the whole bsh, of
-# which (tp-1)/tp came from the others; the scatter leaves bsh/tp here and sent the other tp-1 shards of as many
-# elements away: together a ring all-reduce's 2 (tp-1)/tp * bsh
-gathered, scattered = (sp["elements"]["forward"][f"{kind} model"] // 2 for kind in ("all-gather", "reduce-scatter"))
-ring_allreduce = 2 * (tp - 1) / tp * b * s * h
+# elements a rank sends, from the audited counts: a gather delivers the whole bsh, of which (tp-1)/tp came from the
+# others; a scatter leaves bsh/tp here and sent the other tp-1 shards of as many elements away. Against the same
+# layer without sequence parallelism (audited above): the same volume as its ring all-reduces, 2 (tp-1)/tp each
+gathered, scattered = (sp["elements"]["forward"][f"{kind} model"] for kind in ("all-gather", "reduce-scatter"))
+ring_allreduce = sum(2 * (tp - 1) / tp * op["elements"] for op in audited[h, tp]["ops"]["forward"])
 assert (tp - 1) / tp * gathered + (tp - 1) * scattered == ring_allreduce
 # the backward mirrors the forward; the replicated LayerNorm and bias gradients, each rank's from its own rows, are
 # summed over "model" once per step together with the data-parallel reduction, not inside the layer

@@ -302,7 +302,7 @@ def test_eval_loss_matches_gpt2_reference(converted):
     assert abs(float(model.eval_loss(params, model.put_batch(tokens))) - expected) < 1e-5
 
 
-def test_a_converted_checkpoint_resumes_at_any_batch_and_sequence_length(converted, shared_data, tmp_path):
+def test_a_converted_checkpoint_is_taken_to_resume_at_any_batch_and_sequence_length(converted, shared_data, tmp_path):
     """A step-0 checkpoint has read no data: its converter's default batch and sequence length need not continue
     (--load of published weights was refused "its data and token count would not continue")."""
     from mtx.checkpoint import saved_step

@@ -221,22 +221,25 @@ def test_checkpoint_flags_without_save_say_that_nothing_is_saved(tmp_path, capsy
     assert "--save-interval" not in capsys.readouterr().err
 
 
-def test_a_resume_keeps_the_lr_schedule_unless_told_which_one(base, resumed, tmp_path):
+def test_a_resume_keeps_the_lr_schedule_unless_told_which_one(base, resumed, tmp_path, capsys):
     """Megatron's rule: a resumed run's lr schedule is its checkpoint's (a schedule changed by the flags, or by a
     longer --train-iters that moves the decay's end, was taken silently and the lr jumped where the run resumed);
     --use-checkpoint-opt-param-scheduler keeps the checkpoint's, --override-opt-param-scheduler takes this run's."""
     path, lr = str(base[0]), TINY.optimizer.lr
-    for flags, message in ((dict(lr=2 * lr), f"--lr {lr} and this run has {2 * lr}"),
-                           (dict(train_iters=8), "4 decay steps \\(--lr-decay-iters, or --train-iters\\) and this run "
-                                                 "has 8"),
-                           (dict(lr_warmup_iters=1), f"{TINY.optimizer.lr_warmup_iters} warmup steps and this run "
-                                                     "has 1"),
-                           (dict(lr_decay_style="constant"), "--lr-decay-style cosine and this run has constant")):
+    take = "--override-opt-param-scheduler to take this run's schedule"
+    for flags, message, fix in (
+            (dict(lr=2 * lr), f"--lr {lr} and this run has {2 * lr}", take),
+            (dict(train_iters=8), "4 decay steps \\(--lr-decay-iters, or --train-iters\\) and this run has 8",
+             f"--lr-decay-iters 4 to keep its decay's end, {take}"),
+            (dict(lr_warmup_iters=1), f"{TINY.optimizer.lr_warmup_iters} warmup steps and this run has 1", take),
+            (dict(lr_decay_style="constant"), "--lr-decay-style cosine and this run has constant", take)):
         with pytest.raises(ValueError, match=f"was trained with {message}, so its learning rate would jump where it "
-                                             "resumes; pass --override-opt-param-scheduler to take this run's"):
+                                             f"resumes; pass {fix}, or --use-checkpoint-opt-param-scheduler to keep"):
             prepare(TINY.replace(load=path, ckpt_step=2, run_dir=str(tmp_path / "r"), **flags))
     kept = run(tmp_path, "kept", train_iters=4, load=path, ckpt_step=2, lr=2 * lr, lr_decay_iters=100,
                use_checkpoint_opt_param_scheduler=True)
+    assert (f"mtx: --use-checkpoint-opt-param-scheduler keeps --load's lr schedule: lr {lr} (this run's flags: "
+            f"{2 * lr}), lr_decay_iters 4 (this run's flags: 100).") in capsys.readouterr().out
     assert [x["lr"] for x in records(kept.run_dir)] == [x["lr"] for x in records(resumed.run_dir)]
     taken = run(tmp_path, "taken", train_iters=4, load=path, ckpt_step=2, lr=2 * lr,
                 override_opt_param_scheduler=True)

@@ -54,9 +54,9 @@ def test_a_split_may_blend_its_own_datasets(texts):
     """--valid-data-path 0.5 b 0.5 c: a blend of validation data alone (no member holds a training sample)."""
     own = build_dataset(TINY.replace(seq_length=32, train_data_path=(texts["a"],),
                                      valid_data_path=("0.5", texts["b"], "0.5", texts["c"])))
-    starts = {int(row[0]) for k in range(4) for row in own.batch("valid", k, 16)}
-    firsts = {int(_bytes(texts[name])[0]) for name in ("b", "c")}
-    assert firsts <= starts  # both files' first windows are read
+    rows = {tuple(row) for k in range(4) for row in own.batch("valid", k, 16)}
+    assert {tuple(_bytes(texts[name])[:33]) for name in ("b", "c")} <= rows  # each file's first window is read
+    assert not {tuple(row) for row in own.batch("train", 0, 16)} & rows  # and training reads neither
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -102,3 +102,26 @@ def test_the_test_split_is_evaluated_once_training_ends_the_same_on_every_mesh(t
     for key in ("loss", "val_loss", "test_loss"):
         one, many = ([r[key] for r in records[dp] if key in r] for dp in (1, 2))
         np.testing.assert_allclose(many, one, rtol=1e-5, err_msg=key)
+
+
+def test_bert_evaluates_its_own_splits_the_same_on_every_mesh(bert_toy, tmp_path, shared_initial_state):
+    """BERT's losses normalize by the masked tokens, which differ between the parts of an evaluation batch: each part
+    divides by the whole batch's count (a mean of the parts' own means differed by mesh)."""
+    vocab, corpus = bert_toy
+    text = corpus.read_text()
+    for name, part in (("train", text[:30_000]), ("valid", text[30_000:36_000]), ("test", text[36_000:])):
+        (tmp_path / f"{name}.txt").write_text(part)
+    cfg = Config().replace(**load_preset("configs/bert_tiny.toml")).replace(
+        seq_length=32, vocab_file=str(vocab), lr_warmup_iters=2, hidden_dropout=0.0, attention_dropout=0.0,
+        train_iters=2, log_interval=1, eval_interval=2, eval_iters=2,
+        **{f"{name}_data_path": (str(tmp_path / f"{name}.txt"),) for name in ("train", "valid", "test")})
+    records = {}
+    for dp, pp, tp in ((1, 1, 1), (2, 2, 2)):
+        run_dir = tmp_path / f"mesh{dp}{pp}{tp}"
+        train(cfg.replace(run_dir=str(run_dir), data_parallel_size=dp, pipeline_model_parallel_size=pp,
+                          tensor_model_parallel_size=tp), progress=False)
+        records[dp] = {key: [r[key] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                             if key in r] for key in ("loss", "val_loss", "test_loss")}
+    assert [len(records[1][key]) for key in ("loss", "val_loss", "test_loss")] == [2, 1, 1]
+    for key, one in records[1].items():
+        np.testing.assert_allclose(records[2][key], one, rtol=1e-5, err_msg=key)

@@ -189,7 +189,7 @@ def test_a_diverged_loss_is_written_as_strict_json(tmp_path):
     assert strict((tmp_path / "metrics.jsonl").read_text())["loss"] is None
 
 
-def test_throughput_and_mfu_are_the_flops_done_over_the_peak(monkeypatch):
+def test_throughput_mfu_and_perplexity_by_value(monkeypatch):
     """MFU = tokens/s x FLOPs per token / devices / the device's peak (989 TFLOP/s dense bf16 on an H100 or H200);
     None where mtx knows no peak (the CPU); the perplexity logged beside a loss is exp(loss), inf past a float's."""
     import math

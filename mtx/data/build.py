@@ -29,6 +29,7 @@ from mtx.schema_checks import SPLIT_PATHS, flag_name
 
 _ALONE = {"train": "1,0,0", "valid": "0,1,0", "test": "0,0,1"}  # a split's own data: all of it that split's
 _BUILTIN = ", or omit --data-path to train on the built-in corpus"  # (no fix for a split's own flag)
+_NO_VALIDATION = "--eval-interval 0: no validation"  # (which would leave --valid-data-path idle: refused)
 
 
 def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches | SplitDatasets:
@@ -36,6 +37,9 @@ def build_dataset(cfg) -> GPTDataset | BlendedDataset | DocumentBatches | SplitD
     entries, and tokenizer; with --eod-mask-loss, --reset-position-ids or --reset-attention-mask its batches carry
     the document fields."""
     if own := {split: getattr(cfg.data, name) for split, name in SPLIT_PATHS.items() if getattr(cfg.data, name)}:
+        if "train" not in own:  # (Config.validate says so first; an API caller may not have called it)
+            raise ValueError(f"{flag_name(SPLIT_PATHS[next(iter(own))])} without --train-data-path: pass the "
+                             "training data with --train-data-path too.")
         return SplitDatasets({split: _alone(cfg, split, paths) for split, paths in own.items()})
     if _parse_split(cfg.data.split)[0] == 0:
         raise ValueError(f"--split {cfg.data.split} gives training no share; give train a weight, e.g. --split "
@@ -65,10 +69,12 @@ def _alone(cfg, split: str, paths: tuple[str, ...]):
     try:
         dataset = _dataset(cfg.replace(data_path=paths, split=_ALONE[split]))
         if not dataset.num_samples(split):  # (train and, when evaluated, valid: refused by the dataset itself)
+            fix = "more data, or a shorter --seq-length" if not cfg.model.is_bert else "more documents of sentences"
             raise ValueError(f"the {split} split of --data-path {' '.join(paths)} holds no sample of --seq-length "
-                             f"{cfg.model.seq_length}; pass more data, or a shorter --seq-length.")
-    except ValueError as e:
-        raise ValueError(str(e).replace(_BUILTIN, "").replace("--data-path", flag)) from None
+                             f"{cfg.model.seq_length}; pass {fix}.")
+    except ValueError as e:  # the fixes that name --data-path's ways out, in this flag's
+        message = str(e).replace(_BUILTIN, "").replace(_NO_VALIDATION, f"leave {flag} out: no validation")
+        raise ValueError(message.replace("--data-path", flag)) from None
     return dataset
 
 
@@ -94,16 +100,21 @@ def say_what_data_overrides(cfg, dataset) -> None:
     if vocab != dataset.tokenizer.vocab_size and vocab != default:
         print(f"mtx: vocab_size {vocab} (--vocab-size or the preset) is replaced by the tokenizer's "
               f"{dataset.tokenizer.vocab_size}: the tokenizer sets it.", file=sys.stderr)
-    weights, paths = parse_data_path(cfg.data.data_path) if cfg.data.data_path else (None, [])
-    if never := [path for weight, path in zip(weights or (), paths) if weight == 0]:
-        print(f"mtx: --data-path {', '.join(never)}: weight 0, never sampled.", file=sys.stderr)
+    for name in ("data_path", *SPLIT_PATHS.values()):
+        weights, paths = parse_data_path(getattr(cfg.data, name)) if getattr(cfg.data, name) else (None, [])
+        if never := [path for weight, path in zip(weights or (), paths) if weight == 0]:
+            print(f"mtx: {flag_name(name)} {', '.join(never)}: weight 0, never sampled.", file=sys.stderr)
     t = cfg.training
     if t.eval_interval and not dataset.num_samples("valid"):
         gives, fix = ((f"--split {cfg.data.split} gives validation no share", "give valid a --split share (e.g. "
                        "949,50,1)") if not cfg.data.train_data_path else ("no --valid-data-path was given",
                                                                           "pass --valid-data-path"))
-        print(f"mtx: {gives}, so --eval-interval {t.eval_interval} evaluates nothing; pass --eval-interval 0, or "
-              f"{fix}.", file=sys.stderr)
+        if dataset.num_samples("test"):  # (--eval-interval 0 would drop the test evaluation too)
+            print(f"mtx: {gives}, so --eval-interval {t.eval_interval} validates nothing (the test split is "
+                  f"evaluated once training ends); {fix} to validate.", file=sys.stderr)
+        else:
+            print(f"mtx: {gives}, so --eval-interval {t.eval_interval} evaluates nothing; pass --eval-interval 0, "
+                  f"or {fix}.", file=sys.stderr)
 
 
 def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
