@@ -75,7 +75,8 @@ def test_a_splits_data_too_small_or_missing_is_named_by_its_flag(texts, tmp_path
     (tmp_path / "short.txt").write_text("too short")
     cfg = TINY.replace(seq_length=32, train_data_path=(texts["a"],), eval_interval=10)
     refused_in_one_line(r"^the valid split of --valid-data-path .*short.txt holds 9 tokens, fewer than one sequence"
-                        r" of --seq-length 32 \+ 1; use a shorter --seq-length, more data \(--valid-data-path\) \(or",
+                        r" of --seq-length 32 \+ 1; use a shorter --seq-length, more data \(--valid-data-path\) \(or "
+                        r"leave --valid-data-path out: no validation\).$",
                         build_dataset, cfg.replace(valid_data_path=(str(tmp_path / "short.txt"),)))
     refused_in_one_line("^the test split of --test-data-path .*short.txt holds no sample of --seq-length 32",
                         build_dataset, cfg.replace(test_data_path=(str(tmp_path / "short.txt"),)))
@@ -125,3 +126,17 @@ def test_bert_evaluates_its_own_splits_the_same_on_every_mesh(bert_toy, tmp_path
     assert [len(records[1][key]) for key in ("loss", "val_loss", "test_loss")] == [2, 1, 1]
     for key, one in records[1].items():
         np.testing.assert_allclose(records[2][key], one, rtol=1e-5, err_msg=key)
+
+
+def test_no_validation_data_says_what_is_still_evaluated(texts, capsys):
+    """Without validation data --eval-interval validates nothing: said in one line, whose fix keeps the test split's
+    evaluation where there is one (--eval-interval 0, the fix without test data, would drop it)."""
+    from mtx.data import say_what_data_overrides
+
+    cfg = TINY.replace(seq_length=32, eval_interval=2, train_data_path=(texts["a"],))
+    for test, said in (((), "evaluates nothing; pass --eval-interval 0, or pass --valid-data-path."),
+                       ((texts["c"],), "validates nothing (the test split is evaluated once training ends); pass "
+                                       "--valid-data-path to validate.")):
+        with_test = cfg.replace(test_data_path=test)
+        say_what_data_overrides(with_test, build_dataset(with_test))
+        assert capsys.readouterr().err == f"mtx: no --valid-data-path was given, so --eval-interval 2 {said}\n"
