@@ -107,7 +107,7 @@ def prepare(cfg: Config) -> Plan:
     run_flag = _run_flag(t)
     check_run_dir(run_dir, run_flag)  # never over a file mtx did not write
     # nor beside a run still writing there
-    check_free(run_dir, run_flag, by_pid=_alone(), quiet=not is_main_process())
+    check_free(run_dir, run_flag, by_pid=_single_process(), quiet=not is_main_process())
     for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
         if path:  # W&B writes a folder wandb/ into its directory: the run directory, or that folder, is the run's
             own = flag == "--wandb-save-dir" and (same_path(path, run_dir) or same_path(path, run_dir / "wandb"))
@@ -145,7 +145,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     if main:  # the directory made here (not found) is this run's own: taken back if nothing trains in it
         created = _made(run_dir)
         # (refused, InUse: another run that passed its checks beside this one's holds it)
-        lock = RunLock(run_dir, _run_flag(t), by_pid=_alone()).acquire()
+        lock = RunLock(run_dir, _run_flag(t), by_pid=_single_process()).acquire()
     trained = False  # whether a step has finished
     try:
         if main:
@@ -284,7 +284,7 @@ def _run_flag(t) -> str:
     return "--save" if t.save else "--run-dir"
 
 
-def _alone() -> bool:
+def _single_process() -> bool:
     """Whether this is the run's only process: its lock's holder may then be asked of by pid (mtx/run_lock.py)."""
     return jax.process_count() == 1
 
