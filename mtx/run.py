@@ -78,12 +78,6 @@ def prepare(cfg: Config) -> Plan:
     load_step, broken_later, saved = resume_point(cfg) if t.load else (None, (), None)
     if saved is not None:  # its seed (RNG state) and, with --use-checkpoint-args, its architecture, before the data
         cfg = from_checkpoint(cfg, saved).validate(num_devices)
-    # A resume goes on with its run's batches and lr schedule; a step 0 (a converted checkpoint, say) has read no data
-    # and followed no schedule: its run's batch, sequence length and schedule need not continue.
-    continues = t.resumes and bool(load_step)
-    if continues:
-        check_same_batches(saved, cfg)
-        cfg = check_same_schedule(saved, cfg)
     try:
         dataset = build_dataset(cfg)
     except OSError as e:  # a data or tokenizer file that exists but cannot be read (permissions, a device, ...)
@@ -92,10 +86,16 @@ def prepare(cfg: Config) -> Plan:
     configured = cfg
     cfg = cfg.replace(vocab_size=dataset.tokenizer.vocab_size).validate(num_devices)
     if load_step is not None:
-        # (a resume keeps the sequence length, which check_same_batches said: the model is compared at it)
+        # A resume goes on with its run's batches and lr schedule, once the model is known to be the same (compared
+        # at the kept sequence length, which check_same_batches says). A step 0 (a converted checkpoint, say) has
+        # read no data and followed no schedule: its run's batch, sequence length and schedule need not continue.
+        continues = t.resumes and load_step > 0
         kept = dataclasses.replace(cfg.model, seq_length=saved.model.seq_length) if continues else cfg.model
         check_compatible(saved.model, kept, t.load)
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
+        if continues:
+            check_same_batches(saved, cfg)
+            cfg = check_same_schedule(saved, cfg)
         if t.profile and t.resumes and t.profile_step_start < load_step:  # a requeued command line, say
             traced = t.profile_step_end > load_step
             if is_main_process():
