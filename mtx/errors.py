@@ -49,9 +49,10 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
     """A command line tool's end: `sys.exit` with the status `main()` returns (0 if it returns what it wrote, or
     None). A command line its parser refuses that `main` did not catch is one "error: ..." line, exit status 2; a
     reader of its output that went away (`| head`, a `tee` that was stopped) ends it with one line on stderr and exit
-    status 141 (a shell's "killed by SIGPIPE"), not a traceback; a full disk (its output's, or a file's it writes) or
-    a path with a name too long for the file system is one "error: ..." line, status 1. The tool's own cleanup has
-    run on the way (a training run lets its run directory go)."""
+    status 141 (a shell's "killed by SIGPIPE"), not a traceback; a full disk (its output's, or a file's it writes) is
+    one "error: ..." line, status 1, and a path with a name too long for the file system one line, status 2 (a bad
+    input, as the tools' own refusals). The tool's own cleanup has run on the way (a training run lets its run
+    directory go)."""
     try:
         try:
             status = main()
@@ -82,11 +83,12 @@ def exit_with(main: Callable[[], object]) -> NoReturn:
                   file=sys.stderr)
         except OSError:  # stderr on the same full disk
             pass
-        status = 1
+        status = 2 if e.errno == errno.ENAMETOOLONG else 1  # (a path given, as the tools' own refusals: 2)
     sys.exit(status)
 
 
-# The system's refusals a tool ends on in one line (status 1), whichever of its paths met them: the fix of each.
+# The system's refusals a tool ends on in one line (status 1; 2 for a name too long, a bad path given), whichever
+# of its paths met them: the fix of each.
 _ONE_LINE = {errno.ENOSPC: "free some space, or write the output elsewhere", errno.EDQUOT: "free some space, or write "
              "the output elsewhere", errno.ENAMETOOLONG: "choose a shorter name (at most 255 bytes a component)"}
 

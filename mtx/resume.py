@@ -27,7 +27,7 @@ from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, no_c
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import CONFIG, is_mtx_config, same_path
-from mtx.schema_checks import flag_name
+from mtx.schema_checks import SPLIT_PATHS, flag_name
 
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
 # vocabulary size, which comes from the tokenizer (a mismatch is refused), nor what shapes no parameter (NOT_SHAPING).
@@ -146,6 +146,19 @@ def check_same_schedule(saved: Config, cfg: Config) -> Config:
                      f"{now.get(name, 'no decay')}, so its learning rate would jump where it resumes; pass {keep}"
                      "--override-opt-param-scheduler to take this run's schedule, or "
                      "--use-checkpoint-opt-param-scheduler to keep the checkpoint's (Megatron's flags).")
+
+
+def say_if_data_changed(saved: Config, cfg: Config) -> None:
+    """A line (main process) when a resumed run reads other data than its checkpoint's run did (a run resumed
+    without its data flags once went on with the built-in corpus in silence): allowed (a new corpus mid-run), said."""
+    def data(c: Config) -> str:
+        given = [f"{flag_name(name)} {' '.join(getattr(c.data, name))}" for name in
+                 ("data_path", *SPLIT_PATHS.values()) if getattr(c.data, name)]
+        return "; ".join(given) or "the built-in corpus"
+
+    if data(saved) != data(cfg) and is_main_process():
+        print(f"mtx: --load {cfg.training.load} was trained on {data(saved)}; this run goes on with {data(cfg)} "
+              "(pass the checkpoint's data flags to keep its data).")
 
 
 def say_if_tokenizer_changed(saved: Config, tokenizer, load: str) -> None:

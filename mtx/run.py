@@ -30,7 +30,7 @@ from mtx.loop_controls import Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import (check_same_batches, check_same_schedule, from_checkpoint, load_state, resume_point,
-                        say_if_tokenizer_changed, set_aside)
+                        say_if_data_changed, say_if_tokenizer_changed, set_aside)
 from mtx.run_lock import RunLock, check_free
 from mtx.schema_checks import flag_name
 from mtx.sharded_model import ShardedModel
@@ -96,6 +96,7 @@ def prepare(cfg: Config) -> Plan:
         if continues:
             check_same_batches(saved, cfg)
             cfg = check_same_schedule(saved, cfg)
+            say_if_data_changed(saved, cfg)
         if t.profile and t.resumes and t.profile_step_start < load_step:  # a requeued command line, say
             traced = t.profile_step_end > load_step
             if is_main_process():
@@ -191,6 +192,24 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                                                                          rows.slice), rows),
                                range(start, t.train_iters), depth=cfg.data.prefetch_depth, times=batch_times)
             profiler = Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
+
+            def report(step: int, splits) -> None:
+                """Each of `splits` that holds samples evaluated with the state of `step`: logged and printed."""
+                for split in [s for s in splits if dataset.num_samples(s)]:
+                    if cpu and pending:  # the evaluation's batches queue behind the steps still running
+                        jax.block_until_ready(pending[-1][1])
+                    loss = evaluate(model, state.params, dataset, t.eval_iters, split)
+                    key, name = _EVALUATED[split]
+                    if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
+                        logger.log({"step": step, f"{key}_loss": loss})
+                        message = f"step {step}: {name} loss (MLM + SOP) {loss:.4f}"
+                    else:
+                        ppl = perplexity(loss)
+                        logger.log({"step": step, f"{key}_loss": loss, f"{key}_ppl": ppl})
+                        message = f"step {step}: {name} loss {loss:.4f}, perplexity {ppl:.2f}"
+                    if main:
+                        console.write(message)
+
             with StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
                 for step, batch in zip(range(start, t.train_iters), batches):
                     profiler.before(step)
@@ -218,27 +237,15 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                         pending, interval_steps = [], 0
                     evaluating = t.eval_interval and ((step + 1) % t.eval_interval == 0 or final)
                     # validation every --eval-interval steps and at the end; the test split once training ends
-                    for split in [s for s, now in (("valid", evaluating), ("test", evaluating and final))
-                                  if now and dataset.num_samples(s)]:
-                        if cpu and pending:  # the evaluation's batches queue behind the steps still running
-                            jax.block_until_ready(pending[-1][1])
-                        loss = evaluate(model, state.params, dataset, t.eval_iters, split)
-                        key, name = _EVALUATED[split]
-                        if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
-                            logger.log({"step": step + 1, f"{key}_loss": loss})
-                            message = f"step {step + 1}: {name} loss (MLM + SOP) {loss:.4f}"
-                        else:
-                            ppl = perplexity(loss)
-                            logger.log({"step": step + 1, f"{key}_loss": loss, f"{key}_ppl": ppl})
-                            message = f"step {step + 1}: {name} loss {loss:.4f}, perplexity {ppl:.2f}"
-                        if main:
-                            console.write(message)
+                    report(step + 1, ("valid",) * bool(evaluating) + ("test",) * bool(evaluating and final))
                     if saver and t.save_interval and (step + 1) % t.save_interval == 0:
                         saver.save(state, cfg)
                     if not pending:  # a new timing interval starts after this step's logging, evaluation and saving
                         interval_start, _ = time.perf_counter(), batch_times.take()
                     if result.stopped:
                         break
+                if start == t.train_iters and t.eval_interval:  # resumed at its end: evaluated all the same (Megatron)
+                    report(start, ("valid", "test"))
                 profiler.stop()  # a run that stopped inside the traced steps: not its final save
                 batches.close()  # (an error in the loop closes it when the generator is collected)
                 console.close()
@@ -353,7 +360,8 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
     print(f"mtx: mesh data={mesh.shape[DATA]} pipeline={mesh.shape[PIPELINE]} model={mesh.shape[MODEL]} on "
           f"{mesh.size} {jax.devices()[0].platform} device(s); {model.num_microbatches} microbatch(es) of "
           f"{t.micro_batch_size} per step; {t.compute_dtype}; steps {start} -> {t.train_iters}" +
-          (" (the checkpoint is at --train-iters already: nothing to train; pass a larger one to go on)"
+          (" (the checkpoint is at --train-iters already: nothing to train; pass a larger one, with --lr-decay-iters "
+           "where its decay ended there, to go on)"
            if start and start == t.train_iters else ""))
     if cfg.tp_comm_overlap:
         from mtx.kernels.collective_matmul import machine_condition

@@ -193,8 +193,8 @@ def test_use_checkpoint_args_takes_the_architecture_and_says_what_it_overrode(ba
 
 def test_resuming_before_the_checkpoints_step_is_refused(base, tmp_path, capsys):
     """--train-iters before the checkpoint's step: one line naming the fix (the run built its mesh, trained nothing
-    and exited 0). At the step itself (a finished run requeued) there is nothing to do, as in Megatron-LM; a
-    fine-tuned run starts again from step 0, so it may be shorter."""
+    and exited 0). At the step itself (a finished run requeued) there is nothing to train, as in Megatron-LM, which
+    evaluates all the same; a fine-tuned run starts again from step 0, so it may be shorter."""
     from mtx.run import prepare
 
     for iters, step in ((1, 4), (2, None), (1, 2)):
@@ -203,9 +203,13 @@ def test_resuming_before_the_checkpoints_step_is_refused(base, tmp_path, capsys)
             prepare(TINY.replace(train_iters=iters, load=str(base[0]), run_dir=str(tmp_path / "r"), ckpt_step=step))
     assert prepare(TINY.replace(train_iters=4, load=str(base[0]), run_dir=str(tmp_path / "r"))).load_step == 4
     capsys.readouterr()
-    run(tmp_path, "requeued", train_iters=4, load=str(base[0]))  # said so (it exited 0 in silence)
-    assert "steps 4 -> 4 (the checkpoint is at --train-iters already: nothing to train; pass a larger one to go " \
-           "on)" in capsys.readouterr().out
+    requeued = run(tmp_path, "requeued", train_iters=4, load=str(base[0]), eval_interval=2, eval_iters=1)
+    out = capsys.readouterr().out  # said so (it exited 0 in silence), and evaluated (as Megatron does after its loop)
+    assert "steps 4 -> 4 (the checkpoint is at --train-iters already: nothing to train; pass a larger one, with " \
+           "--lr-decay-iters where its decay ended there, to go on)" in out
+    assert "step 4: validation loss" in out and "step 4: test loss" in out
+    assert [set(r) for r in records(requeued.run_dir)] == [{"step", "tokens", f"{key}_loss", f"{key}_ppl", "wall_time"}
+                                                           for key in ("val", "test")]
     assert prepare(TINY.replace(train_iters=2, load=str(base[0]), ckpt_step=4, run_dir=str(tmp_path / "r"),
                                 finetune=True)).load_step == 4
 
@@ -246,3 +250,19 @@ def test_a_resume_keeps_the_lr_schedule_unless_told_which_one(base, resumed, tmp
     np.testing.assert_allclose([x["lr"] for x in records(taken.run_dir)],
                                [2 * x["lr"] for x in records(resumed.run_dir)], rtol=1e-6)
     assert json.loads((kept.run_dir / "config.json").read_text())["optimizer"]["lr"] == lr  # resumed alike later
+
+
+def test_a_resume_on_other_data_says_so(base, tmp_path, capsys):
+    """A run resumed without its data flags went on with the built-in corpus in silence: other data is allowed (a new
+    corpus mid-run), and said in one line."""
+    from mtx.data.dataset import builtin_corpus
+
+    (tmp_path / "a.txt").write_text(builtin_corpus()[:20_000])
+    capsys.readouterr()
+    prepare(TINY.replace(load=str(base[0]), run_dir=str(tmp_path / "r"), train_iters=4,
+                         train_data_path=(str(tmp_path / "a.txt"),)))
+    assert capsys.readouterr().out == (f"mtx: --load {base[0]} was trained on the built-in corpus; this run goes on "
+                                       f"with --train-data-path {tmp_path / 'a.txt'} (pass the checkpoint's data flags "
+                                       "to keep its data).\n")
+    prepare(TINY.replace(load=str(base[0]), run_dir=str(tmp_path / "r"), train_iters=4))  # its own data: silent
+    assert "trained on" not in capsys.readouterr().out

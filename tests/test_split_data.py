@@ -140,3 +140,14 @@ def test_no_validation_data_says_what_is_still_evaluated(texts, capsys):
         with_test = cfg.replace(test_data_path=test)
         say_what_data_overrides(with_test, build_dataset(with_test))
         assert capsys.readouterr().err == f"mtx: no --valid-data-path was given, so --eval-interval 2 {said}\n"
+
+
+def test_training_data_read_for_validation_too_is_said(texts, capsys):
+    """The same file given for training and validation (easily done by accident; Megatron allows it): one line."""
+    from mtx.data import say_what_data_overrides
+
+    cfg = TINY.replace(seq_length=32, eval_interval=2, train_data_path=(texts["a"],),
+                       valid_data_path=("0.5", texts["a"], "0.5", texts["b"]))
+    say_what_data_overrides(cfg, build_dataset(cfg))
+    assert capsys.readouterr().err == (f"mtx: {texts['a']} is training data and --valid-data-path data: the valid "
+                                       "loss is then measured on samples trained on.\n")

@@ -104,6 +104,12 @@ def say_what_data_overrides(cfg, dataset) -> None:
         weights, paths = parse_data_path(getattr(cfg.data, name)) if getattr(cfg.data, name) else (None, [])
         if never := [path for weight, path in zip(weights or (), paths) if weight == 0]:
             print(f"mtx: {flag_name(name)} {', '.join(never)}: weight 0, never sampled.", file=sys.stderr)
+    read = {split: set(parse_data_path(getattr(cfg.data, name))[1] if getattr(cfg.data, name) else ())
+            for split, name in SPLIT_PATHS.items()}
+    for split in ("valid", "test"):  # (Megatron allows it: said, not refused)
+        if both := sorted(read["train"] & read[split]):
+            print(f"mtx: {', '.join(both)} is training data and {flag_name(SPLIT_PATHS[split])} data: the {split} "
+                  "loss is then measured on samples trained on.", file=sys.stderr)
     t = cfg.training
     if t.eval_interval and not dataset.num_samples("valid"):
         gives, fix = ((f"--split {cfg.data.split} gives validation no share", "give valid a --split share (e.g. "
