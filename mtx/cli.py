@@ -21,7 +21,7 @@ from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
 from mtx.errors import UsageError
 from mtx.files import expand_home, refuse_empty
 from mtx.schema_checks import (CHOICES, LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, check_field, field_types,
-                               flag_name, in_range)
+                               flag_name, in_range, is_path_list)
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -68,7 +68,7 @@ def add_config_flags(parser, fields: Iterable[str], *, defaults: Mapping[str, An
             parser.add_argument(flag, action="store_true", **kw)
             parser.add_argument(_off_flag(name), action="store_false",
                                 dest=name, default=default, help=f"turn {flag} off")
-        elif field_types(hint)[0][0] is tuple:  # --data-path and the per-split paths: weights and paths
+        elif is_path_list(hint):  # --data-path and the per-split paths: weights and paths
             parser.add_argument(flag, nargs="+", metavar="PATH", type=expand_home, **kw)
         else:
             # the tools' flags (eval.py, the audit) are range-checked here: no Config.validate sees them; their paths
@@ -115,7 +115,7 @@ def _scalar_type(hint):
     return str if kind is tuple else kind
 
 
-_PATH_LISTS = {flag_name(name) for name, hint in FIELD_TYPES.items() if field_types(hint)[0][0] is tuple}
+_PATH_LISTS = {flag_name(name) for name, hint in FIELD_TYPES.items() if is_path_list(hint)}
 
 
 def with_negative_values(argv: list[str] | None) -> list[str]:

@@ -19,8 +19,8 @@ from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
 from mtx.files import expand_home, not_a_file, unexpanded_home
-from mtx.schema_checks import (MEGATRON_UNIMPLEMENTED, check_combinations, check_field, described as _f, field_types,
-                               flag_name)
+from mtx.schema_checks import (MEGATRON_UNIMPLEMENTED, check_combinations, check_field, described as _f, flag_name,
+                               is_path_list)
 
 
 @dataclass(frozen=True)
@@ -364,7 +364,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _coerce(key: str, value: Any) -> Any:
-    if field_types(FIELD_TYPES[key])[0] == (tuple,) and value is not None:  # a list (checked later), or one path
+    if is_path_list(FIELD_TYPES[key]) and value is not None:  # a list (checked later), or one path
         return tuple(value) if isinstance(value, (list, tuple)) else (value,)
     return value
 

@@ -19,10 +19,15 @@ MAX_LOSS_SCALE = 2.0**32  # the largest --initial-loss-scale (Megatron's default
 NO_DECAY = ("bias", "scale")  # the names of biases (any ..._bias too: BERT's lm_bias) and norms' scales
 
 
+def decay_end(opt: OptimizerConfig, train_iters: int) -> int:
+    """The step the lr decay ends at (min_lr after it): --lr-decay-iters, else --train-iters (Megatron's rule)."""
+    return opt.lr_decay_iters or train_iters
+
+
 def learning_rate_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Schedule:
     """Megatron's schedule: linear warmup from 0 to lr, then constant/linear/cosine decay to min_lr."""
     warmup = opt.lr_warmup_iters
-    decay_steps = max((opt.lr_decay_iters or train_iters) - warmup, 1)
+    decay_steps = max(decay_end(opt, train_iters) - warmup, 1)
     if opt.lr_decay_style == "constant":
         decay = optax.constant_schedule(opt.lr)
     elif opt.lr_decay_style == "linear":

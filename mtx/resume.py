@@ -27,6 +27,7 @@ from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, no_c
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import CONFIG, is_mtx_config, same_path
+from mtx.optim import decay_end
 from mtx.schema_checks import SPLIT_PATHS, flag_name
 
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
@@ -119,7 +120,7 @@ def lr_schedule(cfg: Config) -> dict:
     o = cfg.optimizer
     kept = dict(lr=o.lr, lr_warmup_iters=o.lr_warmup_iters, lr_decay_style=o.lr_decay_style)
     return kept if o.lr_decay_style == "constant" else kept | dict(
-        min_lr=o.min_lr, lr_decay_iters=o.lr_decay_iters or cfg.training.train_iters)
+        min_lr=o.min_lr, lr_decay_iters=decay_end(o, cfg.training.train_iters))
 
 
 def check_same_schedule(saved: Config, cfg: Config) -> Config:
@@ -135,7 +136,7 @@ def check_same_schedule(saved: Config, cfg: Config) -> Config:
         o = saved.optimizer
         return cfg.replace(lr_warmup_fraction=None, lr_warmup_samples=None, lr_decay_samples=None, **{
             name: getattr(o, name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters")},
-            lr_decay_iters=o.lr_decay_iters or saved.training.train_iters)
+            lr_decay_iters=decay_end(o, saved.training.train_iters))
     if not changed or t.override_opt_param_scheduler:
         return cfg
     name = changed[0]

@@ -111,6 +111,12 @@ CHOICES = {"model_type": ("gpt", "bert"), "layernorm_placement": ("pre", "post")
            "tokenizer_type": TOKENIZER_TYPES}
 
 
+def is_path_list(hint) -> bool:
+    """Whether a field's annotation is a list of paths (tuple[str, ...]: --data-path and the per-split paths), which
+    a flag takes as several values."""
+    return field_types(hint)[0] == (tuple,)
+
+
 def check_field(name: str, hint, value: Any) -> None:
     """One field's type (config files and Python callers can pass anything), numeric range and setting (CHOICES);
     `hint` is its resolved annotation."""
@@ -120,7 +126,7 @@ def check_field(name: str, hint, value: Any) -> None:
         return
     admitted = kinds + ((int,) if float in kinds else ())  # an integer is a fine float
     bad_type = not isinstance(value, admitted) or (isinstance(value, bool) and bool not in kinds)
-    if kinds == (tuple,) and not bad_type:  # a list of paths
+    if is_path_list(hint) and not bad_type:
         bad_type = not all(isinstance(v, str) for v in value)
     if value is None:  # "none" on the command line, which only optional settings take
         raise ValueError(f"{flag} has no \"none\" setting; pass one of its values ({flag.lstrip('-')} in train.py "
