@@ -114,7 +114,8 @@ def _loss_curves(steps: int, tp: int, **variants) -> dict:
     each variant's flags: {name: [loss of step 1 .. steps]}."""
     import tempfile
 
-    from mtx.config import Config, load_preset
+    from mtx.config import Config
+    from mtx.presets import load_preset
     from mtx.run import train
 
     cfg = Config().replace(**load_preset(TINY)).replace(

@@ -10,7 +10,7 @@ import importlib
 
 _WHERE = {
     "Config": "mtx.config", "DataConfig": "mtx.config", "ModelConfig": "mtx.config", "OptimizerConfig": "mtx.config",
-    "ParallelConfig": "mtx.config", "TrainingConfig": "mtx.config", "load_preset": "mtx.config",
+    "ParallelConfig": "mtx.config", "TrainingConfig": "mtx.config", "load_preset": "mtx.presets",
     "GPT": "mtx.models.gpt", "BERT": "mtx.models.bert", "ParallelTransformer": "mtx.models.stack",
     "make_mesh": "mtx.parallel.mesh", "ShardedModel": "mtx.sharded_model", "TrainStep": "mtx.step",
     "TrainState": "mtx.state", "train": "mtx.run",

@@ -35,7 +35,8 @@ from mtx.config import FIELD_TYPES, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
 from mtx.files import MANIFEST, looks_like_step
-from mtx.schema_checks import check_field, check_saved_combinations
+from mtx.config_checks import check_saved_combinations
+from mtx.schema_checks import check_field
 
 
 class CheckpointError(ValueError):

@@ -17,7 +17,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config, load_preset
+from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config
+from mtx.presets import load_preset
 from mtx.errors import UsageError
 from mtx.files import expand_home, refuse_empty
 from mtx.schema_checks import (CHOICES, LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, check_field, field_types,

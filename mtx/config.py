@@ -3,24 +3,23 @@
 The defaults are the embedded default run (`python train.py`): a small GPT (4 layers, width 128) on the built-in
 corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs. Field names
 are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), unique across sections, so flags and preset keys
-map to fields without a table; each field carries its flag's help (`_f`, shown by mtx/cli.py's `--help`). The
-model section, `ModelConfig`, and its arithmetic live in mtx/architecture.py. `Config.validate()` is the one place
-where bad values and combinations are refused, before any device work (the checks themselves: mtx/schema_checks.py).
+map to fields without a table (presets are read by mtx/presets.py); each field carries its flag's help (`_f`, shown
+by mtx/cli.py's `--help`). The model section, `ModelConfig`, and its arithmetic live in mtx/architecture.py.
+`Config.validate()` is the one place where bad values and combinations are refused, before any device work (the
+checks themselves: mtx/schema_checks.py and mtx/config_checks.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
-from mtx.files import expand_home, not_a_file, unexpanded_home
-from mtx.schema_checks import (MEGATRON_UNIMPLEMENTED, check_combinations, check_field, described as _f, flag_name,
-                               is_path_list)
+from mtx.files import expand_home, unexpanded_home
+from mtx.config_checks import check_combinations
+from mtx.schema_checks import check_field, described as _f, flag_name, is_path_list
 
 
 @dataclass(frozen=True)
@@ -273,13 +272,13 @@ class Config:
         if unknown := [s for s in d if s not in SECTIONS] or [k for part in d.values() for k in part
                                                                 if k not in FIELD_SECTION and k not in _REMOVED_FIELDS]:
             raise ValueError(f"holds {unknown[0]!r}, which mtx does not know")
-        flat = {k: _coerce(k, v) for section in d.values() for k, v in section.items() if k not in _REMOVED_FIELDS}
+        flat = {k: coerce_field(k, v) for section in d.values() for k, v in section.items() if k not in _REMOVED_FIELDS}
         derived = {target for target, sources in DERIVED.items() if any(flat.get(s) is not None for s in sources)}
         return cls().replace(**{k: v for k, v in flat.items() if k not in derived})  # derived: recomputed
 
     def validate(self, num_devices: int | None = None) -> "Config":
         """Refuses a bad value or combination with one sentence naming the flag and the fix; returns self. Every
-        field's type and range first, then the combinations (mtx/schema_checks.py)."""
+        field's type and range first (mtx/schema_checks.py), then the combinations (mtx/config_checks.py)."""
         for part in (getattr(self, section) for section in SECTIONS):
             for f in dataclasses.fields(part):
                 check_field(f.name, FIELD_TYPES[f.name], getattr(part, f.name))
@@ -363,38 +362,8 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _coerce(key: str, value: Any) -> Any:
+def coerce_field(key: str, value: Any) -> Any:
+    """A saved or preset value as its field holds it: a path list from a list or one path."""
     if is_path_list(FIELD_TYPES[key]) and value is not None:  # a list (checked later), or one path
         return tuple(value) if isinstance(value, (list, tuple)) else (value,)
     return value
-
-
-def load_preset(path: str | Path) -> dict[str, Any]:
-    """Reads a TOML preset of flat Megatron-named keys (`hidden_size = 1024`); unknown keys are an error."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--config {path}: {not_a_file(path)}; pass a preset file such as configs/gpt2_124m.toml.")
-    try:
-        values = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark (Windows editors) read past
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--config {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass a TOML preset."
-                         ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"--config {path} is not valid TOML ({e}); fix the file.") from None
-    spelled = {}
-    for key in values:  # hidden-size and hidden_size are one field: set once
-        if (field := key.replace("-", "_")) in spelled:
-            raise ValueError(f"--config {path} sets {field} twice ({spelled[field]} and {key}); keep one.")
-        spelled[field] = key
-    values = {k.replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(values) - set(FIELD_SECTION))
-    if megatron := [name for name in unknown if flag_name(name) in MEGATRON_UNIMPLEMENTED]:  # as the flags say
-        raise ValueError(f"--config {path} sets {', '.join(megatron)}: Megatron-LM's {flag_name(megatron[0])}"
-                         f"{' and more' if megatron[1:] else ''}, which mtx does not implement; remove it.")
-    if unknown:
-        raise ValueError(f"--config {path} sets unknown field(s) {', '.join(unknown)}; remove or rename them.")
-    values = {k: _coerce(k, v) for k, v in values.items()}
-    for k, v in values.items():  # every value the file sets, also those a flag then replaces
-        if not (isinstance(v, str) and v.lower() == "none"):  # "none": an optional setting off (parse_config)
-            check_field(k, FIELD_TYPES[k], v)
-    return values

@@ -39,7 +39,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel.mesh import AXES, make_mesh
 from mtx.plot import pyplot, show
 from mtx.sharded_model import ShardedModel

@@ -48,7 +48,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.audit import audit_config, audit_layer, audit_loss, collectives, summarize
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.models.transformer import ParallelMLP, ParallelSelfAttention
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh

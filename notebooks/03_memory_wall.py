@@ -50,7 +50,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.parallel.sharded import partition_specs
 from mtx.plot import pyplot, show

@@ -37,7 +37,8 @@ ROOT = Path(mtx.__file__).resolve().parents[1]
 import jax
 import numpy as np
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel.pipeline import Schedule
 from mtx.plot import pyplot, show
 

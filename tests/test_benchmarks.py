@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.errors import UsageError
 from mtx.parallel.mesh import make_mesh
 from mtx.step import TrainStep

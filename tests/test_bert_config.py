@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from mtx.cli import parse_config
-from mtx.config import Config, ModelConfig, load_preset
+from mtx.config import Config, ModelConfig
+from mtx.presets import load_preset
 from mtx.parallel.sharded import partition_specs, split_abstract
 from mtx.sharded_model import build_model
 

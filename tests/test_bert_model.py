@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.state import state_shardings
 from mtx.step import TrainStep

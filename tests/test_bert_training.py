@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.run import prepare, train
 from mtx.state import state_shardings

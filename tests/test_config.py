@@ -5,7 +5,8 @@ import re
 import pytest
 
 from mtx.cli import parse_config
-from mtx.config import Config, ModelConfig, load_preset
+from mtx.config import Config, ModelConfig
+from mtx.presets import load_preset
 
 PRESETS = {"gpt2_124m": 124_439_808, "gpt2_355m": 354_823_168}
 

@@ -8,7 +8,8 @@ import optax
 import pytest
 from flax import nnx
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.run import train
 from mtx.step import TrainStep

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.kernels.elementwise import bias_gelu, layer_norm, rms_norm, swiglu
 from mtx.models.stack import save_matmul_outputs
 

@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx import evaluation as ev
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.data import build_tokenizer
 from mtx.data.detokenize import count_original_tokens, wikitext_detokenize
 from mtx.loading import load_model

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.kernels import flash_attention as flash
 from mtx.models.transformer import attention_core
 from mtx.parallel.random import attention_dropout_hashes, attention_keep

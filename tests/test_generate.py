@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.generate import decoder_for, generate, sample_logits, top_p_filter
 from mtx.parallel import make_mesh
 from mtx.parallel.mesh import DATA

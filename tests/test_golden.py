@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel.sharded import partition_specs, split_abstract
 from mtx.sharded_model import build_model
 

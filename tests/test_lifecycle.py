@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from mtx.checkpoint import MANIFEST, Checkpointer
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.run import prepare, train
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"))  # dropout on: the RNG must resume too

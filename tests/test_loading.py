@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mtx.checkpoint import MANIFEST
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.loading import load_model
 from mtx.run import train
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtx.config import Config, OptimizerConfig, TrainingConfig, load_preset
+from mtx.config import Config, OptimizerConfig, TrainingConfig
+from mtx.presets import load_preset
 from mtx.optim import LossScale, learning_rate_schedule, weight_decay_mask
 from mtx.parallel import make_mesh
 from mtx.sharded_model import build_model

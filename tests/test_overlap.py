@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from mtx.audit import audit_config, audit_data_parallel
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.run import train
 from mtx.step import compiler_options
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.layout import parse_layout, stage_layer_counts
 from mtx.run import train

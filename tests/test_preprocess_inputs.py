@@ -8,7 +8,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.data.indexed import IndexedDataset
 from mtx.data.preprocess import main as preprocess
 

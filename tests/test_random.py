@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.random import dropout, model_parallel_keys, sample_keys
 from mtx.run import train

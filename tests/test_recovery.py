@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from mtx.checkpoint import MANIFEST, CheckpointError
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.run import prepare, train
 
 # a fixed decay: a run resumed to more steps keeps its schedule (mtx/resume.py)

@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jax.extend.core import Literal
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.pipeline import Schedule
 from mtx.parallel.sharded import is_stacked, partition_specs, split_abstract

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.sharded_model import ShardedModel
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.metrics import Progress
 from mtx.run import train
 

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from mtx.cli import parse_config
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.parallel.sharded import init_sharded
 from mtx.run import train

@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from mtx.config import Config, load_preset
+from mtx.config import Config
+from mtx.presets import load_preset
 from mtx.data import build_dataset
 from mtx.data.workers import BatchWorkers
 from mtx.run import train
