@@ -93,6 +93,13 @@ class TrainingConfig:
     recompute_granularity: str | None = _f(
         None, "None | full (whole layer) | selective (attention core) | matmuls (keep matmul outputs)", step=True)
     recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective", step=True)
+    recompute_method: str | None = _f(
+        None, "which layers --recompute-granularity full or matmuls recomputes: uniform (groups of "
+        "--recompute-num-layers layers, each recomputed from its input; full only) | block (the first "
+        "--recompute-num-layers layers of each pipeline stage, the others' activations kept); None: every layer",
+        step=True)
+    recompute_num_layers: int | None = _f(None, "--recompute-method's layers: a group's (uniform) or each stage's "
+                                                "recomputed ones (block)", step=True)
     scan_layers: bool = _f(True, "the layer stack as one lax.scan (compiles one layer); False unrolls it", step=True)
     compilation_cache_dir: str | None = _f(
         "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "

@@ -44,6 +44,7 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     _check_model_against_run(cfg)
     _check_checkpointing(t)
     _check_megatron_flags(cfg)
+    _check_recompute(cfg)
     if num_devices is not None:
         dp = cfg.data_parallel_size(num_devices)
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -120,6 +121,31 @@ def _check_megatron_flags(cfg) -> None:
     _check(not documents or not m.is_bert,
            f"{flag_name(documents[0]) if documents else ''} acts on GPT's packed documents; BERT's samples "
            "are sentence pairs: drop it for --model-type bert.")
+
+
+def _check_recompute(cfg) -> None:
+    """--recompute-method and --recompute-num-layers: Megatron's rules (both or neither, never with selective), the
+    granularities they apply to, and stages holding the layers they name."""
+    t = cfg.training
+    method, n, granularity = t.recompute_method, t.recompute_num_layers, t.recompute_granularity
+    if method is None and n is None:
+        return
+    named = "--recompute-method" if method else "--recompute-num-layers"
+    _check(granularity in ("full", "matmuls"),
+           f"{named} picks the layers --recompute-granularity full (or matmuls) recomputes, and --recompute-"
+           f"granularity is {granularity or 'none'}; pass --recompute-granularity full with it, or drop it.")
+    _check(method is not None, f"--recompute-num-layers {n} needs --recompute-method: uniform (groups of {n} layers, "
+           f"each recomputed from its input) or block (the first {n} layers of each stage recomputed).")
+    _check(n is not None, f"--recompute-method {method} needs --recompute-num-layers N (as in Megatron): "
+           + ("the layers of a group recomputed from its input (1: each layer)." if method == "uniform" else
+              "the layers of each pipeline stage recomputed, its others' activations kept."))
+    _check(method == "block" or n == 1 or granularity == "full",
+           f"--recompute-method uniform with --recompute-num-layers {n} recomputes groups of layers from their input, "
+           "which --recompute-granularity matmuls does not (it keeps each layer's matmul outputs); pass "
+           "--recompute-granularity full, or --recompute-method block.")
+    most = max(cfg.stage_layer_counts())
+    _check(n <= most, f"--recompute-num-layers {n} is more than the {most} layers a pipeline stage (or virtual stage) "
+           f"holds; pass at most {most}.")
 
 
 def check_saved_combinations(cfg) -> None:

@@ -48,6 +48,7 @@ RANGES = {
     "lr_warmup_fraction": "[0, 1]", "lr_warmup_samples": ">= 0", "lr_decay_samples": ">= 1",
     # training
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
+    "recompute_num_layers": ">= 1",
     "initial_loss_scale": "(0, 4294967296]", "loss_scale_window": ">= 1", "min_loss_scale": "(0, 4294967296]",
     "log_interval": ">= 1", "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
@@ -105,7 +106,8 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTok
 CHOICES = {"model_type": ("gpt", "bert"), "layernorm_placement": ("pre", "post"),
            "position_embedding_type": ("learned_absolute", "rope"), "normalization": ("LayerNorm", "RMSNorm"),
            "pipeline_schedule": ("gpipe", "1f1b", "interleaved"), "lr_decay_style": ("constant", "linear", "cosine"),
-           "recompute_granularity": ("full", "selective", "matmuls"), "mlm_head_positions": ("masked", "all"),
+           "recompute_granularity": ("full", "selective", "matmuls"),
+           "recompute_method": ("uniform", "block"), "mlm_head_positions": ("masked", "all"),
            "tokenizer_type": TOKENIZER_TYPES}
 
 
@@ -158,8 +160,8 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
     rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
     no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
-    accumulate-allreduce-grads-in-fp32 recompute-method
-    recompute-num-layers distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
+    accumulate-allreduce-grads-in-fp32
+    distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
     end-weight-decay weight-decay-incr-style
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
     mock-data vocab-extra-ids timing-log-level

@@ -42,6 +42,7 @@ def build_model(cfg: Config, *, seed: int | None = None):
     t = cfg.training
     family = BERT if cfg.model.is_bert else GPT
     return lambda: family(cfg.model, dtype=DTYPES[t.compute_dtype], recompute=t.recompute_granularity,
+                          recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
                           flash=t.use_flash_attn, scan_layers=t.scan_layers,
                           sequence_parallel=cfg.sequence_parallel, tp_comm_overlap=cfg.tp_comm_overlap,
                           rngs=nnx.Rngs(seed))

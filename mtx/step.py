@@ -132,9 +132,7 @@ class TrainStep:
 
         if model.pipeline is not None and model.pipeline.kind != "gpipe":  # 1F1B: the backward written out
             loss, grads = one_f_one_b(model.graphdef, params, model.objective, batch_M, model.pipeline, counts,
-                                      keys_MB=keys_MB, scale=scale,
-                                      recompute=cfg.training.recompute_granularity,
-                                      seq_length=cfg.model.seq_length)
+                                      keys_MB=keys_MB, scale=scale, seq_length=cfg.model.seq_length)
         elif model.pipeline is not None:  # GPipe: autodiff through one forward over all M microbatches
             def loss_fn(p):
                 return pipelined_loss(merge(p), model.objective, batch_M, model.pipeline, counts,

@@ -44,7 +44,8 @@ class Dense(nnx.Module):
 
 
 class BERT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None,
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None, flash: bool = False,
                  scan_layers: bool = True, sequence_parallel: bool = False, tp_comm_overlap: bool = False,
                  rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
@@ -56,8 +57,10 @@ class BERT(nnx.Module):
                                      if cfg.tokentypes else None)
         self.embedding_layernorm = (LayerNorm(d, epsilon=cfg.epsilon, dtype=dtype)
                                     if self.post_layernorm else None)
-        self.stack = ParallelTransformer(cfg, dtype=dtype, recompute=recompute, flash=flash, scan_layers=scan_layers,
-                                         sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap,
+        self.stack = ParallelTransformer(cfg, dtype=dtype, recompute=recompute, recompute_method=recompute_method,
+                                         recompute_num_layers=recompute_num_layers, flash=flash,
+                                         scan_layers=scan_layers, sequence_parallel=sequence_parallel,
+                                         tp_comm_overlap=tp_comm_overlap,
                                          causal=False,
                                          post_layernorm=self.post_layernorm)
         self.layers = self.stack.build(rngs)  # stacked like GPT's: (L, ...) each, split into pipeline stages

@@ -26,7 +26,8 @@ from mtx.parallel.random import dropout, fold
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None, flash: bool = False,
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, recompute: str | None = None,
+                 recompute_method: str | None = None, recompute_num_layers: int | None = None, flash: bool = False,
                  scan_layers: bool = True, sequence_parallel: bool = False, tp_comm_overlap: bool = False,
                  rngs: nnx.Rngs):
         d, std = cfg.hidden_size, cfg.init_method_std
@@ -34,8 +35,10 @@ class GPT(nnx.Module):
                                                 sequence_parallel=sequence_parallel, dtype=dtype, rngs=rngs)
         self.position_embeddings = (None if cfg.rope else  # rotary positions act inside attention instead
                                     param(rngs, (cfg.max_positions, d), (REPLICATED, REPLICATED), std=std))
-        self.stack = ParallelTransformer(cfg, dtype=dtype, recompute=recompute, flash=flash, scan_layers=scan_layers,
-                                         sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap)
+        self.stack = ParallelTransformer(cfg, dtype=dtype, recompute=recompute, recompute_method=recompute_method,
+                                         recompute_num_layers=recompute_num_layers, flash=flash,
+                                         scan_layers=scan_layers, sequence_parallel=sequence_parallel,
+                                         tp_comm_overlap=tp_comm_overlap)
         self.layers = self.stack.build(rngs)  # (L, ...) each, split into pipeline stages
         self.final_layernorm = normalization(cfg, d, dtype=dtype)
         # untied: a second vocab-parallel table, used only as the output layer (`attend`)

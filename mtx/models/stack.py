@@ -71,12 +71,28 @@ def _unstack(a_L):
 _unstack.defvjp(lambda a_L: (_unstack(a_L), None), lambda _, grads: (jnp.stack(grads),))
 
 
+def _kept_apart(fn):
+    """fn(x, inputs) -> x, whose backward keeps what fn's own checkpoint saves (its pullback's residuals) whatever
+    checkpoint encloses it. JAX applies the outermost checkpoint's policy to the values of the checkpoints nested in
+    it, so inside 1F1B's chunk (whose policy keeps every activation of the layers --recompute-method leaves whole) a
+    recomputed layer's checkpoint alone would keep everything too; behind a custom VJP its values are not the
+    enclosing checkpoint's to keep, only the residuals its forward returns."""
+
+    @jax.custom_vjp
+    def apart(x_BSD, inputs):
+        return fn(x_BSD, inputs)
+
+    apart.defvjp(lambda x_BSD, inputs: jax.vjp(fn, x_BSD, inputs), lambda pullback, dy_BSD: pullback(dy_BSD))
+    return apart
+
+
 @dataclass(frozen=True)
 class ParallelTransformer:
     """How a stack of TransformerLayers is built and run (static: the parameters live in the module that composes it).
 
     causal: GPT's masked attention (False: BERT's bidirectional); post_layernorm: the original BERT block;
-    recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity); scan_layers: one lax.scan over the
+    recompute: None | "full" | "selective" | "matmuls" (--recompute-granularity), over the layers that
+    recompute_method and recompute_num_layers pick (`recomputed_runs`); scan_layers: one lax.scan over the
     stack (False unrolls it, see docs/design.md); sequence_parallel: the residual stream split by rows over "model";
     tp_comm_overlap: with it, the linears' all-gathers and reduce-scatters inside their matmuls (--tp-comm-overlap);
     per_layer: set by the training step for its overlapped data-parallel reductions (mtx/parallel/overlap.py), applied
@@ -97,6 +113,8 @@ class ParallelTransformer:
     post_layernorm: bool = False
     per_layer: Callable | None = None  # training step: (layer's parameters, index) -> what it computes with
     prevent_cse: bool = True  # False where a layer's forward and its backward never share a program
+    recompute_method: str | None = None  # None (each layer) | "uniform" | "block": see `recomputed_runs`
+    recompute_num_layers: int | None = None
 
     def build(self, rngs: nnx.Rngs) -> TransformerLayer:
         """The L layers as one TransformerLayer whose every parameter has a leading (L,) axis declared "pipeline"."""
@@ -123,33 +141,54 @@ class ParallelTransformer:
         """
         graphdef, stacked = nnx.split(layers)
 
-        def body(x_BSD, inputs):  # one compiled layer, run once per held layer
+        def layer(x_BSD, inputs):  # one compiled layer, run once per held layer
             layer_state, _, draws = inputs
-            return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, draws=draws), None
+            return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, draws=draws)
 
-        if self.recompute == "full":  # keep each layer's input only; recompute its activations in the backward
-            layer = jax.checkpoint(body, prevent_cse=self.prevent_cse)
-            body = lambda x_BSD, inputs: layer(checkpoint_name(x_BSD, LAYER_INPUT), inputs)
-        elif self.recompute == "matmuls":  # keep the matmuls' outputs; recompute LN, GeLU, bias adds, dropout
-            body = jax.checkpoint(body, policy=save_matmul_outputs, prevent_cse=self.prevent_cse)
+        def layers(x_BSD, inputs):  # a recomputed group: consecutive layers, one input tuple each
+            for one in inputs:
+                x_BSD = layer(x_BSD, one)
+            return x_BSD
 
-        if self.per_layer is not None:
-            checkpointed = body
-            body = lambda x_BSD, inputs: checkpointed(x_BSD, (self.per_layer(*inputs[:2]), *inputs[1:]))
+        def prepared(inputs):  # the training step's per-layer hook, outside the recomputation
+            return inputs if self.per_layer is None else (self.per_layer(*inputs[:2]), *inputs[1:])
+
+        def run(unit: int):
+            """(x, inputs) -> x of one unit of a run (`recomputed_runs`): a layer (unit 0: kept, 1: recomputed) or
+            a group of `unit` layers recomputed from the group's input (inputs: a tuple, one a layer)."""
+            if unit <= 1:
+                one = self._recomputed(layer) if unit else layer
+                return lambda x_BSD, inputs: one(x_BSD, prepared(inputs))
+            group = self._recomputed(layers)
+            return lambda x_BSD, inputs: group(x_BSD, tuple(prepared(one) for one in inputs))
 
         def run_first(n, x_BSD):  # the first n held layers
-            if self.scan_layers:
-                held = jax.tree.map(lambda a: a[:n], (stacked, draws))
-                return jax.lax.scan(body, x_BSD, (held[0], jnp.arange(n), held[1]))[0] if n else x_BSD
-            unstacked = jax.tree.map(_unstack, stacked)  # unrolled: each layer's saved activations are own buffers
-            # One jitted layer, called n times: traced, differentiated and lowered once (a function the n calls
-            # share), where a Python loop over `body` would trace n copies; XLA inlines the calls, so the compiled
-            # program is the same unrolled one.
-            layer = jax.jit(body)
-            for i in range(n):
-                x_BSD, _ = layer(x_BSD, (jax.tree.map(lambda parts: parts[i], unstacked,
-                                                      is_leaf=lambda x: isinstance(x, tuple)), jnp.int32(i),
-                                         jax.tree.map(lambda a: a[i], draws)))
+            unstacked = None if self.scan_layers else jax.tree.map(_unstack, stacked)  # own buffers per layer
+            for start, size, unit in self.recomputed_runs(n):
+                x_BSD = (scan_run(x_BSD, start, size, unit) if self.scan_layers else
+                         unrolled_run(x_BSD, unstacked, start, size, unit))
+            return x_BSD
+
+        def scan_run(x_BSD, start, size, unit):
+            held = jax.tree.map(lambda a: a[start:start + size], (stacked, draws))
+            inputs = (held[0], jnp.arange(start, start + size), held[1])
+            if unit <= 1:
+                body = run(unit)
+                return jax.lax.scan(lambda x, xs: (body(x, xs), None), x_BSD, inputs)[0]
+            group = run(unit)
+            inputs = jax.tree.map(lambda a: a.reshape(size // unit, unit, *a.shape[1:]), inputs)
+            split = lambda xs: tuple(jax.tree.map(lambda a: a[i], xs) for i in range(unit))
+            return jax.lax.scan(lambda x, xs: (group(x, split(xs)), None), x_BSD, inputs)[0]
+
+        def unrolled_run(x_BSD, unstacked, start, size, unit):
+            # One jitted layer (or group), called for each: traced, differentiated and lowered once (a function the
+            # calls share), where a Python loop over its body would trace a copy each; XLA inlines the calls, so the
+            # compiled program is the same unrolled one.
+            one = lambda i: (jax.tree.map(lambda parts: parts[i], unstacked, is_leaf=lambda x: isinstance(x, tuple)),
+                             jnp.int32(i), jax.tree.map(lambda a: a[i], draws))
+            call = jax.jit(run(unit))
+            for first in range(start, start + size, max(unit, 1)):
+                x_BSD = call(x_BSD, one(first) if unit <= 1 else tuple(one(i) for i in range(first, first + unit)))
             return x_BSD
 
         held = jax.tree.leaves(stacked)[0].shape[0]
@@ -160,6 +199,32 @@ class ParallelTransformer:
         count, choices = real_layers
         index = jnp.searchsorted(jnp.asarray(choices), count)
         return jax.lax.switch(index, [functools.partial(run_first, n) for n in choices], x_BSD)
+
+    def recomputed_runs(self, n: int) -> list[tuple[int, int, int]]:
+        """The first n held layers as runs (start, size, unit) of what the backward recomputes: unit 0 keeps the
+        layers' activations, 1 recomputes each layer from its input (at the granularity: `full` or `matmuls`), U > 1
+        each group of U layers from the group's input. --recompute-method block N: the first N layers of each stage
+        (or virtual stage) recomputed, the rest kept; uniform N: groups of N (the last one shorter), as Megatron."""
+        if self.recompute not in ("full", "matmuls"):
+            runs = [(0, n, 0)]
+        elif self.recompute_method == "block":
+            runs = [(0, min(self.recompute_num_layers, n), 1), (self.recompute_num_layers, n, 0)]
+        else:
+            u = self.recompute_num_layers or 1
+            whole = n - n % u
+            runs = [(0, whole, u), (whole, n, n - whole)]
+        return [(start, end - start, unit) for start, end, unit in runs if end > start]
+
+    def _recomputed(self, fn):
+        """fn (x, inputs) -> x under the granularity's recomputation: `full` keeps its input x only (named
+        LAYER_INPUT), `matmuls` the matmul outputs too (`save_matmul_outputs`). With --recompute-method, kept so even
+        inside 1F1B's chunk checkpoint (`_kept_apart`), which then keeps the other layers' activations."""
+        if self.recompute == "full":
+            inner = jax.checkpoint(fn, prevent_cse=self.prevent_cse)
+            recomputed = lambda x_BSD, inputs: inner(checkpoint_name(x_BSD, LAYER_INPUT), inputs)
+        else:
+            recomputed = jax.checkpoint(fn, policy=save_matmul_outputs, prevent_cse=self.prevent_cse)
+        return recomputed if self.recompute_method is None else _kept_apart(recomputed)
 
     def draws(self, keys_B, count: int, first_layer, length: int):
         """The dropout Draws of `count` layers from global layer `first_layer` on, stacked (count, ...): each layer's

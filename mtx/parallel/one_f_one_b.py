@@ -67,7 +67,7 @@ from mtx.parallel.pipeline import NEXT, PREVIOUS, Schedule, last_stage_to_each, 
 
 
 def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts, *, keys_MB=None, scale=1.0,
-                recompute=None, seq_length=None):
+                seq_length=None):
     """This device's share of the loss (x scale; summed over "pipeline" it is the data rank's) and the gradients of
     its local parameters (not yet reduced over any axis), for the M microbatches of `batch_M` ((M, B, ...) arrays).
 
@@ -82,7 +82,7 @@ def one_f_one_b(graphdef, params, objective, batch_M, schedule: Schedule, counts
     table["fwd_slot"], table["bwd_slot"] = jnp.asarray(fwd_slot), jnp.asarray(bwd_slot)
     dropout = keys_MB is not None
     residuals = [_Residuals() for _ in range(v)]  # each chunk's pullback structure (its layers' offset is static)
-    keep_policy = _keep_policy(recompute, seq_length)
+    keep_policy = _keep_policy(nnx.merge(graphdef, params).stack, seq_length)
     spread = _head_spreads(objective, graphdef, params, p)
 
     def microbatch(mb):
@@ -283,18 +283,20 @@ def _add_grads(grads, d_params, rows: tuple[int, int, jax.Array] | None):
     return jax.tree_util.tree_map_with_path(add, grads, d_params)
 
 
-def _keep_policy(recompute, seq_length):
+def _keep_policy(stack, seq_length):
     """What the forward slot keeps of a chunk for its backward -> (stage input -> remat policy): what
     `--recompute-granularity` keeps (everything without recomputation; the matmul outputs with `matmuls`; each layer's
     input with `full`; all but the S x S attention core with `selective`), restricted to activations (values with the
     micro batch and sequence dimensions). Values computed from the parameters alone (the layers' slices of the stack,
-    their bf16 casts) are recomputed in the backward, not kept once per microbatch in flight."""
+    their bf16 casts) are recomputed in the backward, not kept once per microbatch in flight. With
+    --recompute-method the stack's own recomputation picks the layers (`ParallelTransformer.recomputed_runs`): the
+    chunk keeps what it leaves."""
     from mtx.models.stack import LAYER_INPUT, save_matmul_outputs
 
     everything = jax.checkpoint_policies.everything_saveable
     base = {"matmuls": save_matmul_outputs, "full": jax.checkpoint_policies.save_only_these_names(LAYER_INPUT),
             "selective": lambda prim, *avals, **params: not any(_square_4d(a) for a in avals)}
-    base = base.get(recompute, everything)
+    base = everything if stack.recompute_method else base.get(stack.recompute, everything)
 
     def for_input(x_BSD):
         b, s = x_BSD.shape[:2]
