@@ -118,6 +118,10 @@ class TrainingConfig:
                                            "--mask-prob x S) a sequence) | all (every position, as Megatron)",
                                  step=True)
     log_interval: int = _f(10, "steps between metrics lines")
+    log_params_norm: bool = _f(False, "log the parameters' global L2 norm (the fp32 weights after each step)",
+                               step=True)
+    log_num_zeros_in_grad: bool = _f(False, "log how many gradient entries are exactly 0 (each step's, unscaled)",
+                                     step=True)
     eval_interval: int = _f(100, "steps between validation runs; 0 disables")
     eval_iters: int = _f(10, "global batches per evaluation (validation; test once training ends)")
     save: str | None = _f(None, "checkpoint (and run) directory", path=True)

@@ -189,8 +189,12 @@ def log_line(record: dict[str, Any], train_iters: int, global_batch_size: int, l
         parts.append(f"throughput per GPU (TFLOP/s/GPU): {record['tflops_per_device']:.1f}")
     parts += [f"learning rate: {record['lr']:.6E}", f"global batch size: {global_batch_size:5d}",
               f"{loss_name}: {record['loss']:.6E}", f"loss scale: {record['loss_scale']:.1f}",
-              f"grad norm: {record['grad_norm']:.3f}",
-              f"number of skipped iterations: {record.get('skipped_steps', 0):3d}"]
+              f"grad norm: {record['grad_norm']:.3f}"]
+    if record.get("num_zeros") is not None:
+        parts.append(f"num zeros: {record['num_zeros']:.1f}")
+    if record.get("params_norm") is not None:
+        parts.append(f"params norm: {record['params_norm']:.3f}")
+    parts.append(f"number of skipped iterations: {record.get('skipped_steps', 0):3d}")
     return "".join(f" {part} |" for part in parts)
 
 

@@ -388,4 +388,5 @@ def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per
     timing["batch_make_s"], timing["batch_wait_s"] = (making / steps, waiting / steps) if steps else (None, None)
     return {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
             "loss_scale": float(m["loss_scale"]), "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
+            **{k: float(m[k]) for k in ("params_norm", "num_zeros") if k in m},
             "step_time_s": elapsed / steps if steps else None, **timing}

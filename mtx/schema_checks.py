@@ -165,6 +165,6 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     end-weight-decay weight-decay-incr-style
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
     mock-data vocab-extra-ids timing-log-level
-    log-params-norm log-num-zeros-in-grad log-timers-to-tensorboard log-memory-to-tensorboard
+    log-timers-to-tensorboard log-memory-to-tensorboard
     log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
     """.split())

@@ -65,6 +65,12 @@ def _reduce_rest(g, axes):
     return jax.lax.psum(g, rest) if rest else g
 
 
+def _zeros(g) -> jax.Array:
+    """The entries of g that are exactly 0, counted in int32 (exact up to 2^31 - 1 a tensor; a sharded tensor's count
+    is one scalar summed over its shards), as float32 for the sum over tensors."""
+    return jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
+
+
 def compiler_options(cfg) -> dict | None:
     """XLA options of the training step's compilation: --scheduler-memory-percent as XLA's slop factor (on CPU it
     is ignored)."""
@@ -321,5 +327,9 @@ class TrainStep:
             "loss_scale": state.loss_scale.scale,
             "skipped": ~finite,
         }
+        if t.log_params_norm:  # Megatron's params norm: the weights the step leaves
+            metrics["params_norm"] = optax.tree.norm(params)
+        if t.log_num_zeros_in_grad:
+            metrics["num_zeros"] = sum(_zeros(g) for g in jax.tree.leaves(grads))
         return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
