@@ -316,7 +316,7 @@ def check_unused_flags(cfg, given) -> None:
     naming what turns it on. Only given flags, and not their off forms (False, 0 or "none"): a preset's setting is
     fine when a flag turns its feature off. With --use-checkpoint-args the model comes from the checkpoint later
     (mtx/resume.py): the rules that depend on it are left out."""
-    m, p, t, again = cfg.model, cfg.parallel, cfg.training, "pass that too, or leave it out."
+    m, p, t, o, again = cfg.model, cfg.parallel, cfg.training, cfg.optimizer, "pass that too, or leave it out."
     given = {flag_name(name) for name in given if cfg.value(name) not in (None, False)}
     by_model = ((("rotary_base", "rotary_percent", "use_rope_scaling"), m.rope, "--position-embedding-type rope",
                  again),
@@ -343,8 +343,11 @@ def check_unused_flags(cfg, given) -> None:
               again),
              (("split",), not cfg.data.train_data_path, "--data-path (or the built-in corpus)",
               "leave it out: --train-data-path's data is all for training."),
-             (("lr_decay_iters", "lr_decay_samples", "min_lr"), cfg.optimizer.lr_decay_style != "constant",
+             (("lr_decay_iters", "lr_decay_samples", "min_lr"), o.lr_decay_style != "constant",
               "--lr-decay-style linear or cosine", again),
+             (("lr_warmup_init",), o.lr_warmup_iters > 0, "a warmup (--lr-warmup-iters N > 0)", again),
+             (("weight_decay",), o.weight_decay_incr_style == "constant", "--weight-decay-incr-style constant",
+              "leave it out: --start-weight-decay and --end-weight-decay set the rising decay."),
              (("distributed_timeout", "distributed_timeout_minutes"), p.coordinator_address is not None,
               "several processes (--coordinator-address)", again),
              *(() if t.use_checkpoint_args else by_model))

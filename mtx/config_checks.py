@@ -86,7 +86,8 @@ def _check_checkpointing(t) -> None:
 
 
 def _check_megatron_flags(cfg) -> None:
-    """Megatron's sample counts, warmup fraction, recompute alias, profiling and document masks."""
+    """Megatron's sample counts, warmup fraction, weight-decay schedule, recompute alias, profiling and document
+    masks."""
     t, o, d, m = cfg.training, cfg.optimizer, cfg.data, cfg.model
     _check(o.lr_warmup_fraction is None or o.lr_warmup_samples is None,
            "--lr-warmup-fraction and --lr-warmup-samples both set the warmup; pass one of them.")
@@ -106,6 +107,12 @@ def _check_megatron_flags(cfg) -> None:
         _check(not samples or samples >= t.global_batch_size,  # 0 steps: no training, or no warmup unasked
                f"{flag_name(name)} {samples} is less than one --global-batch-size {t.global_batch_size}; pass at "
                "least one step's samples (or 0).")
+    ends = [flag_name(name) for name in ("start_weight_decay", "end_weight_decay") if getattr(o, name) is not None]
+    style = o.weight_decay_incr_style
+    _check(style != "constant" or not ends, f"{' and '.join(ends)} set the ends of a rising weight decay; pass "
+           "--weight-decay-incr-style linear or cosine with both (constant keeps --weight-decay).")
+    _check(style == "constant" or len(ends) == 2, f"--weight-decay-incr-style {style} rises from --start-weight-decay "
+           "to --end-weight-decay over --train-iters; pass both (as in Megatron).")
     _check(not t.fp16 or t.min_loss_scale <= t.initial_loss_scale,
            f"--min-loss-scale {t.min_loss_scale:g} is above --initial-loss-scale {t.initial_loss_scale:g}; the scale "
            "starts at the initial one and never halves below the minimum.")

@@ -25,7 +25,8 @@ def decay_end(opt: OptimizerConfig, train_iters: int) -> int:
 
 
 def learning_rate_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Schedule:
-    """Megatron's schedule: linear warmup from 0 to lr, then constant/linear/cosine decay to min_lr."""
+    """Megatron's schedule: linear warmup from --lr-warmup-init (0) to lr, then constant/linear/cosine decay to
+    min_lr."""
     warmup = opt.lr_warmup_iters
     decay_steps = max(decay_end(opt, train_iters) - warmup, 1)
     if opt.lr_decay_style == "constant":
@@ -36,7 +37,22 @@ def learning_rate_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Sche
         decay = optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.min_lr / opt.lr if opt.lr else 0.0)
     if warmup == 0:
         return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, opt.lr, warmup), decay], [warmup])
+    return optax.join_schedules([optax.linear_schedule(opt.lr_warmup_init, opt.lr, warmup), decay], [warmup])
+
+
+def weight_decay_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Schedule:
+    """Megatron's weight-decay schedule: --weight-decay throughout (constant), or from --start-weight-decay to
+    --end-weight-decay over --train-iters steps, linearly or along a half cosine, then the end value."""
+    if opt.weight_decay_incr_style == "constant":
+        return optax.constant_schedule(opt.weight_decay)
+    start, end, steps = opt.start_weight_decay, opt.end_weight_decay, max(train_iters, 1)
+
+    def schedule(count):
+        ratio = jnp.minimum(count / steps, 1.0)
+        rise = ratio if opt.weight_decay_incr_style == "linear" else 0.5 * (jnp.cos(jnp.pi * (1.0 - ratio)) + 1.0)
+        return start + rise * (end - start)
+
+    return schedule
 
 
 def weight_decay_mask(params):
@@ -51,11 +67,24 @@ def _leaf_name(path) -> str:
     return names[-1] if names else ""
 
 
-def make_optimizer(opt: OptimizerConfig, train_iters: int) -> optax.GradientTransformation:
+def make_optimizer(opt: OptimizerConfig, train_iters: int) -> optax.GradientTransformationExtraArgs:
+    """Clipping, then optax.adamw's chain (its state, so checkpoints load whatever the schedules) with the weight
+    decay of the step passed as `count` to `update` (the lr schedule's count: steps applied, fp16's skipped ones not
+    counted)."""
     chain = [optax.clip_by_global_norm(opt.clip_grad)] if opt.clip_grad > 0 else []
-    chain.append(optax.adamw(learning_rate_schedule(opt, train_iters), b1=opt.adam_beta1, b2=opt.adam_beta2,
-                             eps=opt.adam_eps, weight_decay=opt.weight_decay, mask=weight_decay_mask))
+    chain.append(optax.chain(optax.scale_by_adam(b1=opt.adam_beta1, b2=opt.adam_beta2, eps=opt.adam_eps),
+                             optax.masked(_decayed_weights(weight_decay_schedule(opt, train_iters)), weight_decay_mask),
+                             optax.scale_by_learning_rate(learning_rate_schedule(opt, train_iters))))
     return optax.chain(*chain)
+
+
+def _decayed_weights(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+    """optax.add_decayed_weights (its empty state) with the decay schedule(count) of the step being taken."""
+    def update(updates, state, params, *, count, **_):
+        decay = schedule(count)
+        return jax.tree.map(lambda g, p: g + decay * p, updates, params), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
 class LossScale(NamedTuple):

@@ -116,11 +116,17 @@ def check_same_batches(saved: Config, cfg: Config) -> None:
 
 
 def lr_schedule(cfg: Config) -> dict:
-    """The learning-rate schedule a run follows (mtx/optim.py): its peak and warmup, and unless constant its decay."""
-    o = cfg.optimizer
+    """The learning-rate and weight-decay schedules a run follows (mtx/optim.py), as Megatron's scheduler compares
+    them: the lr's peak and warmup (from its initial lr), unless constant its decay; the weight decay's ends, and unless
+    constant its style and length."""
+    o, t = cfg.optimizer, cfg.training
     kept = dict(lr=o.lr, lr_warmup_iters=o.lr_warmup_iters, lr_decay_style=o.lr_decay_style)
-    return kept if o.lr_decay_style == "constant" else kept | dict(
-        min_lr=o.min_lr, lr_decay_iters=decay_end(o, cfg.training.train_iters))
+    kept |= dict(lr_warmup_init=o.lr_warmup_init) if o.lr_warmup_iters else {}
+    kept |= {} if o.lr_decay_style == "constant" else dict(min_lr=o.min_lr, lr_decay_iters=decay_end(o, t.train_iters))
+    if o.weight_decay_incr_style == "constant":
+        return kept | dict(weight_decay=o.weight_decay)
+    return kept | dict(start_weight_decay=o.start_weight_decay, end_weight_decay=o.end_weight_decay,
+                       weight_decay_incr_style=o.weight_decay_incr_style, weight_decay_incr_iters=t.train_iters)
 
 
 def check_same_schedule(saved: Config, cfg: Config) -> Config:
@@ -134,17 +140,25 @@ def check_same_schedule(saved: Config, cfg: Config) -> Config:
             print("mtx: --use-checkpoint-opt-param-scheduler keeps --load's lr schedule: " + ", ".join(
                 f"{name} {then.get(name)} (this run's flags: {now.get(name)})" for name in changed) + ".")
         o = saved.optimizer
+        if o.weight_decay_incr_style != "constant" and saved.training.train_iters != t.train_iters:
+            raise ValueError(f"--use-checkpoint-opt-param-scheduler: --load {t.load}'s weight decay rises over its "
+                             f"--train-iters {saved.training.train_iters}; pass that --train-iters to keep it, or "
+                             "--override-opt-param-scheduler.")
         return cfg.replace(lr_warmup_fraction=None, lr_warmup_samples=None, lr_decay_samples=None, **{
-            name: getattr(o, name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters")},
+            name: getattr(o, name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_init",
+                                                "weight_decay", "weight_decay_incr_style", "start_weight_decay",
+                                                "end_weight_decay")},
             lr_decay_iters=decay_end(o, saved.training.train_iters))
     if not changed or t.override_opt_param_scheduler:
         return cfg
     name = changed[0]
-    said = {"lr_warmup_iters": "{} warmup steps",
+    said = {"lr_warmup_iters": "{} warmup steps", "weight_decay_incr_iters": "a weight decay rising over {} steps",
             "lr_decay_iters": "{} decay steps (--lr-decay-iters, or --train-iters)"}.get(name, flag_name(name) + " {}")
     keep = f"--lr-decay-iters {then[name]} to keep its decay's end, " if name == "lr_decay_iters" else ""
-    raise ValueError(f"--load {t.load} was trained with {said.format(then.get(name, 'no decay'))} and this run has "
-                     f"{now.get(name, 'no decay')}, so its learning rate would jump where it resumes; pass {keep}"
+    what = "learning rate" if name.startswith(("lr", "min_lr")) else "weight decay"
+    missing = "no decay" if what == "learning rate" else "none"
+    raise ValueError(f"--load {t.load} was trained with {said.format(then.get(name, missing))} and this run has "
+                     f"{now.get(name, missing)}, so its {what} would jump where it resumes; pass {keep}"
                      "--override-opt-param-scheduler to take this run's schedule, or "
                      "--use-checkpoint-opt-param-scheduler to keep the checkpoint's (Megatron's flags).")
 

@@ -45,6 +45,7 @@ RANGES = {
     # optimizer
     "lr": "[0, 10]", "min_lr": "[0, 10]", "lr_warmup_iters": ">= 0", "lr_decay_iters": ">= 1",
     "weight_decay": "[0, 10]", "clip_grad": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "> 0",
+    "start_weight_decay": "[0, 10]", "end_weight_decay": "[0, 10]", "lr_warmup_init": "[0, 10]",
     "lr_warmup_fraction": "[0, 1]", "lr_warmup_samples": ">= 0", "lr_decay_samples": ">= 1",
     # training
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
@@ -106,6 +107,7 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTok
 CHOICES = {"model_type": ("gpt", "bert"), "layernorm_placement": ("pre", "post"),
            "position_embedding_type": ("learned_absolute", "rope"), "normalization": ("LayerNorm", "RMSNorm"),
            "pipeline_schedule": ("gpipe", "1f1b", "interleaved"), "lr_decay_style": ("constant", "linear", "cosine"),
+           "weight_decay_incr_style": ("constant", "linear", "cosine"),
            "recompute_granularity": ("full", "selective", "matmuls"),
            "recompute_method": ("uniform", "block"), "mlm_head_positions": ("masked", "all"),
            "tokenizer_type": TOKENIZER_TYPES}
@@ -160,9 +162,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
     rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
     no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
-    accumulate-allreduce-grads-in-fp32
-    distribute-saved-activations rampup-batch-size lr-warmup-init start-weight-decay
-    end-weight-decay weight-decay-incr-style
+    accumulate-allreduce-grads-in-fp32 distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
     mock-data vocab-extra-ids timing-log-level
     log-timers-to-tensorboard log-memory-to-tensorboard

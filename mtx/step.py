@@ -314,7 +314,8 @@ class TrainStep:
             grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params,
+                                                   count=state.step - state.loss_scale.skipped)
         params = optax.apply_updates(state.params, updates)
         if t.fp16:  # overflow: keep the old weights and optimizer state, halve the scale
             keep_new = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)

@@ -232,13 +232,21 @@ def test_a_resume_keeps_the_lr_schedule_unless_told_which_one(base, resumed, tmp
     --use-checkpoint-opt-param-scheduler keeps the checkpoint's, --override-opt-param-scheduler takes this run's."""
     path, lr = str(base[0]), TINY.optimizer.lr
     take = "--override-opt-param-scheduler to take this run's schedule"
-    for flags, message, fix in (
-            (dict(lr=2 * lr), f"--lr {lr} and this run has {2 * lr}", take),
+    wd, rising = TINY.optimizer.weight_decay, dict(weight_decay_incr_style="linear", start_weight_decay=0.0,
+                                                   end_weight_decay=0.1, train_iters=4)  # (the decay's end kept)
+    for flags, message, fix, what in (
+            (dict(lr=2 * lr), f"--lr {lr} and this run has {2 * lr}", take, "learning rate"),
             (dict(train_iters=8), "4 decay steps \\(--lr-decay-iters, or --train-iters\\) and this run has 8",
-             f"--lr-decay-iters 4 to keep its decay's end, {take}"),
-            (dict(lr_warmup_iters=1), f"{TINY.optimizer.lr_warmup_iters} warmup steps and this run has 1", take),
-            (dict(lr_decay_style="constant"), "--lr-decay-style cosine and this run has constant", take)):
-        with pytest.raises(ValueError, match=f"was trained with {message}, so its learning rate would jump where it "
+             f"--lr-decay-iters 4 to keep its decay's end, {take}", "learning rate"),
+            (dict(lr_warmup_iters=1), f"{TINY.optimizer.lr_warmup_iters} warmup steps and this run has 1", take,
+             "learning rate"),
+            (dict(lr_warmup_init=1e-5), "--lr-warmup-init 0.0 and this run has 1e-05", take, "learning rate"),
+            (dict(lr_decay_style="constant"), "--lr-decay-style cosine and this run has constant", take,
+             "learning rate"),
+            (dict(weight_decay=2 * wd, train_iters=4), f"--weight-decay {wd} and this run has {2 * wd}", take,
+             "weight decay"),
+            (rising, f"--weight-decay {wd} and this run has none", take, "weight decay")):
+        with pytest.raises(ValueError, match=f"was trained with {message}, so its {what} would jump where it "
                                              f"resumes; pass {fix}, or --use-checkpoint-opt-param-scheduler to keep"):
             prepare(TINY.replace(load=path, ckpt_step=2, run_dir=str(tmp_path / "r"), **flags))
     kept = run(tmp_path, "kept", train_iters=4, load=path, ckpt_step=2, lr=2 * lr, lr_decay_iters=100,

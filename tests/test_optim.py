@@ -8,7 +8,7 @@ from flax import nnx
 
 from mtx.config import Config, OptimizerConfig, TrainingConfig
 from mtx.presets import load_preset
-from mtx.optim import LossScale, learning_rate_schedule, weight_decay_mask
+from mtx.optim import LossScale, learning_rate_schedule, make_optimizer, weight_decay_mask, weight_decay_schedule
 from mtx.parallel import make_mesh
 from mtx.sharded_model import build_model
 from mtx.step import TrainStep
@@ -32,6 +32,89 @@ def test_linear_and_constant_decay():
     assert float(linear(50)) == pytest.approx(0.5)
     constant = learning_rate_schedule(OptimizerConfig(lr=0.3, lr_warmup_iters=0, lr_decay_style="constant"), 100)
     assert float(constant(99)) == pytest.approx(0.3)
+
+
+def test_warmup_from_lr_warmup_init():
+    sched = learning_rate_schedule(OptimizerConfig(lr=1.0, lr_warmup_iters=10, lr_warmup_init=0.2), train_iters=100)
+    assert [float(sched(s)) for s in (0, 5, 10)] == pytest.approx([0.2, 0.6, 1.0])
+
+
+@pytest.mark.parametrize("style,middle", [("linear", 0.5), ("cosine", 0.5), ("constant", None)])
+def test_weight_decay_rises_over_train_iters(style, middle):
+    """Megatron's increment: from --start-weight-decay at step 0 to --end-weight-decay at --train-iters, then flat;
+    cosine along 0.5 (cos(pi (1 - t)) + 1), a quarter of the way at t = 1/3; constant is --weight-decay."""
+    ends = {} if style == "constant" else dict(start_weight_decay=0.0, end_weight_decay=0.1)
+    sched = weight_decay_schedule(OptimizerConfig(weight_decay=0.03, weight_decay_incr_style=style, **ends), 90)
+    values = [float(sched(s)) for s in (0, 30, 45, 90, 200)]
+    if style == "constant":
+        assert values == pytest.approx([0.03] * 5)
+    else:
+        third = 1 / 3 if style == "linear" else 0.25
+        assert values == pytest.approx([0.0, 0.1 * third, 0.1 * middle, 0.1, 0.1], abs=1e-7)
+
+
+def test_the_update_decays_by_the_steps_weight_decay_with_adamws_state():
+    """With zero gradients Adam's step is 0, so an update is -lr x decay(count) x weight, on matrices only; the
+    optimizer state is optax.adamw's (checkpoints load whatever the schedules)."""
+    import optax
+
+    opt = OptimizerConfig(lr=0.5, lr_warmup_iters=0, lr_decay_style="constant", weight_decay_incr_style="linear",
+                          start_weight_decay=0.0, end_weight_decay=0.2, clip_grad=1.0)
+    params = {"kernel": jnp.ones((2, 3)), "bias": jnp.ones((3,))}
+    tx = make_optimizer(opt, train_iters=10)
+    state = tx.init(params)
+    reference = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate_schedule(opt, 10),
+                                                                         mask=weight_decay_mask)).init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(reference)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    for count, decay in ((0, 0.0), (5, 0.1), (10, 0.2)):
+        updates, _ = tx.update(zeros, state, params, count=count)
+        np.testing.assert_allclose(updates["kernel"], -0.5 * decay * np.ones((2, 3)), atol=1e-7)
+        np.testing.assert_array_equal(updates["bias"], np.zeros(3))
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(start_weight_decay=0.0), "--start-weight-decay set the ends of a rising weight decay; pass "
+                                   "--weight-decay-incr-style linear or cosine"),
+    (dict(weight_decay_incr_style="cosine", end_weight_decay=0.1), "rises from --start-weight-decay to "
+                                                                   "--end-weight-decay over --train-iters; pass both"),
+])
+def test_weight_decay_schedule_refusals(flags, match):
+    from helpers import refused_in_one_line
+
+    refused_in_one_line(match, Config().replace(**flags).validate)
+
+
+@pytest.mark.parametrize("argv,match", [
+    ("--lr-warmup-iters 0 --lr-warmup-init 1e-4", "--lr-warmup-init only acts with a warmup"),
+    ("--weight-decay 0.1 --weight-decay-incr-style linear --start-weight-decay 0 --end-weight-decay 0.1",
+     "--weight-decay only acts with --weight-decay-incr-style constant; leave it out"),
+])
+def test_idle_schedule_flags_are_refused(argv, match):
+    from mtx.cli import parse_config
+
+    with pytest.raises(ValueError, match=match):
+        parse_config(argv.split())
+
+
+def test_schedules_give_the_same_losses_on_every_mesh(tmp_path):
+    """A warmup from --lr-warmup-init and a rising weight decay, with the replicated optimizer on one device and the
+    distributed one on (4, 1, 2): the same losses."""
+    from mtx.run import train
+
+    cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
+        hidden_dropout=0.0, attention_dropout=0.0, train_iters=4, lr=1e-2, lr_warmup_iters=2, lr_warmup_init=1e-3,
+        weight_decay_incr_style="cosine", start_weight_decay=0.5, end_weight_decay=2.0)
+    losses = []
+    for dp, tp, flags in ((1, 1, {}), (4, 2, dict(use_distributed_optimizer=True))):
+        r = train(cfg.replace(data_parallel_size=dp, tensor_model_parallel_size=tp, run_dir=str(tmp_path / str(dp)),
+                              **flags), progress=False)
+        losses.append([r.losses[s] for s in range(1, 5)])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    plain = train(cfg.replace(data_parallel_size=1, tensor_model_parallel_size=1, weight_decay_incr_style="constant",
+                              start_weight_decay=None, end_weight_decay=None, run_dir=str(tmp_path / "plain")),
+                  progress=False)
+    assert plain.losses[4] != pytest.approx(losses[0][3], rel=1e-6)  # the schedule acted
 
 
 @pytest.mark.parametrize("blocks", [{}, dict(model_type="bert"), LLAMA_BLOCKS], ids=["gpt", "bert", "llama"])
