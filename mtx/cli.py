@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config
-from mtx.presets import load_preset
 from mtx.errors import UsageError
 from mtx.files import expand_home, refuse_empty
+from mtx.presets import load_preset
 from mtx.schema_checks import (CHOICES, LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, check_field, field_types,
                                flag_name, in_range, is_path_list)
 
@@ -346,6 +346,8 @@ def check_unused_flags(cfg, given) -> None:
              (("lr_decay_iters", "lr_decay_samples", "min_lr"), o.lr_decay_style != "constant",
               "--lr-decay-style linear or cosine", again),
              (("lr_warmup_init",), o.lr_warmup_iters > 0, "a warmup (--lr-warmup-iters N > 0)", again),
+             (("weight_decay_incr_iters",), o.weight_decay_incr_style != "constant",
+              "--weight-decay-incr-style linear or cosine", again),
              (("weight_decay",), o.weight_decay_incr_style == "constant", "--weight-decay-incr-style constant",
               "leave it out: --start-weight-decay and --end-weight-decay set the rising decay."),
              (("distributed_timeout", "distributed_timeout_minutes"), p.coordinator_address is not None,

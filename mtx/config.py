@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
-from mtx.files import expand_home, unexpanded_home
 from mtx.config_checks import check_combinations
+from mtx.files import expand_home, unexpanded_home
 from mtx.schema_checks import check_field, described as _f, flag_name, is_path_list
 
 
@@ -74,9 +74,11 @@ class OptimizerConfig:
     lr_decay_samples: int | None = _f(None, "decay in samples: --lr-decay-iters = this // --global-batch-size")
     weight_decay: float = _f(0.01, "AdamW decoupled weight decay (not on biases or LayerNorm)")
     weight_decay_incr_style: str = _f("constant", "constant (--weight-decay) | linear | cosine: from "
-                                                  "--start-weight-decay to --end-weight-decay over --train-iters")
+                                                  "--start-weight-decay to --end-weight-decay over the run's steps")
     start_weight_decay: float | None = _f(None, "the weight decay at step 0 (linear or cosine increments)")
-    end_weight_decay: float | None = _f(None, "the weight decay from --train-iters on (linear or cosine increments)")
+    end_weight_decay: float | None = _f(None, "the weight decay at the run's last step (linear or cosine increments)")
+    weight_decay_incr_iters: int | None = _f(None, "steps the weight decay rises over; None: all the run's (as "
+                                                   "Megatron, which has no flag for it)")
     clip_grad: float = _f(1.0, "global gradient-norm clip; 0 disables it")
     adam_beta1: float = _f(0.9, "Adam's first-moment decay beta1")
     adam_beta2: float = _f(0.999, "Adam's second-moment decay beta2")
@@ -100,8 +102,9 @@ class TrainingConfig:
     recompute_activations: bool = _f(False, "Megatron's alias of --recompute-granularity selective", step=True)
     recompute_method: str | None = _f(
         None, "which layers --recompute-granularity full or matmuls recomputes: uniform (groups of "
-        "--recompute-num-layers layers, each recomputed from its input; full only) | block (the first "
-        "--recompute-num-layers layers of each pipeline stage, the others' activations kept); None: every layer",
+        "--recompute-num-layers layers, each recomputed from its input; groups of more than one: full only) | block "
+        "(the first --recompute-num-layers layers of each pipeline stage, the others' activations kept); None: every "
+        "layer (Megatron asks for a method with full)",
         step=True)
     recompute_num_layers: int | None = _f(None, "--recompute-method's layers: a group's (uniform) or each stage's "
                                                 "recomputed ones (block)", step=True)

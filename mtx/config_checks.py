@@ -113,6 +113,11 @@ def _check_megatron_flags(cfg) -> None:
            "--weight-decay-incr-style linear or cosine with both (constant keeps --weight-decay).")
     _check(style == "constant" or len(ends) == 2, f"--weight-decay-incr-style {style} rises from --start-weight-decay "
            "to --end-weight-decay over --train-iters; pass both (as in Megatron).")
+    _check(len(ends) < 2 or o.start_weight_decay <= o.end_weight_decay,
+           f"--end-weight-decay {o.end_weight_decay} is below --start-weight-decay {o.start_weight_decay}; the weight "
+           "decay rises (as Megatron's): swap them, or pass --weight-decay-incr-style constant.")
+    _check(o.lr_warmup_init <= o.lr, f"--lr-warmup-init {o.lr_warmup_init} is above --lr {o.lr}; the warmup rises "
+           "to --lr from it (as Megatron's).")
     _check(not t.fp16 or t.min_loss_scale <= t.initial_loss_scale,
            f"--min-loss-scale {t.min_loss_scale:g} is above --initial-loss-scale {t.initial_loss_scale:g}; the scale "
            "starts at the initial one and never halves below the minimum.")
@@ -150,9 +155,10 @@ def _check_recompute(cfg) -> None:
            f"--recompute-method uniform with --recompute-num-layers {n} recomputes groups of layers from their input, "
            "which --recompute-granularity matmuls does not (it keeps each layer's matmul outputs); pass "
            "--recompute-granularity full, or --recompute-method block.")
-    most = max(cfg.stage_layer_counts())
-    _check(n <= most, f"--recompute-num-layers {n} is more than the {most} layers a pipeline stage (or virtual stage) "
-           f"holds; pass at most {most}.")
+    counts, pp = cfg.stage_layer_counts(), cfg.parallel.pipeline_model_parallel_size
+    most = max(sum(counts[rank::pp]) for rank in range(pp))  # Megatron's bound: the layers of a pipeline rank
+    _check(n <= most, f"--recompute-num-layers {n} is more than the {most} layers a pipeline stage holds; pass at "
+           f"most {most}.")
 
 
 def check_saved_combinations(cfg) -> None:

@@ -32,7 +32,7 @@ def training_memory_fixes(cfg) -> list[str]:
     fixes = [f"a smaller --micro-batch-size (now {t.micro_batch_size}) or --seq-length (now {m.seq_length})"]
     if t.recompute_granularity != "full":
         fixes.append("--recompute-granularity full")
-    elif t.recompute_method == "block":
+    elif t.recompute_method == "block" and t.recompute_num_layers < max(cfg.stage_layer_counts()):
         fixes.append(f"more recomputed layers (--recompute-num-layers, now {t.recompute_num_layers} with "
                      "--recompute-method block)")
     return fixes + [more_devices(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)]

@@ -40,12 +40,17 @@ def learning_rate_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Sche
     return optax.join_schedules([optax.linear_schedule(opt.lr_warmup_init, opt.lr, warmup), decay], [warmup])
 
 
+def weight_decay_steps(opt: OptimizerConfig, train_iters: int) -> int:
+    """The steps a rising weight decay takes: --weight-decay-incr-iters, else --train-iters (Megatron's rule)."""
+    return opt.weight_decay_incr_iters or train_iters
+
+
 def weight_decay_schedule(opt: OptimizerConfig, train_iters: int) -> optax.Schedule:
     """Megatron's weight-decay schedule: --weight-decay throughout (constant), or from --start-weight-decay to
-    --end-weight-decay over --train-iters steps, linearly or along a half cosine, then the end value."""
+    --end-weight-decay over `weight_decay_steps`, linearly or along a half cosine, then the end value."""
     if opt.weight_decay_incr_style == "constant":
         return optax.constant_schedule(opt.weight_decay)
-    start, end, steps = opt.start_weight_decay, opt.end_weight_decay, max(train_iters, 1)
+    start, end, steps = opt.start_weight_decay, opt.end_weight_decay, max(weight_decay_steps(opt, train_iters), 1)
 
     def schedule(count):
         ratio = jnp.minimum(count / steps, 1.0)

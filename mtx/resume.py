@@ -2,7 +2,8 @@
 
 - The step: the newest intact one (or --ckpt-step), found before any device work (`resume_point`); broken later steps
   are set aside (`set_aside`), never deleted.
-- Its lr schedule (`check_same_schedule`): a changed one refused, as Megatron does, unless told which to take.
+- Its lr and weight-decay schedules (`check_same_schedule`): a changed one refused, as Megatron does, unless told
+  which to take.
 - Its settings (`from_checkpoint`): the seed, which is mtx's whole RNG state (data order and dropout masks are
   functions of (seed, step)), unless --no-load-rng or --finetune; with --use-checkpoint-args the model architecture
   too. As in Megatron the checkpoint's values win over flags and presets, and each one that differs is printed.
@@ -27,7 +28,7 @@ from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, no_c
 from mtx.config import Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import CONFIG, is_mtx_config, same_path
-from mtx.optim import decay_end
+from mtx.optim import decay_end, weight_decay_steps
 from mtx.schema_checks import SPLIT_PATHS, flag_name
 
 # The model fields --use-checkpoint-args takes (Megatron's list: the architecture and the sequence length). Not the
@@ -115,46 +116,49 @@ def check_same_batches(saved: Config, cfg: Config) -> None:
                              "start a new run from its weights.")
 
 
-def lr_schedule(cfg: Config) -> dict:
+def opt_param_schedule(cfg: Config) -> dict:
     """The learning-rate and weight-decay schedules a run follows (mtx/optim.py), as Megatron's scheduler compares
-    them: the lr's peak and warmup (from its initial lr), unless constant its decay; the weight decay's ends, and unless
-    constant its style and length."""
-    o, t = cfg.optimizer, cfg.training
+    them on resume: the lr's peak and warmup, unless constant its decay; the weight decay's style and value, or a
+    rising one's ends and length. (Not the warmup's initial lr, which Megatron does not keep either.)"""
+    o = cfg.optimizer
     kept = dict(lr=o.lr, lr_warmup_iters=o.lr_warmup_iters, lr_decay_style=o.lr_decay_style)
-    kept |= dict(lr_warmup_init=o.lr_warmup_init) if o.lr_warmup_iters else {}
-    kept |= {} if o.lr_decay_style == "constant" else dict(min_lr=o.min_lr, lr_decay_iters=decay_end(o, t.train_iters))
+    if o.lr_decay_style != "constant":
+        kept |= dict(min_lr=o.min_lr, lr_decay_iters=decay_end(o, cfg.training.train_iters))
+    kept |= dict(weight_decay_incr_style=o.weight_decay_incr_style)
     if o.weight_decay_incr_style == "constant":
         return kept | dict(weight_decay=o.weight_decay)
     return kept | dict(start_weight_decay=o.start_weight_decay, end_weight_decay=o.end_weight_decay,
-                       weight_decay_incr_style=o.weight_decay_incr_style, weight_decay_incr_iters=t.train_iters)
+                       weight_decay_incr_iters=weight_decay_steps(o, cfg.training.train_iters))
 
 
 def check_same_schedule(saved: Config, cfg: Config) -> Config:
     """Megatron's rule for a resumed run's learning-rate schedule: the checkpoint's run's, unless told otherwise (an
     lr that jumps at the step the run resumes, taken silently, was once the rule). --use-checkpoint-opt-param-scheduler
     keeps the checkpoint's (returned in `cfg`), --override-opt-param-scheduler takes this run's flags."""
-    t, then, now = cfg.training, lr_schedule(saved), lr_schedule(cfg)
+    t, then, now = cfg.training, opt_param_schedule(saved), opt_param_schedule(cfg)
     changed = [name for name in dict.fromkeys((*then, *now)) if then.get(name) != now.get(name)]
     if t.use_checkpoint_opt_param_scheduler:
         if changed and is_main_process():  # (as --use-checkpoint-args says what it overrode)
-            print("mtx: --use-checkpoint-opt-param-scheduler keeps --load's lr schedule: " + ", ".join(
-                f"{name} {then.get(name)} (this run's flags: {now.get(name)})" for name in changed) + ".")
-        o = saved.optimizer
-        if o.weight_decay_incr_style != "constant" and saved.training.train_iters != t.train_iters:
-            raise ValueError(f"--use-checkpoint-opt-param-scheduler: --load {t.load}'s weight decay rises over its "
-                             f"--train-iters {saved.training.train_iters}; pass that --train-iters to keep it, or "
-                             "--override-opt-param-scheduler.")
+            print("mtx: --use-checkpoint-opt-param-scheduler keeps --load's lr and weight-decay schedules: "
+                  + ", ".join(f"{name} {then.get(name)} (this run's flags: {now.get(name)})" for name in changed)
+                  + ".")
+        o, steps = saved.optimizer, saved.training.train_iters
         return cfg.replace(lr_warmup_fraction=None, lr_warmup_samples=None, lr_decay_samples=None, **{
             name: getattr(o, name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_init",
                                                 "weight_decay", "weight_decay_incr_style", "start_weight_decay",
                                                 "end_weight_decay")},
-            lr_decay_iters=decay_end(o, saved.training.train_iters))
+            lr_decay_iters=decay_end(o, steps), weight_decay_incr_iters=(
+                None if o.weight_decay_incr_style == "constant" else weight_decay_steps(o, steps)))
     if not changed or t.override_opt_param_scheduler:
         return cfg
     name = changed[0]
-    said = {"lr_warmup_iters": "{} warmup steps", "weight_decay_incr_iters": "a weight decay rising over {} steps",
+    said = {"lr_warmup_iters": "{} warmup steps",
+            "weight_decay_incr_iters": "a weight decay rising over {} steps (--weight-decay-incr-iters, or "
+                                       "--train-iters)",
             "lr_decay_iters": "{} decay steps (--lr-decay-iters, or --train-iters)"}.get(name, flag_name(name) + " {}")
-    keep = f"--lr-decay-iters {then[name]} to keep its decay's end, " if name == "lr_decay_iters" else ""
+    keep = {"lr_decay_iters": "--lr-decay-iters {} to keep its decay's end, ",
+            "weight_decay_incr_iters": "--weight-decay-incr-iters {} to keep its rise, "}.get(name, "").format(
+                then.get(name))
     what = "learning rate" if name.startswith(("lr", "min_lr")) else "weight decay"
     missing = "no decay" if what == "learning rate" else "none"
     raise ValueError(f"--load {t.load} was trained with {said.format(then.get(name, missing))} and this run has "

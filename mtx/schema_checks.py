@@ -15,7 +15,6 @@ import typing
 from typing import Any
 
 
-
 def described(default: Any, help: str, *, step: bool | None = None, path: bool = False) -> Any:
     """A schema field: its default and its help, which `train.py --help` shows for the field's flag (mtx/cli.py).
     `step`: whether the training step reads it, where that differs from its section's rule (mtx/config.py's
@@ -46,6 +45,7 @@ RANGES = {
     "lr": "[0, 10]", "min_lr": "[0, 10]", "lr_warmup_iters": ">= 0", "lr_decay_iters": ">= 1",
     "weight_decay": "[0, 10]", "clip_grad": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "> 0",
     "start_weight_decay": "[0, 10]", "end_weight_decay": "[0, 10]", "lr_warmup_init": "[0, 10]",
+    "weight_decay_incr_iters": ">= 1",
     "lr_warmup_fraction": "[0, 1]", "lr_warmup_samples": ">= 0", "lr_decay_samples": ">= 1",
     # training
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",

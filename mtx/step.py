@@ -66,8 +66,8 @@ def _reduce_rest(g, axes):
 
 
 def _zeros(g) -> jax.Array:
-    """The entries of g that are exactly 0, counted in int32 (exact up to 2^31 - 1 a tensor; a sharded tensor's count
-    is one scalar summed over its shards), as float32 for the sum over tensors."""
+    """The entries of g that are exactly 0, counted in int32 (a sharded tensor's count is one scalar summed over its
+    shards), as float32 for the sum over tensors: exact up to 2^24 zeros, float32's nearest value beyond."""
     return jnp.sum(g == 0, dtype=jnp.int32).astype(jnp.float32)
 
 
@@ -331,6 +331,7 @@ class TrainStep:
         if t.log_params_norm:  # Megatron's params norm: the weights the step leaves
             metrics["params_norm"] = optax.tree.norm(params)
         if t.log_num_zeros_in_grad:
-            metrics["num_zeros"] = sum(_zeros(g) for g in jax.tree.leaves(grads))
+            zeros = sum(_zeros(g) for g in jax.tree.leaves(grads))
+            metrics["num_zeros"] = jnp.where(finite, zeros, jnp.nan)  # a skipped step's: none (Megatron's None)
         return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 

@@ -40,9 +40,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel.mesh import AXES, make_mesh
 from mtx.plot import pyplot, show
+from mtx.presets import load_preset
 from mtx.sharded_model import ShardedModel
 
 assert len(jax.devices()) == 8, jax.devices()

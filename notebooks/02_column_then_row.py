@@ -49,13 +49,13 @@ from jax.sharding import PartitionSpec as P
 
 from mtx.audit import audit_config, audit_layer, audit_loss, collectives, summarize
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.models.transformer import ParallelMLP, ParallelSelfAttention
 from mtx.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mtx.parallel.mesh import DATA, MODEL, make_mesh
 from mtx.parallel.ops import f, gather_from_model_parallel, scatter_to_model_parallel
 from mtx.parallel.sharded import init_sharded, partition_specs
 from mtx.plot import pyplot, show
+from mtx.presets import load_preset
 
 assert len(jax.devices()) == 8
 plt = pyplot()  # matplotlib on its file backend: show() writes each figure, then displays it

@@ -51,10 +51,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.parallel.sharded import partition_specs
 from mtx.plot import pyplot, show
+from mtx.presets import load_preset
 from mtx.sharded_model import build_model
 from mtx.step import TrainStep
 

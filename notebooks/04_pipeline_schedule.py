@@ -38,9 +38,9 @@ import jax
 import numpy as np
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel.pipeline import Schedule
 from mtx.plot import pyplot, show
+from mtx.presets import load_preset
 
 # benchmarks/bench.py is a script beside the package, not part of it: loaded from its file.
 _spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks/bench.py")

@@ -11,10 +11,10 @@ import pytest
 from mtx.checkpoint import check_compatible
 from mtx.cli import parse_config
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.evaluation import checkpoint_config
 from mtx.files import check_json_lines, check_run_dir, check_writable
 from mtx.metrics import MetricsLogger
+from mtx.presets import load_preset
 from mtx.run import prepare, train
 from helpers import refused_in_one_line as _refused
 

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.errors import UsageError
 from mtx.parallel.mesh import make_mesh
+from mtx.presets import load_preset
 from mtx.step import TrainStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -9,8 +9,8 @@ from flax import nnx
 
 from mtx.cli import parse_config
 from mtx.config import Config, ModelConfig
-from mtx.presets import load_preset
 from mtx.parallel.sharded import partition_specs, split_abstract
+from mtx.presets import load_preset
 from mtx.sharded_model import build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "bert_tiny_params.txt"

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel import make_mesh
+from mtx.presets import load_preset
 from mtx.state import state_shardings
 from mtx.step import TrainStep
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel import make_mesh
+from mtx.presets import load_preset
 from mtx.run import prepare, train
 from mtx.state import state_shardings
 from mtx.step import TrainStep

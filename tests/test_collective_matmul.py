@@ -184,8 +184,8 @@ def test_with_tp_comm_overlap_the_training_step_lowers_to_the_kernels(recompute,
     are kept, not recomputed (the policy saw the kernels as `custom_vmap_call`s: 11 calls a layer on 2 H200s)."""
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     from mtx.config import Config
-    from mtx.presets import load_preset
     from mtx.parallel import make_mesh
+    from mtx.presets import load_preset
     from mtx.step import TrainStep
 
     monkeypatch.setattr(cm, "machine_condition", lambda p: None)

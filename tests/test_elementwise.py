@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.kernels.elementwise import bias_gelu, layer_norm, rms_norm, swiglu
 from mtx.models.stack import save_matmul_outputs
+from mtx.presets import load_preset
 
 from helpers import LLAMA_BLOCKS, loss_and_grads
 

@@ -17,11 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from mtx import evaluation as ev
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.data import build_tokenizer
 from mtx.data.detokenize import count_original_tokens, wikitext_detokenize
 from mtx.loading import load_model
 from mtx.parallel.mesh import MODEL, make_mesh
+from mtx.presets import load_preset
 from mtx.run import train
 
 ROOT = Path(__file__).resolve().parent.parent

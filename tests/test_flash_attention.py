@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.kernels import flash_attention as flash
 from mtx.models.transformer import attention_core
 from mtx.parallel.random import attention_dropout_hashes, attention_keep
+from mtx.presets import load_preset
 from mtx.run import train
 
 B, S, N, H = 2, 64, 2, 24  # H pads to 32 inside the kernel

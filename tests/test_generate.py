@@ -10,11 +10,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.generate import decoder_for, generate, sample_logits, top_p_filter
 from mtx.parallel import make_mesh
 from mtx.parallel.mesh import DATA
 from mtx.parallel.ops import gather_from_model_parallel
+from mtx.presets import load_preset
 from mtx.sharded_model import ShardedModel
 from mtx.state import init_state
 

@@ -11,8 +11,8 @@ import jax
 from flax import nnx
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel.sharded import partition_specs, split_abstract
+from mtx.presets import load_preset
 from mtx.sharded_model import build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_tiny_params.txt"

@@ -12,9 +12,9 @@ from flax import nnx
 from mtx.architecture import ADDED_FIELDS
 from mtx.checkpoint import MANIFEST
 from mtx.config import Config, ModelConfig
-from mtx.presets import load_preset
 from mtx.models.rotary import apply_rotary
 from mtx.parallel.mesh import make_mesh
+from mtx.presets import load_preset
 from mtx.run import train
 from mtx.sharded_model import ShardedModel
 

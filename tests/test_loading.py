@@ -11,8 +11,8 @@ import pytest
 
 from mtx.checkpoint import MANIFEST
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.loading import load_model
+from mtx.presets import load_preset
 from mtx.run import train
 
 ROOT = Path(__file__).resolve().parent.parent

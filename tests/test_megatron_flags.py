@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from mtx.cli import build_parser, parse_config
+from mtx.presets import load_preset
 from mtx.schema_checks import MEGATRON_UNIMPLEMENTED
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.data.documents import document_fields
 from mtx.evaluation import make_scorer
 from mtx.models.transformer import attention_core, fused_attention

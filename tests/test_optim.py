@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from mtx.config import Config, OptimizerConfig, TrainingConfig
-from mtx.presets import load_preset
 from mtx.optim import LossScale, learning_rate_schedule, make_optimizer, weight_decay_mask, weight_decay_schedule
 from mtx.parallel import make_mesh
+from mtx.presets import load_preset
 from mtx.sharded_model import build_model
 from mtx.step import TrainStep
 
@@ -78,6 +78,9 @@ def test_the_update_decays_by_the_steps_weight_decay_with_adamws_state():
                                    "--weight-decay-incr-style linear or cosine"),
     (dict(weight_decay_incr_style="cosine", end_weight_decay=0.1), "rises from --start-weight-decay to "
                                                                    "--end-weight-decay over --train-iters; pass both"),
+    (dict(weight_decay_incr_style="linear", start_weight_decay=0.2, end_weight_decay=0.1),
+     "--end-weight-decay 0.1 is below --start-weight-decay 0.2; the weight decay rises"),
+    (dict(lr=1e-3, lr_warmup_init=2e-3), "--lr-warmup-init 0.002 is above --lr 0.001"),
 ])
 def test_weight_decay_schedule_refusals(flags, match):
     from helpers import refused_in_one_line
@@ -95,6 +98,24 @@ def test_idle_schedule_flags_are_refused(argv, match):
 
     with pytest.raises(ValueError, match=match):
         parse_config(argv.split())
+
+
+def test_a_resume_keeps_a_rising_weight_decays_length():
+    """--use-checkpoint-opt-param-scheduler keeps the checkpoint's rise (its --train-iters) when this run trains
+    longer; without it, the refusal names --weight-decay-incr-iters to keep it."""
+    from mtx.resume import check_same_schedule
+
+    rising = dict(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1, lr_decay_iters=50,
+                  load="ckpt")
+    saved, longer = Config().replace(train_iters=100, **rising), Config().replace(train_iters=200, **rising)
+    with pytest.raises(ValueError, match="a weight decay rising over 100 steps .* and this run has 200, so its weight "
+                                         "decay would jump where it resumes; pass --weight-decay-incr-iters 100 to "
+                                         "keep its rise, --override"):
+        check_same_schedule(saved, longer)
+    kept = check_same_schedule(saved, longer.replace(use_checkpoint_opt_param_scheduler=True))
+    assert kept.optimizer.weight_decay_incr_iters == 100 and kept.training.train_iters == 200
+    assert float(weight_decay_schedule(kept.optimizer, 200)(100)) == pytest.approx(0.1)
+    assert check_same_schedule(saved, longer.replace(weight_decay_incr_iters=100)) is not None
 
 
 def test_schedules_give_the_same_losses_on_every_mesh(tmp_path):
@@ -155,7 +176,8 @@ def test_fp16_overflow_skips_the_step():
     """The largest initial scale (2^32, Megatron's default) overflows fp16: the step keeps the weights and halves the
     scale."""
     cfg = Config().replace(**load_preset("configs/tiny.toml")).replace(
-        fp16=True, initial_loss_scale=2.0**32, vocab_size=257, data_parallel_size=2, tensor_model_parallel_size=2)
+        fp16=True, initial_loss_scale=2.0**32, vocab_size=257, data_parallel_size=2, tensor_model_parallel_size=2,
+        log_num_zeros_in_grad=True)
     train_step = TrainStep.build(cfg.validate(4), make_mesh(2, 1, 2, devices=jax.devices()[:4]))
     state = train_step.init_state()
     before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
@@ -165,3 +187,14 @@ def test_fp16_overflow_skips_the_step():
     for a, b in zip(before, jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, np.asarray(b))
     assert int(state.step) == 1
+    assert np.isnan(float(metrics["num_zeros"]))  # a skipped step's gradients are not counted (Megatron's None)
+    # the lr's count (optax's, in the state) and the weight decay's (passed in: step - skipped) stay one count
+    counts = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+              if jax.tree_util.keystr(path).endswith(".count")]
+    assert counts and all(int(c) == int(state.step - state.loss_scale.skipped) == 0 for c in counts)
+    state, metrics = train_step(state, train_step.model.put_batch(tokens))  # 2^31 overflows as well; then ...
+    while bool(metrics["skipped"]):
+        state, metrics = train_step(state, train_step.model.put_batch(tokens))
+    counts = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+              if jax.tree_util.keystr(path).endswith(".count")]
+    assert all(int(c) == int(state.step - state.loss_scale.skipped) == 1 for c in counts)

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.layout import parse_layout, stage_layer_counts
+from mtx.presets import load_preset
 from mtx.run import train
 from mtx.step import TrainStep
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.data.indexed import IndexedDataset
 from mtx.data.preprocess import main as preprocess
+from mtx.presets import load_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -7,9 +7,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.random import dropout, model_parallel_keys, sample_keys
+from mtx.presets import load_preset
 from mtx.run import train
 
 B, S, D, N = 4, 8, 16, 8

@@ -25,14 +25,16 @@ def method(name, n, granularity="full"):
     return dict(recompute_granularity=granularity, recompute_method=name, recompute_num_layers=n)
 
 
-@pytest.mark.parametrize("granularity,name,n,runs", [
-    ("full", "block", 3, [(0, 3, 1), (3, 5, 0)]), ("matmuls", "block", 9, [(0, 8, 1)]),
-    ("full", "uniform", 3, [(0, 6, 3), (6, 2, 2)]), ("full", "uniform", 1, [(0, 8, 1)]),
-    ("full", None, None, [(0, 8, 1)]), (None, None, None, [(0, 8, 0)]), ("selective", None, None, [(0, 8, 0)])])
-def test_runs_of_the_held_layers(granularity, name, n, runs):
+@pytest.mark.parametrize("granularity,name,n,runs,two", [
+    ("full", "block", 3, [(0, 3, 1), (3, 5, 0)], [(0, 2, 1)]), ("matmuls", "block", 9, [(0, 8, 1)], [(0, 2, 1)]),
+    ("full", "block", 1, [(0, 1, 1), (1, 7, 0)], [(0, 1, 1), (1, 1, 0)]),
+    ("full", "uniform", 3, [(0, 6, 3), (6, 2, 2)], [(0, 2, 2)]), ("full", "uniform", 1, [(0, 8, 1)], [(0, 2, 1)]),
+    ("full", None, None, [(0, 8, 1)], [(0, 2, 1)]), (None, None, None, [(0, 8, 0)], [(0, 2, 0)]),
+    ("selective", None, None, [(0, 8, 0)], [(0, 2, 0)])])
+def test_runs_of_the_held_layers(granularity, name, n, runs, two):
+    """Of 8 held layers, and of 2 (an uneven stage's real layers, fewer than it holds)."""
     stack = ParallelTransformer(DEEP.model, recompute=granularity, recompute_method=name, recompute_num_layers=n)
-    assert stack.recomputed_runs(8) == runs
-    assert sum(size for _, size, _ in stack.recomputed_runs(2)) == 2  # a stage's real layers, fewer than held
+    assert stack.recomputed_runs(8) == runs and stack.recomputed_runs(2) == two
 
 
 # (data, pipeline, model) meshes with the method and the layout: unpipelined scanned and unrolled, 1F1B with uneven
@@ -40,6 +42,7 @@ def test_runs_of_the_held_layers(granularity, name, n, runs):
 MESHES = [((1, 1, 1), method("block", 3) | {"scan_layers": False}),
           ((1, 1, 2), method("uniform", 3) | {"sequence_parallel": True}),
           ((2, 2, 2), method("uniform", 2) | {"num_layers_in_first_pipeline_stage": 3, "scan_layers": False}),
+          ((1, 2, 1), method("uniform", 2) | {"num_layers_in_first_pipeline_stage": 3}),
           ((1, 2, 2), method("block", 1, "matmuls") | {"virtual_pipeline_model_parallel_size": 2}),
           ((2, 2, 1), method("block", 2) | {"pipeline_schedule": "gpipe"}),
           ((2, 1, 2), method("uniform", 2) | {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
@@ -59,6 +62,18 @@ def test_gradients_match_the_unrecomputed_step_on_every_mesh(mesh, flags, unreco
     for name, g in grads.items():
         np.testing.assert_allclose(g, ref[name], rtol=1e-5, atol=1e-5 * np.abs(ref[name]).max(),
                                    err_msg=f"{name} on {mesh}")
+
+
+def test_dropout_masks_are_redrawn_alike_in_recomputed_groups():
+    """Dropout on: uniform groups on (2, 2, 2) and block on (1, 1, 2) give the one-device step's loss and gradients
+    (a recomputed layer draws the masks its forward drew)."""
+    drop = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    ref_loss, ref = loss_and_grads(DEEP, 1, 1, 1, **drop)
+    for mesh, flags in (((2, 2, 2), method("uniform", 2)), ((1, 1, 2), method("block", 5))):
+        loss, grads = loss_and_grads(DEEP, *mesh, **drop, **flags)
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        for name, g in grads.items():
+            np.testing.assert_allclose(g, ref[name], rtol=1e-5, atol=1e-5 * np.abs(ref[name]).max(), err_msg=name)
 
 
 def _temp_bytes(pp=1, **flags):
@@ -120,8 +135,10 @@ def test_a_checkpoint_moves_between_meshes_and_methods(tmp_path):
     (dict(FULL, recompute_method="block"), "needs --recompute-num-layers N"),
     (method("uniform", 2, "matmuls"), "pass --recompute-granularity full, or --recompute-method block"),
     (method("block", 5) | {"pipeline_model_parallel_size": 2}, "more than the 4 layers a pipeline stage"),
-    (method("block", 3) | {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
-     "pass at most 2"),
+    (method("block", 5) | {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+     "pass at most 4"),  # Megatron's bound: a pipeline rank's layers, all its virtual stages'
+    (method("block", 6) | {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 3},
+     "pass at most 5"),
 ])
 def test_bad_combinations_are_refused_in_one_line(flags, match):
     refused_in_one_line(match, DEEP.replace(tensor_model_parallel_size=1, data_parallel_size=1, **flags).validate)

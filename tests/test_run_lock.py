@@ -12,8 +12,8 @@ import pytest
 
 from mtx import run_lock
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.files import RUN_LOCK, check_run_dir
+from mtx.presets import load_preset
 from mtx.run import prepare, train
 from mtx.run_lock import RunLock, check_free
 

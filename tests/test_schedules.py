@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec as P
 from jax.extend.core import Literal
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel import make_mesh
 from mtx.parallel.pipeline import Schedule
 from mtx.parallel.sharded import is_stacked, partition_specs, split_abstract
+from mtx.presets import load_preset
 from mtx.sharded_model import build_model
 from mtx.step import TrainStep
 

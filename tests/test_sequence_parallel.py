@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel.mesh import make_mesh
+from mtx.presets import load_preset
 from mtx.sharded_model import ShardedModel
 
 from helpers import LLAMA_BLOCKS, loss_and_grads

@@ -9,9 +9,9 @@ import pytest
 from helpers import refused_in_one_line
 from mtx.cli import parse_config
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.data import build_dataset
 from mtx.data.dataset import builtin_corpus
+from mtx.presets import load_preset
 from mtx.run import train
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"))

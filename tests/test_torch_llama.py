@@ -9,10 +9,10 @@ torch = pytest.importorskip("torch")
 
 from benchmarks.torch_llama import Llama, flops_per_token  # noqa: E402
 from mtx.config import Config  # noqa: E402
-from mtx.presets import load_preset  # noqa: E402
 from mtx.convert import _param_name  # noqa: E402
 from mtx.convert_llama import params_to_hf  # noqa: E402
 from mtx.parallel.mesh import make_mesh  # noqa: E402
+from mtx.presets import load_preset  # noqa: E402
 from mtx.step import TrainStep  # noqa: E402
 
 L, D, N, G, F, S, VOCAB = 2, 64, 4, 2, 96, 32, 256

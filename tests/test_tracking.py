@@ -9,8 +9,8 @@ import time
 import pytest
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.metrics import Progress
+from mtx.presets import load_preset
 from mtx.run import train
 
 # a fixed decay: a run resumed to more steps keeps its schedule (mtx/resume.py)

@@ -11,9 +11,9 @@ from flax import nnx
 
 from mtx.cli import parse_config
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.parallel.mesh import make_mesh
 from mtx.parallel.sharded import init_sharded
+from mtx.presets import load_preset
 from mtx.run import train
 from mtx.sharded_model import build_model
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from mtx.config import Config
-from mtx.presets import load_preset
 from mtx.data import build_dataset
 from mtx.data.workers import BatchWorkers
+from mtx.presets import load_preset
 from mtx.run import train
 
 GPT = Config().replace(**load_preset("configs/tiny.toml"))

@@ -145,22 +145,26 @@ class ParallelTransformer:
             layer_state, _, draws = inputs
             return nnx.merge(graphdef, layer_state)(x_BSD, mask_BS=mask_BS, draws=draws)
 
-        def layers(x_BSD, inputs):  # a recomputed group: consecutive layers, one input tuple each
-            for one in inputs:
-                x_BSD = layer(x_BSD, one)
+        def group_of(x_BSD, inputs):  # a recomputed group: consecutive layers, one input tuple each
+            for layer_inputs in inputs:
+                x_BSD = layer(x_BSD, layer_inputs)
             return x_BSD
 
         def prepared(inputs):  # the training step's per-layer hook, outside the recomputation
             return inputs if self.per_layer is None else (self.per_layer(*inputs[:2]), *inputs[1:])
 
-        def run(unit: int):
+        def run(unit: int, split=tuple):
             """(x, inputs) -> x of one unit of a run (`recomputed_runs`): a layer (unit 0: kept, 1: recomputed) or
-            a group of `unit` layers recomputed from the group's input (inputs: a tuple, one a layer)."""
+            a group of `unit` layers recomputed from the group's input. A group's inputs -> one tuple a layer by
+            `split`, inside the recomputation where no hook runs: so what the group keeps is its inputs as given
+            (scanned: the scan's own (unit, ...) slab of the stack), not a copy of each layer's slice."""
             if unit <= 1:
                 one = self._recomputed(layer) if unit else layer
                 return lambda x_BSD, inputs: one(x_BSD, prepared(inputs))
-            group = self._recomputed(layers)
-            return lambda x_BSD, inputs: group(x_BSD, tuple(prepared(one) for one in inputs))
+            if self.per_layer is None:
+                return self._recomputed(lambda x_BSD, inputs: group_of(x_BSD, split(inputs)))
+            group = self._recomputed(group_of)
+            return lambda x_BSD, inputs: group(x_BSD, tuple(prepared(one) for one in split(inputs)))
 
         def run_first(n, x_BSD):  # the first n held layers
             unstacked = None if self.scan_layers else jax.tree.map(_unstack, stacked)  # own buffers per layer
@@ -175,20 +179,21 @@ class ParallelTransformer:
             if unit <= 1:
                 body = run(unit)
                 return jax.lax.scan(lambda x, xs: (body(x, xs), None), x_BSD, inputs)[0]
-            group = run(unit)
+            group = run(unit, split=lambda xs: tuple(jax.tree.map(lambda a: a[i], xs) for i in range(unit)))
             inputs = jax.tree.map(lambda a: a.reshape(size // unit, unit, *a.shape[1:]), inputs)
-            split = lambda xs: tuple(jax.tree.map(lambda a: a[i], xs) for i in range(unit))
-            return jax.lax.scan(lambda x, xs: (group(x, split(xs)), None), x_BSD, inputs)[0]
+            return jax.lax.scan(lambda x, xs: (group(x, xs), None), x_BSD, inputs)[0]
 
         def unrolled_run(x_BSD, unstacked, start, size, unit):
             # One jitted layer (or group), called for each: traced, differentiated and lowered once (a function the
             # calls share), where a Python loop over its body would trace a copy each; XLA inlines the calls, so the
             # compiled program is the same unrolled one.
-            one = lambda i: (jax.tree.map(lambda parts: parts[i], unstacked, is_leaf=lambda x: isinstance(x, tuple)),
-                             jnp.int32(i), jax.tree.map(lambda a: a[i], draws))
+            inputs_of = lambda i: (jax.tree.map(lambda parts: parts[i], unstacked,
+                                                is_leaf=lambda x: isinstance(x, tuple)),
+                                   jnp.int32(i), jax.tree.map(lambda a: a[i], draws))
             call = jax.jit(run(unit))
             for first in range(start, start + size, max(unit, 1)):
-                x_BSD = call(x_BSD, one(first) if unit <= 1 else tuple(one(i) for i in range(first, first + unit)))
+                x_BSD = call(x_BSD, inputs_of(first) if unit <= 1 else
+                             tuple(inputs_of(i) for i in range(first, first + unit)))
             return x_BSD
 
         held = jax.tree.leaves(stacked)[0].shape[0]
@@ -208,7 +213,8 @@ class ParallelTransformer:
         if self.recompute not in ("full", "matmuls"):
             runs = [(0, n, 0)]
         elif self.recompute_method == "block":
-            runs = [(0, min(self.recompute_num_layers, n), 1), (self.recompute_num_layers, n, 0)]
+            u = self.recompute_num_layers or 1
+            runs = [(0, min(u, n), 1), (u, n, 0)]
         else:
             u = self.recompute_num_layers or 1
             whole = n - n % u

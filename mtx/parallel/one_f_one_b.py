@@ -32,7 +32,8 @@ Memory: a (microbatch, chunk) is in flight on device s from the tick of its forw
 (P V - 1 - s - P c) ticks later (both end ticks count: a tick runs its forward before its backward), so at most 2 P V
 - 1 are alive per device, whatever M. The forward slot runs the chunk under `jax.vjp` and keeps, in a slot of a ring,
 its input and what `--recompute-granularity` keeps of it (everything without recomputation, the matmul outputs with
-`matmuls`, each layer's input with `full`: `_keep_policy`); the backward slot pulls back through those residuals,
+`matmuls`, each layer's input with `full`; with --recompute-method, all that its recomputed layers leave:
+`_keep_policy`); the backward slot pulls back through those residuals,
 recomputing only what the policy dropped, as the unpipelined step does. Values computed from the parameters alone
 (the layers' slices of the stack, their bf16 casts) are recomputed rather than kept per microbatch. The layers'
 own recomputation runs without jax.checkpoint's barrier against CSE (the forward it repeats is in another branch):
