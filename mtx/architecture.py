@@ -6,8 +6,8 @@ every linear, the output layer tied to the input embedding. Megatron-Core's flag
 positions (`--position-embedding-type rope`, `--rotary-base`, `--rotary-percent`, Llama 3.1's frequency scaling
 `--use-rope-scaling`), `--normalization RMSNorm`, `--swiglu`, grouped-query attention (`--group-query-attention
 --num-query-groups G`), `--disable-bias-linear` and `--untie-embeddings-and-output-weights`. Their combinations
-are checked with the rest of the config (mtx/schema_checks.py, mtx/config_checks.py); how each runs under tensor parallelism is in
-docs/design.md ("Llama's blocks").
+are checked with the rest of the config (mtx/schema_checks.py, mtx/config_checks.py); how each runs under tensor
+parallelism is in docs/design.md ("Llama's blocks").
 """
 
 from __future__ import annotations
