@@ -124,6 +124,10 @@ def _check_megatron_flags(cfg) -> None:
     _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
            "--override-opt-param-scheduler takes this run's lr schedule and --use-checkpoint-opt-param-scheduler the "
            "checkpoint's; pass one of them.")
+    given = [flag_name(name) for name in ("data_path", *SPLIT_PATHS.values()) if getattr(d, name)]
+    _check(not d.mock_data or not given, f"--mock-data and {given[0] if given else ''} both give data; pass one.")
+    _check(not d.mock_data or not m.is_bert, "--mock-data is GPT's (Megatron's mock GPT dataset); pass BERT's data "
+           "with --data-path, or leave both out for the built-in corpus.")
     alone = [flag_name(name) for name in SPLIT_PATHS.values() if getattr(d, name)]
     _check(not alone or not d.data_path, f"--data-path and {alone[0] if alone else ''} both give data; pass one "
            "--data-path (split by --split), or each split's data with its own flag.")

@@ -173,7 +173,7 @@ def say_if_data_changed(saved: Config, cfg: Config) -> None:
     def data(c: Config) -> str:
         given = [f"{flag_name(name)} {' '.join(getattr(c.data, name))}" for name in
                  ("data_path", *SPLIT_PATHS.values()) if getattr(c.data, name)]
-        return "; ".join(given) or "the built-in corpus"
+        return "; ".join(given) or ("--mock-data" if c.data.mock_data else "the built-in corpus")
 
     if data(saved) != data(cfg) and is_main_process():
         print(f"mtx: --load {cfg.training.load} was trained on {data(saved)}; this run goes on with {data(cfg)} "

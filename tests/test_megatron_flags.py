@@ -229,3 +229,29 @@ def test_profile_traces_the_asked_steps_and_stops_early_runs(tmp_path):
     assert list((tmp_path / "tb").rglob("*.xplane.pb"))  # written when the run stopped inside the window
     jax.profiler.start_trace(str(tmp_path / "after"))  # and no trace is left running
     jax.profiler.stop_trace()
+
+
+def test_mock_data_is_megatrons_documents():
+    from mtx.data.build import mock_documents
+    from mtx.data.tokenizer import ByteTokenizer
+
+    tokens, offsets = mock_documents(ByteTokenizer(), 8, seed=0, documents=50)
+    assert offsets[0] == 0 and len(offsets) == 51 and offsets[-1] == len(tokens)
+    for start, end in zip(offsets[:-1], offsets[1:]):  # 1, 2, ..., n - 1, end-of-document; 1 <= n < 8
+        assert 1 <= end - start < 8 and list(tokens[start:end]) == [*range(1, end - start), 256]
+    np.testing.assert_array_equal(mock_documents(ByteTokenizer(), 8, seed=0, documents=50)[0], tokens)
+    assert mock_documents(ByteTokenizer(), 300, seed=1)[0].max() == 256  # ids past the bytes wrap below eod
+
+
+def test_mock_data_trains_alike_on_two_meshes_and_is_refused_beside_data(tmp_path):
+    curves = []
+    for dp, pp, tp in ((1, 1, 1), (2, 2, 2)):
+        r = train(TINY.replace(mock_data=True, train_iters=3, eval_interval=2, eval_iters=1, data_parallel_size=dp,
+                               pipeline_model_parallel_size=pp, tensor_model_parallel_size=tp,
+                               run_dir=str(tmp_path / f"{dp}{pp}{tp}")), progress=False)
+        curves.append([r.losses[s] for s in (1, 2, 3)])
+    np.testing.assert_allclose(curves[1], curves[0], rtol=1e-5)
+    for argv, match in ((["--mock-data", "--data-path", "a.txt"], "--mock-data and --data-path both give data"),
+                        (["--mock-data", "--model-type", "bert"], "--mock-data is GPT's")):
+        with pytest.raises(ValueError, match=match):
+            parse_config(argv).validate()

@@ -127,6 +127,10 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
     data = cfg.data
     common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed,
                   evaluated=bool(cfg.training.eval_interval))
+    if data.mock_data:
+        tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model)
+        tokens, offsets = mock_documents(tokenizer, cfg.model.seq_length, cfg.training.seed)
+        return GPTDataset(tokens, tokenizer=tokenizer, doc_offsets=offsets, source="--mock-data", **common)
     if not data.data_path:  # the built-in corpus is read byte by byte: tokenizer settings would be ignored
         given = [flag for flag, value in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file),
                                           ("--tokenizer-model", data.tokenizer_model)) if value is not None]
@@ -157,6 +161,18 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
         datasets = [_indexed_dataset(indexed_prefix(p), tokenizer, stream=i + 1, **common) if indexed_prefix(p)
                     else _files_dataset([p], tokenizer, stream=i + 1, **common) for i, p in enumerate(paths)]
     return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights)
+
+
+def mock_documents(tokenizer: Tokenizer, seq_length: int, seed: int, documents: int = 4096):
+    """Megatron's mock GPT data: document i is 1, 2, ..., n_i - 1 then end-of-document, n_i drawn from
+    [1, seq_length) with the seed (ids past the vocabulary wrap to 1) -> (tokens, (documents + 1,) offsets). 4,096
+    documents, read in epochs like any corpus."""
+    lengths = np.random.default_rng(seed).integers(1, max(seq_length, 2), documents)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    position = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)  # within its document
+    tokens = 1 + position % (tokenizer.vocab_size - 1)
+    tokens[offsets[1:] - 1] = tokenizer.eod
+    return tokens.astype(np.int32), offsets
 
 
 def _indexed_dataset(prefix: str, tokenizer: Tokenizer, **kw) -> GPTDataset:
