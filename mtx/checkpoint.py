@@ -31,11 +31,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from mtx.architecture import ADDED_FIELDS, NOT_SHAPING
-from mtx.config import FIELD_TYPES, Config, ModelConfig
+from mtx.config import FIELD_TYPES, SCHEDULE_FIELDS, Config, ModelConfig
+from mtx.config_checks import check_saved_combinations
 from mtx.distributed import is_main_process
 from mtx.errors import first_line
 from mtx.files import MANIFEST, looks_like_step
-from mtx.config_checks import check_saved_combinations
 from mtx.schema_checks import check_field
 
 
@@ -68,8 +68,9 @@ KEPT_FOR_INFERENCE = ("micro_batch_size", "seed", "bf16", "fp16", "recompute_gra
                       "scan_layers", "use_flash_attn", "mlm_head_positions", "mask_prob", "vocab_file", "merge_file",
                       "tokenizer_type", "tokenizer_model")
 # Besides the model, all that is read from a saved config, so checked before a step counts as intact: what
-# inference keeps, and what a resume compares (the global batch; the seed and micro batch are kept already).
-READ_FROM_CHECKPOINTS = ("global_batch_size", *KEPT_FOR_INFERENCE)
+# inference keeps, and what a resume compares or keeps (the global batch; the lr and weight-decay schedules,
+# mtx/resume.py; the seed and micro batch are kept already).
+READ_FROM_CHECKPOINTS = ("global_batch_size", *KEPT_FOR_INFERENCE, *SCHEDULE_FIELDS)
 
 
 def config_problem(saved) -> str | None:

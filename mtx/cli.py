@@ -226,7 +226,8 @@ def unknown_flags_message(unknown: Iterable[str], known: Iterable[str], hint: st
         return next(iter(difflib.get_close_matches(dashed, longer or known, n=1, cutoff=0 if longer else 0.7)), None)
 
     if megatron := [flag for flag in dict.fromkeys(unknown) if flag in MEGATRON_UNIMPLEMENTED]:
-        return f"Megatron-LM's {', '.join(megatron)}: mtx does not implement {'them' if megatron[1:] else 'it'}."
+        them = "them" if megatron[1:] else "it"
+        return f"Megatron-LM's {', '.join(megatron)}: mtx does not implement {them}; remove {them}."
     named = [(flag, closest(flag)) for flag in dict.fromkeys(unknown)]
     if len(named) == 1:
         flag, match = named[0]
@@ -345,7 +346,8 @@ def check_unused_flags(cfg, given) -> None:
               "leave it out: --train-data-path's data is all for training."),
              (("lr_decay_iters", "lr_decay_samples", "min_lr"), o.lr_decay_style != "constant",
               "--lr-decay-style linear or cosine", again),
-             (("lr_warmup_init",), o.lr_warmup_iters > 0, "a warmup (--lr-warmup-iters N > 0)", again),
+             (("lr_warmup_init",), o.lr_warmup_iters > 0, "a warmup (--lr-warmup-iters, --lr-warmup-fraction or "
+              "--lr-warmup-samples above 0)", again),
              (("weight_decay_incr_iters",), o.weight_decay_incr_style != "constant",
               "--weight-decay-incr-style linear or cosine", again),
              (("weight_decay",), o.weight_decay_incr_style == "constant", "--weight-decay-incr-style constant",

@@ -74,9 +74,10 @@ class OptimizerConfig:
     lr_decay_samples: int | None = _f(None, "decay in samples: --lr-decay-iters = this // --global-batch-size")
     weight_decay: float = _f(0.01, "AdamW decoupled weight decay (not on biases or LayerNorm)")
     weight_decay_incr_style: str = _f("constant", "constant (--weight-decay) | linear | cosine: from "
-                                                  "--start-weight-decay to --end-weight-decay over the run's steps")
+                                                  "--start-weight-decay to --end-weight-decay over "
+                                                  "--weight-decay-incr-iters steps")
     start_weight_decay: float | None = _f(None, "the weight decay at step 0 (linear or cosine increments)")
-    end_weight_decay: float | None = _f(None, "the weight decay at the run's last step (linear or cosine increments)")
+    end_weight_decay: float | None = _f(None, "the weight decay from --weight-decay-incr-iters on (linear or cosine)")
     weight_decay_incr_iters: int | None = _f(None, "steps the weight decay rises over; None: all the run's (as "
                                                    "Megatron, which has no flag for it)")
     clip_grad: float = _f(1.0, "global gradient-norm clip; 0 disables it")
@@ -128,7 +129,8 @@ class TrainingConfig:
     log_interval: int = _f(10, "steps between metrics lines")
     log_params_norm: bool = _f(False, "log the parameters' global L2 norm (the fp32 weights after each step)",
                                step=True)
-    log_num_zeros_in_grad: bool = _f(False, "log how many gradient entries are exactly 0 (each step's, unscaled)",
+    log_num_zeros_in_grad: bool = _f(False, "log how many gradient entries are exactly 0 (each step's, unscaled; the "
+                                     "padded vocabulary's rows are always 0)",
                                      step=True)
     eval_interval: int = _f(100, "steps between validation runs; 0 disables")
     eval_iters: int = _f(10, "global batches per evaluation (validation; test once training ends)")
@@ -146,8 +148,10 @@ class TrainingConfig:
                                "metrics (Megatron's --finetune)")
     load_optim: bool = _f(True, "load --load's optimizer state; --no-load-optim: fresh Adam moments and loss scale "
                                 "(the step and the lr schedule continue; Megatron's restarts its scheduler)")
-    override_opt_param_scheduler: bool = _f(False, "resuming: take this run's lr schedule where --load's differs")
-    use_checkpoint_opt_param_scheduler: bool = _f(False, "resuming: keep --load's lr schedule, whatever the flags say")
+    override_opt_param_scheduler: bool = _f(False, "resuming: take this run's lr and weight-decay schedules where "
+                                                      "--load's differ")
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "resuming: keep --load's lr and weight-decay schedules, "
+                                                            "whatever the flags say")
     load_rng: bool = _f(True, "take --load's seed (mtx's RNG state: dropout masks and data order are functions of "
                               "seed and step); --no-load-rng: this run's --seed")
     use_checkpoint_args: bool = _f(False, "take the model architecture from --load's saved config; it wins over "
@@ -363,6 +367,12 @@ _REMOVED_FIELDS = frozenset({"tp_comm_p2p", "tp_comm_batch_split"})
 # Step counts that Megatron's sample / fraction flags set (Config.__post_init__), each from the flags named.
 DERIVED = {"train_iters": ("train_samples",), "lr_decay_iters": ("lr_decay_samples",),
            "lr_warmup_iters": ("lr_warmup_samples", "lr_warmup_fraction")}
+
+# The fields the lr and weight-decay schedules are made of (mtx/optim.py), which a resume compares with its checkpoint's
+# or, with --use-checkpoint-opt-param-scheduler, takes from it (mtx/resume.py).
+SCHEDULE_FIELDS = ("train_iters", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_init",
+                   "lr_decay_iters", "weight_decay", "weight_decay_incr_style", "start_weight_decay",
+                   "end_weight_decay", "weight_decay_incr_iters")
 
 FIELD_SECTION = {f.name: s for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 FIELD_TYPES = {name: hint for cls in SECTIONS.values() for name, hint in get_type_hints(cls).items()}

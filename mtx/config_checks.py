@@ -107,17 +107,6 @@ def _check_megatron_flags(cfg) -> None:
         _check(not samples or samples >= t.global_batch_size,  # 0 steps: no training, or no warmup unasked
                f"{flag_name(name)} {samples} is less than one --global-batch-size {t.global_batch_size}; pass at "
                "least one step's samples (or 0).")
-    ends = [flag_name(name) for name in ("start_weight_decay", "end_weight_decay") if getattr(o, name) is not None]
-    style = o.weight_decay_incr_style
-    _check(style != "constant" or not ends, f"{' and '.join(ends)} set the ends of a rising weight decay; pass "
-           "--weight-decay-incr-style linear or cosine with both (constant keeps --weight-decay).")
-    _check(style == "constant" or len(ends) == 2, f"--weight-decay-incr-style {style} rises from --start-weight-decay "
-           "to --end-weight-decay over --train-iters; pass both (as in Megatron).")
-    _check(len(ends) < 2 or o.start_weight_decay <= o.end_weight_decay,
-           f"--end-weight-decay {o.end_weight_decay} is below --start-weight-decay {o.start_weight_decay}; the weight "
-           "decay rises (as Megatron's): swap them, or pass --weight-decay-incr-style constant.")
-    _check(o.lr_warmup_init <= o.lr, f"--lr-warmup-init {o.lr_warmup_init} is above --lr {o.lr}; the warmup rises "
-           "to --lr from it (as Megatron's).")
     _check(not t.fp16 or t.min_loss_scale <= t.initial_loss_scale,
            f"--min-loss-scale {t.min_loss_scale:g} is above --initial-loss-scale {t.initial_loss_scale:g}; the scale "
            "starts at the initial one and never halves below the minimum.")
@@ -147,11 +136,13 @@ def _check_recompute(cfg) -> None:
     if method is None and n is None:
         return
     named = "--recompute-method" if method else "--recompute-num-layers"
+    off = " ".join(f"{flag} none" for flag, v in (("--recompute-method", method), ("--recompute-num-layers", n)) if v)
     _check(granularity in ("full", "matmuls"),
            f"{named} picks the layers --recompute-granularity full (or matmuls) recomputes, and --recompute-"
-           f"granularity is {granularity or 'none'}; pass --recompute-granularity full with it, or drop it.")
-    _check(method is not None, f"--recompute-num-layers {n} needs --recompute-method: uniform (groups of {n} layers, "
-           f"each recomputed from its input) or block (the first {n} layers of each stage recomputed).")
+           f"granularity is {granularity or 'none'}; pass --recompute-granularity full with it, or {off}.")
+    layers = f"{n} layer{'s' if n != 1 else ''}"
+    _check(method is not None, f"--recompute-num-layers {n} needs --recompute-method: uniform (groups of {layers}, "
+           f"each recomputed from its input) or block (the first {layers} of each stage recomputed).")
     _check(n is not None, f"--recompute-method {method} needs --recompute-num-layers N (as in Megatron): "
            + ("the layers of a group recomputed from its input (1: each layer)." if method == "uniform" else
               "the layers of each pipeline stage recomputed, its others' activations kept."))
@@ -161,8 +152,8 @@ def _check_recompute(cfg) -> None:
            "--recompute-granularity full, or --recompute-method block.")
     counts, pp = cfg.stage_layer_counts(), cfg.parallel.pipeline_model_parallel_size
     most = max(sum(counts[rank::pp]) for rank in range(pp))  # Megatron's bound: the layers of a pipeline rank
-    _check(n <= most, f"--recompute-num-layers {n} is more than the {most} layers a pipeline stage holds; pass at "
-           f"most {most}.")
+    _check(n <= most, f"--recompute-num-layers {n} is more than the {most} layer{'s' if most != 1 else ''} a pipeline "
+           f"stage holds; pass at most {most}.")
 
 
 def check_saved_combinations(cfg) -> None:
@@ -171,6 +162,7 @@ def check_saved_combinations(cfg) -> None:
     mtx/checkpoint.py's config_problem; the parallel and training fields are not read back (checked as flags only).
     A rule here may only refuse what no run of mtx could have saved: tightening one would make old steps "broken"."""
     m, d = cfg.model, cfg.data
+    _check_schedules(cfg.optimizer)
     _check(m.hidden_size % m.num_attention_heads == 0,
            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
            "choose a hidden size that is a multiple of the head count.")
@@ -186,6 +178,23 @@ def check_saved_combinations(cfg) -> None:
     _check(not m.is_bert or (d.tokenizer_type in (None, "BertWordPieceLowerCase") and d.merge_file is None),
            "--model-type bert needs BERT's WordPiece vocabulary: pass --vocab-file vocab.txt (BERT's) without "
            "--merge-file, and --tokenizer-type BertWordPieceLowerCase or none.")
+
+
+def _check_schedules(o) -> None:
+    """The weight decay's ends and style, and the warmup's start (Megatron's asserts; a resume may keep a saved
+    config's, mtx/resume.py)."""
+    ends = [flag_name(name) for name in ("start_weight_decay", "end_weight_decay") if getattr(o, name) is not None]
+    style, off = o.weight_decay_incr_style, " ".join(f"{end} none" for end in ends)
+    _check(style != "constant" or not ends, f"{' and '.join(ends)} {'set' if ends[1:] else 'sets'} an end of a rising "
+           f"weight decay; pass --weight-decay-incr-style linear or cosine with both ends, or {off} (constant keeps "
+           "--weight-decay).")
+    _check(style == "constant" or len(ends) == 2, f"--weight-decay-incr-style {style} rises from --start-weight-decay "
+           "to --end-weight-decay; pass both (as in Megatron), or --weight-decay-incr-style constant.")
+    _check(len(ends) < 2 or o.start_weight_decay <= o.end_weight_decay,
+           f"--end-weight-decay {o.end_weight_decay} is below --start-weight-decay {o.start_weight_decay}; the weight "
+           "decay rises (as Megatron's): swap them, or pass --weight-decay-incr-style constant.")
+    _check(o.lr_warmup_init <= o.lr, f"--lr-warmup-init {o.lr_warmup_init} is above --lr {o.lr}; the warmup rises "
+           "to --lr from it (as Megatron's).")
 
 
 def _check_model_type(cfg) -> None:

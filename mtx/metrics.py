@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -190,7 +191,7 @@ def log_line(record: dict[str, Any], train_iters: int, global_batch_size: int, l
     parts += [f"learning rate: {record['lr']:.6E}", f"global batch size: {global_batch_size:5d}",
               f"{loss_name}: {record['loss']:.6E}", f"loss scale: {record['loss_scale']:.1f}",
               f"grad norm: {record['grad_norm']:.3f}"]
-    if record.get("num_zeros") is not None:
+    if record.get("num_zeros") is not None and math.isfinite(record["num_zeros"]):  # (none on a skipped step)
         parts.append(f"num zeros: {record['num_zeros']:.1f}")
     if record.get("params_norm") is not None:
         parts.append(f"params norm: {record['params_norm']:.3f}")

@@ -116,12 +116,14 @@ def check_same_batches(saved: Config, cfg: Config) -> None:
                              "start a new run from its weights.")
 
 
-def opt_param_schedule(cfg: Config) -> dict:
+def opt_param_schedule(cfg: Config, step: int = 0) -> dict:
     """The learning-rate and weight-decay schedules a run follows (mtx/optim.py), as Megatron's scheduler compares
     them on resume: the lr's peak and warmup, unless constant its decay; the weight decay's style and value, or a
-    rising one's ends and length. (Not the warmup's initial lr, which Megatron does not keep either.)"""
+    rising one's ends and length. The warmup's first lr only while a resume at `step` is still warming up (Megatron
+    keeps none: past the warmup it changes nothing)."""
     o = cfg.optimizer
     kept = dict(lr=o.lr, lr_warmup_iters=o.lr_warmup_iters, lr_decay_style=o.lr_decay_style)
+    kept |= dict(lr_warmup_init=o.lr_warmup_init) if step < o.lr_warmup_iters else {}
     if o.lr_decay_style != "constant":
         kept |= dict(min_lr=o.min_lr, lr_decay_iters=decay_end(o, cfg.training.train_iters))
     kept |= dict(weight_decay_incr_style=o.weight_decay_incr_style)
@@ -131,11 +133,11 @@ def opt_param_schedule(cfg: Config) -> dict:
                        weight_decay_incr_iters=weight_decay_steps(o, cfg.training.train_iters))
 
 
-def check_same_schedule(saved: Config, cfg: Config) -> Config:
+def check_same_schedule(saved: Config, cfg: Config, step: int = 0) -> Config:
     """Megatron's rule for a resumed run's learning-rate schedule: the checkpoint's run's, unless told otherwise (an
     lr that jumps at the step the run resumes, taken silently, was once the rule). --use-checkpoint-opt-param-scheduler
     keeps the checkpoint's (returned in `cfg`), --override-opt-param-scheduler takes this run's flags."""
-    t, then, now = cfg.training, opt_param_schedule(saved), opt_param_schedule(cfg)
+    t, then, now = cfg.training, opt_param_schedule(saved, step), opt_param_schedule(cfg, step)
     changed = [name for name in dict.fromkeys((*then, *now)) if then.get(name) != now.get(name)]
     if t.use_checkpoint_opt_param_scheduler:
         if changed and is_main_process():  # (as --use-checkpoint-args says what it overrode)

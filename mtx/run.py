@@ -95,7 +95,7 @@ def prepare(cfg: Config) -> Plan:
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
         if continues:
             check_same_batches(saved, cfg)
-            cfg = check_same_schedule(saved, cfg)
+            cfg = check_same_schedule(saved, cfg, load_step)
             say_if_data_changed(saved, cfg)
         if t.profile and t.resumes and t.profile_step_start < load_step:  # a requeued command line, say
             traced = t.profile_step_end > load_step

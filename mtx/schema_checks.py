@@ -164,7 +164,8 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
     accumulate-allreduce-grads-in-fp32 distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    vocab-extra-ids timing-log-level
+    vocab-extra-ids timing-log-level recompute-modules no-async-tensor-model-parallel-allreduce
+    use-cpu-initialization no-persist-layer-norm log-throughput
     log-timers-to-tensorboard log-memory-to-tensorboard
     log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
     """.split())

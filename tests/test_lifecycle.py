@@ -242,14 +242,14 @@ def test_a_resume_keeps_the_lr_schedule_unless_told_which_one(base, resumed, tmp
              "learning rate"),
             (dict(lr_decay_style="constant"), "--lr-decay-style cosine and this run has constant", take,
              "learning rate"),
+            (dict(lr_warmup_init=1e-5), "--lr-warmup-init 0.0 and this run has 1e-05", take,  # (step 2 of 10's warmup)
+             "learning rate"),
             (dict(weight_decay=2 * wd, train_iters=4), f"--weight-decay {wd} and this run has {2 * wd}", take,
              "weight decay"),
             (rising, "--weight-decay-incr-style constant and this run has linear", take, "weight decay")):
         with pytest.raises(ValueError, match=f"was trained with {message}, so its {what} would jump where it "
                                              f"resumes; pass {fix}, or --use-checkpoint-opt-param-scheduler to keep"):
             prepare(TINY.replace(load=path, ckpt_step=2, run_dir=str(tmp_path / "r"), **flags))
-    # the warmup's first lr is not compared (nor kept by Megatron's scheduler)
-    prepare(TINY.replace(load=path, ckpt_step=2, run_dir=str(tmp_path / "r"), train_iters=4, lr_warmup_init=1e-5))
     kept = run(tmp_path, "kept", train_iters=4, load=path, ckpt_step=2, lr=2 * lr, lr_decay_iters=100,
                use_checkpoint_opt_param_scheduler=True)
     assert (f"mtx: --use-checkpoint-opt-param-scheduler keeps --load's lr and weight-decay schedules: lr {lr} "

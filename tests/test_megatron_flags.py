@@ -82,7 +82,7 @@ def test_unimplemented_megatron_flags_say_so(tmp_path):
         parse_config(["--config", str(preset)])
     parse_config(["--recompute-activations", "--eod-mask-loss", "--profile", "--position-embedding-type", "rope",
                   "--use-rope-scaling"])  # implemented
-    with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it.$"):
+    with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it; remove it.$"):
         parse_config(["--num-experts", "8", "--lr", "1e-3"])
     with pytest.raises(ValueError, match="--rotary-interleaved, --use-mcore-models: mtx does not implement them"):
         parse_config(["--swiglu", "--rotary-interleaved", "--use-mcore-models"])  # --swiglu is implemented

@@ -74,10 +74,11 @@ def test_the_update_decays_by_the_steps_weight_decay_with_adamws_state():
 
 
 @pytest.mark.parametrize("flags,match", [
-    (dict(start_weight_decay=0.0), "--start-weight-decay set the ends of a rising weight decay; pass "
-                                   "--weight-decay-incr-style linear or cosine"),
+    (dict(start_weight_decay=0.0), "--start-weight-decay sets an end of a rising weight decay; pass "
+                                   "--weight-decay-incr-style linear or cosine with both ends, or "
+                                   "--start-weight-decay none"),
     (dict(weight_decay_incr_style="cosine", end_weight_decay=0.1), "rises from --start-weight-decay to "
-                                                                   "--end-weight-decay over --train-iters; pass both"),
+                                                                   "--end-weight-decay; pass both"),
     (dict(weight_decay_incr_style="linear", start_weight_decay=0.2, end_weight_decay=0.1),
      "--end-weight-decay 0.1 is below --start-weight-decay 0.2; the weight decay rises"),
     (dict(lr=1e-3, lr_warmup_init=2e-3), "--lr-warmup-init 0.002 is above --lr 0.001"),
@@ -116,6 +117,32 @@ def test_a_resume_keeps_a_rising_weight_decays_length():
     assert kept.optimizer.weight_decay_incr_iters == 100 and kept.training.train_iters == 200
     assert float(weight_decay_schedule(kept.optimizer, 200)(100)) == pytest.approx(0.1)
     assert check_same_schedule(saved, longer.replace(weight_decay_incr_iters=100)) is not None
+
+
+def test_the_warmups_first_lr_is_compared_only_during_the_warmup():
+    from mtx.resume import check_same_schedule
+
+    saved = Config().replace(lr_warmup_iters=10, lr_warmup_init=1e-4, load="ckpt")
+    with pytest.raises(ValueError, match="--lr-warmup-init 0.0001 and this run has 0.0, so its learning rate"):
+        check_same_schedule(saved, saved.replace(lr_warmup_init=0.0), step=5)
+    assert check_same_schedule(saved, saved.replace(lr_warmup_init=0.0), step=10) is not None  # warmed up
+
+
+def test_a_saved_config_with_a_bad_schedule_is_a_broken_step():
+    """--use-checkpoint-opt-param-scheduler takes the schedule from the checkpoint's config: its values are checked
+    as the model's are (an edited file ran to NaN weights, or to a traceback)."""
+    from mtx.checkpoint import config_problem
+
+    good = Config().to_dict()
+    assert config_problem(good) is None
+    for section, values, said in (("optimizer", dict(end_weight_decay="x"), "a value mtx refuses"),
+                                  ("optimizer", dict(lr_warmup_init=9e300), "a value mtx refuses"),
+                                  ("optimizer", dict(weight_decay_incr_style="bogus"), "a value mtx refuses"),
+                                  ("optimizer", dict(lr_warmup_init=2.0, lr=1.0), "values mtx refuses together"),
+                                  ("training", dict(train_iters=-5), "a value mtx refuses")):
+        bad = {k: dict(v) for k, v in good.items()}
+        bad[section].update(values)
+        assert said in config_problem(bad), values
 
 
 def test_schedules_give_the_same_losses_on_every_mesh(tmp_path):

@@ -129,7 +129,9 @@ def test_a_checkpoint_moves_between_meshes_and_methods(tmp_path):
 
 
 @pytest.mark.parametrize("flags,match", [
-    (dict(recompute_method="block", recompute_num_layers=2), "granularity is none; pass --recompute-granularity full"),
+    (dict(recompute_method="block", recompute_num_layers=2), "granularity is none; pass --recompute-granularity full "
+                                                             "with it, or --recompute-method none "
+                                                             "--recompute-num-layers none"),
     (dict(recompute_granularity="selective", recompute_num_layers=2), "granularity is selective"),
     (dict(FULL, recompute_num_layers=2), "needs --recompute-method: uniform"),
     (dict(FULL, recompute_method="block"), "needs --recompute-num-layers N"),

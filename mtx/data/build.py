@@ -167,7 +167,7 @@ def mock_documents(tokenizer: Tokenizer, seq_length: int, seed: int, documents: 
     """Megatron's mock GPT data: document i is 1, 2, ..., n_i - 1 then end-of-document, n_i drawn from
     [1, seq_length) with the seed (ids past the vocabulary wrap to 1) -> (tokens, (documents + 1,) offsets). 4,096
     documents, read in epochs like any corpus."""
-    lengths = np.random.default_rng(seed).integers(1, max(seq_length, 2), documents)
+    lengths = np.random.default_rng(seed).integers(1, max(seq_length, 3), documents)  # (a token or two at S < 3)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     position = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)  # within its document
     tokens = 1 + position % (tokenizer.vocab_size - 1)
