@@ -25,7 +25,7 @@ import optax
 
 from mtx.architecture import NOT_SHAPING
 from mtx.checkpoint import Checkpointer, config_problem, is_checkpoint_dir, no_checkpoint, say_passed_over
-from mtx.config import Config, ModelConfig
+from mtx.config import SCHEDULE_FIELDS, Config, ModelConfig
 from mtx.distributed import is_main_process
 from mtx.files import CONFIG, is_mtx_config, same_path
 from mtx.optim import decay_end, weight_decay_steps
@@ -134,9 +134,10 @@ def opt_param_schedule(cfg: Config, step: int = 0) -> dict:
 
 
 def check_same_schedule(saved: Config, cfg: Config, step: int = 0) -> Config:
-    """Megatron's rule for a resumed run's learning-rate schedule: the checkpoint's run's, unless told otherwise (an
-    lr that jumps at the step the run resumes, taken silently, was once the rule). --use-checkpoint-opt-param-scheduler
-    keeps the checkpoint's (returned in `cfg`), --override-opt-param-scheduler takes this run's flags."""
+    """Megatron's rule for a resumed run's learning-rate and weight-decay schedules: the checkpoint's run's, unless
+    told otherwise (an lr that jumps at the step the run resumes, taken silently, was once the rule).
+    --use-checkpoint-opt-param-scheduler keeps the checkpoint's (returned in `cfg`), --override-opt-param-scheduler
+    takes this run's flags."""
     t, then, now = cfg.training, opt_param_schedule(saved, step), opt_param_schedule(cfg, step)
     changed = [name for name in dict.fromkeys((*then, *now)) if then.get(name) != now.get(name)]
     if t.use_checkpoint_opt_param_scheduler:
@@ -145,12 +146,11 @@ def check_same_schedule(saved: Config, cfg: Config, step: int = 0) -> Config:
                   + ", ".join(f"{name} {then.get(name)} (this run's flags: {now.get(name)})" for name in changed)
                   + ".")
         o, steps = saved.optimizer, saved.training.train_iters
-        return cfg.replace(lr_warmup_fraction=None, lr_warmup_samples=None, lr_decay_samples=None, **{
-            name: getattr(o, name) for name in ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_warmup_init",
-                                                "weight_decay", "weight_decay_incr_style", "start_weight_decay",
-                                                "end_weight_decay")},
-            lr_decay_iters=decay_end(o, steps), weight_decay_incr_iters=(
-                None if o.weight_decay_incr_style == "constant" else weight_decay_steps(o, steps)))
+        ends = dict(lr_decay_iters=decay_end(o, steps),  # (at the checkpoint's --train-iters, not this run's)
+                    weight_decay_incr_iters=None if o.weight_decay_incr_style == "constant" else
+                    weight_decay_steps(o, steps))
+        return cfg.replace(lr_warmup_fraction=None, lr_warmup_samples=None, lr_decay_samples=None, **ends, **{
+            name: saved.value(name) for name in SCHEDULE_FIELDS if name not in ("train_iters", *ends)})
     if not changed or t.override_opt_param_scheduler:
         return cfg
     name = changed[0]
