@@ -158,8 +158,9 @@ def _check_recompute(cfg) -> None:
 
 def check_saved_combinations(cfg) -> None:
     """The combinations that every config mtx saves satisfies among the fields read back from checkpoints: the
-    model's shapes and kind, its tokenizer, and the weight decay's and warmup's (a resume may keep a saved schedule). Checked for flags here and for a saved config (an edited file) by
-    mtx/checkpoint.py's config_problem; the parallel and training fields are not read back (checked as flags only).
+    model's shapes and kind, its tokenizer, and the weight decay's and warmup's (a resume may keep a saved schedule).
+    Checked for flags here and for a saved config (an edited file) by mtx/checkpoint.py's config_problem; the parallel
+    fields and most training fields are not read back (checked as flags only).
     A rule here may only refuse what no run of mtx could have saved: tightening one would make old steps "broken"."""
     m, d = cfg.model, cfg.data
     _check_schedules(cfg.optimizer)
