@@ -44,8 +44,12 @@ def test_norms_and_zeros_are_the_same_on_every_mesh(tmp_path):
     padded_rows = (m.padded_vocab_size - m.vocab_size) * m.hidden_size  # never looked up, never a logit
     one = runs[(1, 1, 1)]
     assert all(zeros >= padded_rows for _, zeros in one) and one[0][0] != one[-1][0]
-    for mesh, values in runs.items():  # (a sum that lands on exactly 0 by rounding may differ: 1 in 49,088 here)
-        np.testing.assert_allclose(values, one, rtol=1e-4, err_msg=str(mesh))
+    for mesh, values in runs.items():
+        norms, zeros = np.array(values).T
+        np.testing.assert_allclose(norms, [n for n, _ in one], rtol=1e-5, err_msg=str(mesh))
+        # The structural zeros (the padded rows) are every mesh's; a sum that lands on exactly 0 by rounding is a
+        # mesh's own (one entry of 49,089 on one device at step 2, measured), so a few counts may differ.
+        assert all(z >= padded_rows and abs(z - z1) <= 2 for z, (_, z1) in zip(zeros, one)), (mesh, values, one)
 
 
 def test_printed_as_megatron_prints_them():
