@@ -32,8 +32,8 @@ _COMMON_HELPS = {
     "ckpt_step": "checkpoint step to load; None: the latest",
     "vocab_file": "GPT-2 encoder.json; None: the checkpoint's tokenizer",
     "merge_file": "GPT-2 vocab.bpe; None: the checkpoint's tokenizer",
-    "tokenizer_type": "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; None: by the files "
-                      "given, or the checkpoint's tokenizer",
+    "tokenizer_type": "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | NullTokenizer | byte; "
+                      "None: by the files given, or the checkpoint's tokenizer",
     "tokenizer_model": "HuggingFaceTokenizer: a local directory holding tokenizer.json, or that file; None: the "
                        "checkpoint's",
     "micro_batch_size": "sequences per data-parallel rank and batch; None: the checkpoint's",

@@ -306,8 +306,8 @@ def check_compatible(saved, current, directory) -> None:
                          f"{current.model_type} checkpoint.")
     if differ == ["vocab_size"]:  # train.py takes it from the tokenizer: --vocab-size would not change it
         raise ValueError(f"{where} vocab_size={saved.vocab_size} but this run's tokenizer has {current.vocab_size}; "
-                         "pass the tokenizer it was trained with (--vocab-file, --merge-file, --tokenizer-type), or "
-                         "load a matching checkpoint.")
+                         "pass the tokenizer it was trained with (--vocab-file, --merge-file, --tokenizer-type; "
+                         f"NullTokenizer: --vocab-size {saved.vocab_size - 1}), or load a matching checkpoint.")
     from mtx.cli import flag_for  # the flags that set them as saved (train.py's parser; imported where used)
 
     saved_values = ", ".join(f"{name}={value(saved, name)!r}" for name in differ)

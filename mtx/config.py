@@ -194,8 +194,8 @@ class DataConfig:
                                 "end-of-document, their lengths n < --seq-length drawn from --seed")
     vocab_file: str | None = _f(None, "GPT-2 encoder.json, or BERT's vocab.txt (the tokenizer)", path=True)
     merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges", path=True)
-    tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | byte; "
-                                          "None: by the files given")
+    tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | "
+                                          "NullTokenizer | byte; None: by the files given")
     tokenizer_model: str | None = _f(None, "HuggingFaceTokenizer: a local directory holding tokenizer.json, or "
                                            "that file", path=True)
     split: str = _f("949,50,1", "train,valid,test weights of the token stream, as in Megatron")

@@ -271,7 +271,8 @@ def checkpoint_config(load: str, ckpt_step: int | None = None):
 def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | None = None,
                          tokenizer_type: str | None = None, tokenizer_model: str | None = None):
     """The tokenizer the flags name (any of them given), else the one the checkpoint was trained with (GPT-2 BPE,
-    WordPiece, a Hugging Face tokenizer.json or bytes); refuses one whose vocabulary size differs from the model's."""
+    WordPiece, a Hugging Face tokenizer.json, NullTokenizer's ids or bytes); refuses one whose vocabulary size
+    differs from the model's."""
     from mtx.data import build_tokenizer
     from mtx.data.tokenizer import UNREAD_FILES
 
@@ -281,7 +282,10 @@ def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | N
         unread = UNREAD_FILES.get(d.tokenizer_type, ())  # an older checkpoint may name files its tokenizer ignored
         flags = (None if "--vocab-file" in unread else d.vocab_file, None if "--merge-file" in unread else d.merge_file,
                  d.tokenizer_type, d.tokenizer_model)
-    tokenizer = build_tokenizer(*flags)
+    if flags[2] == "NullTokenizer" and cfg is None:
+        raise ValueError("--tokenizer-type NullTokenizer takes its vocabulary from the checkpoint; pass --load.")
+    # (NullTokenizer's ids: those before its end-of-document id, which the saved vocabulary counts)
+    tokenizer = build_tokenizer(*flags, vocab_size=cfg.model.vocab_size - 1 if cfg is not None else None)
     if cfg is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model has vocab_size "
                          f"{cfg.model.vocab_size}; pass the tokenizer it was trained with (--vocab-file and "

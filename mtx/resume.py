@@ -190,7 +190,8 @@ def say_if_tokenizer_changed(saved: Config, tokenizer, load: str) -> None:
 
     d = saved.data
     try:
-        then = build_tokenizer(d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model)
+        then = build_tokenizer(d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model,
+                               saved.model.vocab_size - 1)  # (NullTokenizer's: the saved size counts its eod)
     except (ValueError, OSError):  # its files moved or gone: nothing to compare against
         return
     if then.vocab_size != saved.model.vocab_size:  # not what it trained with (a converted checkpoint's defaults, say)

@@ -341,12 +341,15 @@ def evaluate(model: ShardedModel, params, dataset, iters: int, split: str = "val
 
 
 def sample_text(model: ShardedModel, params, dataset, num_tokens: int, seed: int) -> str:
-    """SAMPLE_PROMPT continued by `num_tokens` ids (KV-cached, temperature 0.8, top-k 40), decoded to text."""
+    """SAMPLE_PROMPT continued by `num_tokens` ids (KV-cached, temperature 0.8, top-k 40), decoded to text; a
+    tokenizer without words (NullTokenizer) starts from its end-of-document id, a new document."""
+    from mtx.data.tokenizer import NullTokenizer
     from mtx.generate import generate
 
-    prompt = dataset.tokenizer.encode(SAMPLE_PROMPT)
+    tokenizer = dataset.tokenizer
+    prompt = [tokenizer.eod] if isinstance(tokenizer, NullTokenizer) else tokenizer.encode(SAMPLE_PROMPT)
     ids = generate(model, params, [prompt], num_tokens, temperature=0.8, top_k=40, seed=seed)[0]
-    return dataset.tokenizer.decode(ids)
+    return tokenizer.decode(ids)
 
 
 def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:

@@ -103,7 +103,7 @@ _KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str:
 SPLIT_PATHS = {"train": "train_data_path", "valid": "valid_data_path", "test": "test_data_path"}
 
 # The settings of every field that names one (tests/test_config.py checks that its help lists them all).
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTokenizer", "byte")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "HuggingFaceTokenizer", "NullTokenizer", "byte")
 CHOICES = {"model_type": ("gpt", "bert"), "layernorm_placement": ("pre", "post"),
            "position_embedding_type": ("learned_absolute", "rope"), "normalization": ("LayerNorm", "RMSNorm"),
            "pipeline_schedule": ("gpipe", "1f1b", "interleaved"), "lr_decay_style": ("constant", "linear", "cosine"),

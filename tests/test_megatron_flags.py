@@ -1,5 +1,6 @@
 """Megatron's everyday flags: sample counts, the warmup fraction, the recompute alias, profiling, the multi-host
-timeout, and the document flags of packed GPT samples (the numbers, and the same losses on two meshes)."""
+timeout, the document flags of packed GPT samples (the numbers, and the same losses on two meshes), the mock data
+and the NullTokenizer."""
 
 import re
 from pathlib import Path
@@ -15,6 +16,8 @@ from mtx.presets import load_preset
 from mtx.schema_checks import MEGATRON_UNIMPLEMENTED
 from mtx.config import Config
 from mtx.data.documents import document_fields
+from mtx.data.indexed import IndexedDataset
+from mtx.data.preprocess import main as preprocess
 from mtx.evaluation import make_scorer
 from mtx.models.transformer import attention_core, fused_attention
 from mtx.parallel.mesh import DATA, PIPELINE, make_mesh
@@ -255,3 +258,55 @@ def test_mock_data_trains_alike_on_two_meshes_and_is_refused_beside_data(tmp_pat
                         (["--mock-data", "--model-type", "bert"], "--mock-data is GPT's")):
         with pytest.raises(ValueError, match=match):
             parse_config(argv).validate()
+
+
+def test_null_tokenizer_reads_ids_and_refuses_words():
+    from mtx.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(None, None, "NullTokenizer", vocab_size=10)
+    assert (tok.vocab_size, tok.eod) == (11, 10)  # Megatron's: end-of-document one id past --vocab-size
+    assert tok.encode("3 4  5\n10\t0") == [3, 4, 5, 10, 0] and tok.decode([3, 4, 10]) == "3 4 10"
+    for text in ("3 x", "11", "-1", "²", "9" * 30):
+        with pytest.raises(ValueError, match="NullTokenizer reads text as token ids between spaces, each 0 to 10"):
+            tok.encode(text)
+    for kwargs, match in (({}, "needs --vocab-size N >= 1"), ({"vocab_size": 0}, "needs --vocab-size N >= 1")):
+        with pytest.raises(ValueError, match=match):
+            build_tokenizer(None, None, "NullTokenizer", **kwargs)
+    with pytest.raises(ValueError, match="NullTokenizer does not read --vocab-file; drop it"):
+        build_tokenizer("encoder.json", None, "NullTokenizer", vocab_size=10)
+    with pytest.raises(ValueError, match="the built-in corpus is read byte by byte; pass --mock-data or --data-path"):
+        train(TINY.replace(tokenizer_type="NullTokenizer", vocab_size=300), progress=False)
+
+
+def test_null_tokenizer_trains_resumes_and_scores_from_its_checkpoint(tmp_path, capsys):
+    from mtx.evaluation import checkpoint_config, checkpoint_tokenizer
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i % 300) for i in range(4000)))
+    null = TINY.replace(tokenizer_type="NullTokenizer", vocab_size=300, train_iters=4, lr_decay_iters=4, log_interval=1)
+    whole = train(null.replace(mock_data=True, generate_tokens=3, run_dir=str(tmp_path / "whole")), progress=False)
+    assert all(0 <= int(i) <= 300 for i in whole.sample.split())  # the sample starts a document: no words to prompt
+    out = capsys.readouterr()
+    assert "(vocab 301 padded to 1024)" in out.out and "replaced by the tokenizer" not in out.err
+    train(null.replace(mock_data=True, train_iters=2, save=str(tmp_path / "ckpt")), progress=False)
+    resumed = null.replace(mock_data=True, load=str(tmp_path / "ckpt"), run_dir=str(tmp_path / "r"))
+    resumed = train(resumed, progress=False)
+    np.testing.assert_allclose([resumed.losses[s] for s in (3, 4)], [whole.losses[s] for s in (3, 4)], rtol=1e-6)
+    saved = checkpoint_config(str(tmp_path / "ckpt"), None)
+    tok = checkpoint_tokenizer(saved)  # the checkpoint's: the saved vocabulary counts the end-of-document id
+    assert (tok.name, tok.vocab_size, tok.eod) == ("null", 301, 300)
+    with pytest.raises(ValueError, match="NullTokenizer: --vocab-size 300"):
+        train(null.replace(mock_data=True, vocab_size=299, load=str(tmp_path / "ckpt")), progress=False)
+    text = train(null.replace(data_path=(str(ids),), train_iters=1, run_dir=str(tmp_path / "t")), progress=False)
+    assert np.isfinite(text.losses[1])  # a text of ids is read as Megatron's NullTokenizer reads one
+    null_flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
+    prefix = preprocess(["--input", str(ids), "--output-prefix", str(tmp_path / "p"), "--append-eod", *null_flags])
+    np.testing.assert_array_equal(IndexedDataset(prefix[0]).tokens, [*(i % 300 for i in range(4000)), 300])
+    for drop in ([0, 1], [2, 3]):  # preprocess's --vocab-size is NullTokenizer's, and NullTokenizer needs it
+        with pytest.raises(SystemExit):
+            preprocess(["--input", str(ids), "--output-prefix", str(tmp_path / "q"),
+                        *[f for i, f in enumerate(null_flags) if i not in drop]])
+        assert "--vocab-size is NullTokenizer's and NullTokenizer needs it" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="NullTokenizer reads text as token ids"):
+        ids.write_text("1 2 three")
+        train(null.replace(data_path=(str(ids),), train_iters=1), progress=False)

@@ -88,7 +88,8 @@ def _dataset(cfg):
 
 def say_what_data_overrides(cfg, dataset) -> None:
     """One line each (main process, stderr) where the data decides what a setting asked for: the vocabulary is the
-    tokenizer's whatever --vocab-size or the preset says (the schema's default is said by no one), and with no
+    tokenizer's whatever --vocab-size or the preset says (the schema's default is said by no one; NullTokenizer's
+    is --vocab-size, said when it is that default), and with no
     validation share of --split, --eval-interval has nothing to evaluate; a blend's dataset of weight 0 is never
     read."""
     from mtx.config import ModelConfig
@@ -97,7 +98,11 @@ def say_what_data_overrides(cfg, dataset) -> None:
     if not is_main_process():
         return
     vocab, default = cfg.model.vocab_size, ModelConfig().vocab_size
-    if vocab != dataset.tokenizer.vocab_size and vocab != default:
+    if cfg.data.tokenizer_type == "NullTokenizer":  # --vocab-size is its vocabulary (and one id more)
+        if vocab == default:
+            print(f"mtx: NullTokenizer with vocab_size {vocab}, the schema's default: pass --vocab-size N for N ids "
+                  "(and end-of-document, id N).", file=sys.stderr)
+    elif vocab != dataset.tokenizer.vocab_size and vocab != default:
         print(f"mtx: vocab_size {vocab} (--vocab-size or the preset) is replaced by the tokenizer's "
               f"{dataset.tokenizer.vocab_size}: the tokenizer sets it.", file=sys.stderr)
     for name in ("data_path", *SPLIT_PATHS.values()):
@@ -128,7 +133,8 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
     common = dict(seq_length=cfg.model.seq_length, split=data.split, seed=cfg.training.seed,
                   evaluated=bool(cfg.training.eval_interval))
     if data.mock_data:
-        tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model)
+        tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model,
+                                    cfg.model.vocab_size)
         tokens, offsets = mock_documents(tokenizer, cfg.model.seq_length, cfg.training.seed)
         return GPTDataset(tokens, tokenizer=tokenizer, doc_offsets=offsets, source="--mock-data", **common)
     if not data.data_path:  # the built-in corpus is read byte by byte: tokenizer settings would be ignored
@@ -136,11 +142,14 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
                                           ("--tokenizer-model", data.tokenizer_model)) if value is not None]
         given += ["--tokenizer-type"] if data.tokenizer_type not in (None, "byte") else []
         if given:
+            data_flags = "--mock-data or --data-path with ids" if data.tokenizer_type == "NullTokenizer" else \
+                "--data-path with your data"
             raise ValueError(f"{', '.join(given)} without --data-path: the built-in corpus is read byte by byte; pass "
-                             "--data-path with your data, or leave the tokenizer flags out.")
+                             f"{data_flags}, or leave the tokenizer flags out.")
         return GPTDataset(_tokenize(ByteTokenizer(), builtin_corpus()), tokenizer=ByteTokenizer(),
                           source="the built-in corpus", **common)
-    tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model)
+    tokenizer = build_tokenizer(data.vocab_file, data.merge_file, data.tokenizer_type, data.tokenizer_model,
+                                cfg.model.vocab_size)
     weights, paths = parse_data_path(data.data_path)
     if weights is not None:
         parse_weights(weights)  # refused before any file is read

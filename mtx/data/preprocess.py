@@ -74,7 +74,9 @@ def _preprocess(args) -> list[str]:
         raise ValueError(f"--input {clash[0]} is one of the files --output-prefix {args.output_prefix} writes; "
                          "choose another --output-prefix.")
     check_new_files(outputs, "--output-prefix", overwrite=args.overwrite)
-    tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type, args.tokenizer_model)
+    if (args.vocab_size is not None) != (args.tokenizer_type == "NullTokenizer"):
+        raise ValueError("--vocab-size is NullTokenizer's and NullTokenizer needs it; pass both or neither.")
+    tokenizer_args = (args.vocab_file, args.merge_file, args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     tokenizer = build_tokenizer(*tokenizer_args)
     documents = _documents(args)
     first = next(documents, None)  # opens the source now, so its errors come before any file is written
@@ -169,6 +171,8 @@ def _parser() -> OneLineParser:
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: from the files given")
     p.add_argument("--tokenizer-model",
                    help="HuggingFaceTokenizer: a local directory holding tokenizer.json, or that file")
+    p.add_argument("--vocab-size", type=ranged(int, ">= 1"),
+                   help="NullTokenizer: its ids 0 .. N - 1 (end-of-document is N); input text is ids between spaces")
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
     p.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (BERT); plain-text files split into documents at blank lines")

@@ -1,5 +1,6 @@
 """Tokenizers: a byte-level one that needs no files, GPT-2 BPE built with tiktoken from local vocab files, BERT's
-uncased WordPiece from a local `vocab.txt`, and any local Hugging Face `tokenizer.json`.
+uncased WordPiece from a local `vocab.txt`, any local Hugging Face `tokenizer.json`, and Megatron's NullTokenizer
+(ids only, for data that is ids already).
 
 Nothing here downloads: `tiktoken.get_encoding("gpt2")` fetches its files from the internet, so GPT-2's BPE is
 assembled from the user's own `encoder.json` (`--vocab-file`) and `vocab.bpe` (`--merge-file`) instead.
@@ -234,6 +235,30 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=False)
 
 
+class NullTokenizer:
+    """Megatron's NullTokenizer: no vocabulary, for data already in ids (--mock-data, preprocessed or .npy data).
+    For --vocab-size N its ids are 0 .. N - 1 and end-of-document is N, one more, as Megatron adds it (so vocab_size is
+    N + 1); a text is its ids in decimal between whitespace, as Megatron reads one ("3 14 15")."""
+
+    name = "null"
+
+    def __init__(self, vocab_size: int):
+        self.eod = int(vocab_size)
+        self.vocab_size = self.eod + 1
+
+    def encode(self, text: str) -> list[int]:
+        words = text.split()
+        is_id = (lambda w: w.isascii() and w.isdigit() and len(w) < 20 and int(w) <= self.eod)  # (no 10^4300)
+        if bad := next((w for w in words if not is_id(w)), None):
+            raise ValueError(f"NullTokenizer reads text as token ids between spaces, each 0 to {self.eod}, and "
+                             f"{bad[:40]!r} is none; pass ids, or a tokenizer of words (--tokenizer-type "
+                             "GPT2BPETokenizer with --vocab-file and --merge-file, say).")
+        return [int(w) for w in words]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 def _configured_eos(folder: Path, given: str) -> str | None:
     """tokenizer_config.json's eos_token (a string, or an AddedToken dict's content); None without the file or the
     key (or with null, as Hugging Face writes "none"). A file that is there but unreadable, or an eos_token of
@@ -298,13 +323,14 @@ def _is_cjk(cp: int) -> bool:
 # The files each tokenizer type does not read (build_tokenizer refuses them; checkpoints saved before it did may name
 # them, and were trained without them).
 UNREAD_FILES = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer": ("--vocab-file", "--merge-file"),
-                "BertWordPieceLowerCase": ("--merge-file",)}
+                "BertWordPieceLowerCase": ("--merge-file",), "NullTokenizer": ("--vocab-file", "--merge-file")}
 
 
 def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_type: str | None = None,
-                    tokenizer_model: str | None = None) -> Tokenizer:
+                    tokenizer_model: str | None = None, vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer named by `tokenizer_type` (Megatron's --tokenizer-type names, see TOKENIZER_TYPES);
-    HuggingFaceTokenizer reads `tokenizer_model` (a directory holding tokenizer.json, or that file).
+    HuggingFaceTokenizer reads `tokenizer_model` (a directory holding tokenizer.json, or that file), NullTokenizer
+    takes `vocab_size` (--vocab-size: its ids before end-of-document; the others ignore it).
 
     Without a type: the byte tokenizer when neither file is given, GPT-2 BPE when both are; ValueError otherwise.
     """
@@ -323,6 +349,11 @@ def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_ty
                          f"{'it' if len(given) == 1 else 'them'} (GPT2BPETokenizer: --vocab-file and --merge-file).")
     if tokenizer_model is not None:
         return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N >= 1 (its ids 0 .. N - 1; "
+                             "end-of-document is N).")
+        return NullTokenizer(vocab_size)
     if tokenizer_type == "byte" or (tokenizer_type is None and vocab_file is None and merge_file is None):
         return ByteTokenizer()
     if tokenizer_type == "BertWordPieceLowerCase":
