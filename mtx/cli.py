@@ -21,8 +21,8 @@ from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config
 from mtx.errors import UsageError
 from mtx.files import expand_home, refuse_empty
 from mtx.presets import load_preset
-from mtx.schema_checks import (CHOICES, LIMITS, MEGATRON_UNIMPLEMENTED, RANGES, check_field, field_types,
-                               flag_name, in_range, is_path_list)
+from mtx.schema_checks import (CHOICES, LIMITS, MEGATRON_NEEDLESS, MEGATRON_UNIMPLEMENTED, RANGES, check_field,
+                               field_types, flag_name, in_range, is_path_list)
 
 # Boolean fields take a flag each way, so a preset's setting can be undone: --name turns one on, --no-name (or
 # Megatron's spelling of the off flag, where it has one) off.
@@ -225,9 +225,13 @@ def unknown_flags_message(unknown: Iterable[str], known: Iterable[str], hint: st
         longer = [k for k in known if k.startswith(dashed)]
         return next(iter(difflib.get_close_matches(dashed, longer or known, n=1, cutoff=0 if longer else 0.7)), None)
 
-    if megatron := [flag for flag in dict.fromkeys(unknown) if flag in MEGATRON_UNIMPLEMENTED]:
+    megatron = [flag for flag in dict.fromkeys(unknown) if flag in MEGATRON_UNIMPLEMENTED]
+    needless = [f"Megatron-LM's {flag}: {MEGATRON_NEEDLESS[flag]}; remove it." for flag in dict.fromkeys(unknown)
+                if flag in MEGATRON_NEEDLESS]
+    if megatron or needless:
         them = "them" if megatron[1:] else "it"
-        return f"Megatron-LM's {', '.join(megatron)}: mtx does not implement {them}; remove {them}."
+        return " ".join([f"Megatron-LM's {', '.join(megatron)}: mtx does not implement {them}; remove {them}."] *
+                        bool(megatron) + needless)
     named = [(flag, closest(flag)) for flag in dict.fromkeys(unknown)]
     if len(named) == 1:
         flag, match = named[0]

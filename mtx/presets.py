@@ -8,7 +8,7 @@ from typing import Any
 
 from mtx.config import FIELD_SECTION, FIELD_TYPES, coerce_field
 from mtx.files import not_a_file
-from mtx.schema_checks import MEGATRON_UNIMPLEMENTED, check_field, flag_name
+from mtx.schema_checks import MEGATRON_NEEDLESS, MEGATRON_UNIMPLEMENTED, check_field, flag_name
 
 
 def load_preset(path: str | Path) -> dict[str, Any]:
@@ -30,9 +30,12 @@ def load_preset(path: str | Path) -> dict[str, Any]:
         spelled[field] = key
     values = {k.replace("-", "_"): v for k, v in values.items()}
     unknown = sorted(set(values) - set(FIELD_SECTION))
-    if megatron := [name for name in unknown if flag_name(name) in MEGATRON_UNIMPLEMENTED]:  # as the flags say
-        raise ValueError(f"--config {path} sets {', '.join(megatron)}: Megatron-LM's {flag_name(megatron[0])}"
-                         f"{' and more' if megatron[1:] else ''}, which mtx does not implement; remove it.")
+    megatron = [name for name in unknown if flag_name(name) in MEGATRON_UNIMPLEMENTED | MEGATRON_NEEDLESS.keys()]
+    if megatron:  # as the flags say
+        flag, more = flag_name(megatron[0]), bool(megatron[1:])
+        why = MEGATRON_NEEDLESS.get(flag, "mtx does not implement it")
+        raise ValueError(f"--config {path} sets {', '.join(megatron)}: Megatron-LM's {flag}{' and more' * more}: "
+                         f"{why}; remove {'them' if more else 'it'}.")
     if unknown:
         raise ValueError(f"--config {path} sets unknown field(s) {', '.join(unknown)}; remove or rename them.")
     values = {k: coerce_field(k, v) for k, v in values.items()}

@@ -158,14 +158,24 @@ def check_field(name: str, hint, value: Any) -> None:
 # Megatron-LM flags of everyday scripts that mtx does not implement: refused by name, never silently ignored (any
 # other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
 MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
-    use-mcore-models use-legacy-models transformer-impl num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff
-    expert-model-parallel-size context-parallel-size use-rotary-position-embeddings
-    rotary-interleaved apply-query-key-layer-scaling attention-softmax-in-fp32
-    no-masked-softmax-fusion no-bias-dropout-fusion no-gradient-accumulation-fusion
-    accumulate-allreduce-grads-in-fp32 distribute-saved-activations rampup-batch-size
+    num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff expert-model-parallel-size context-parallel-size
+    rotary-interleaved apply-query-key-layer-scaling distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    vocab-extra-ids timing-log-level recompute-modules no-async-tensor-model-parallel-allreduce
-    use-cpu-initialization no-persist-layer-norm log-throughput
-    log-timers-to-tensorboard log-memory-to-tensorboard
-    log-validation-ppl-to-tensorboard tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
+    vocab-extra-ids timing-log-level recompute-modules log-timers-to-tensorboard log-memory-to-tensorboard
+    tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
     """.split())
+
+_KERNEL = "a switch of Megatron's CUDA kernels; in mtx XLA fuses and schedules the step, with the same results"
+# Megatron-LM flags that ask for what mtx always does (or switch kernels mtx does not have): refused too, never
+# ignored, with what mtx does instead, so that a script drops them knowing that nothing is lost.
+MEGATRON_NEEDLESS = {
+    "--log-throughput": "mtx always logs it (the log line's throughput per GPU, tflops_per_device in metrics.jsonl)",
+    "--log-validation-ppl-to-tensorboard": "mtx always logs the validation perplexity (val_ppl) to its trackers",
+    "--attention-softmax-in-fp32": "mtx's attention always takes its softmax in float32",
+    "--accumulate-allreduce-grads-in-fp32": "mtx always accumulates and reduces the gradients in float32",
+    "--use-cpu-initialization": "mtx's initial weights are the same on every mesh already",
+    "--use-mcore-models": "mtx has one model implementation", "--use-legacy-models": "mtx has one model "
+    "implementation", "--transformer-impl": "mtx has one model implementation",
+    "--use-rotary-position-embeddings": "mtx spells it --position-embedding-type rope",
+    **dict.fromkeys(("--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+                     "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce"), _KERNEL)}

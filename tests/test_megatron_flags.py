@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtx.cli import build_parser, parse_config
 from mtx.presets import load_preset
-from mtx.schema_checks import MEGATRON_UNIMPLEMENTED
+from mtx.schema_checks import MEGATRON_NEEDLESS, MEGATRON_UNIMPLEMENTED
 from mtx.config import Config
 from mtx.data.documents import document_fields
 from mtx.data.indexed import IndexedDataset
@@ -81,18 +81,27 @@ def test_megatron_flags_in_conflict_are_refused(flags, message):
 def test_unimplemented_megatron_flags_say_so(tmp_path):
     preset = tmp_path / "moe.toml"
     preset.write_text("hidden_size = 64\nnum_experts = 4\n")  # in a preset too (was "unknown field")
-    with pytest.raises(ValueError, match="sets num_experts: Megatron-LM's --num-experts, which mtx does not implement"):
+    with pytest.raises(ValueError, match="sets num_experts: Megatron-LM's --num-experts: mtx does not implement it; "
+                                         "remove it.$"):
+        parse_config(["--config", str(preset)])
+    preset.write_text("log_throughput = true\n")  # what mtx always does: refused with what it does instead
+    with pytest.raises(ValueError, match="sets log_throughput: Megatron-LM's --log-throughput: mtx always logs it"):
         parse_config(["--config", str(preset)])
     parse_config(["--recompute-activations", "--eod-mask-loss", "--profile", "--position-embedding-type", "rope",
                   "--use-rope-scaling"])  # implemented
     with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it; remove it.$"):
         parse_config(["--num-experts", "8", "--lr", "1e-3"])
-    with pytest.raises(ValueError, match="--rotary-interleaved, --use-mcore-models: mtx does not implement them"):
-        parse_config(["--swiglu", "--rotary-interleaved", "--use-mcore-models"])  # --swiglu is implemented
+    with pytest.raises(ValueError, match="--rotary-interleaved, --manual-gc: mtx does not implement them"):
+        parse_config(["--swiglu", "--rotary-interleaved", "--manual-gc"])  # --swiglu is implemented
+    with pytest.raises(ValueError, match="py: Megatron-LM's --num-experts: mtx does not implement it; remove it. "
+                                         "Megatron-LM's --use-mcore-models: mtx has one model implementation; remove it. "
+                                         "Megatron-LM's --no-bias-dropout-fusion: a switch of Megatron's CUDA kernels"):
+        parse_config(["--use-mcore-models", "--num-experts", "2", "--no-bias-dropout-fusion"])
     with pytest.raises(ValueError, match="did you mean --hidden-size"):
         parse_config(["--hiden-size", "8"])
     mtx_flags = {s for action in build_parser()._actions for s in action.option_strings}
-    assert not MEGATRON_UNIMPLEMENTED & mtx_flags
+    assert not (MEGATRON_UNIMPLEMENTED | MEGATRON_NEEDLESS.keys()) & mtx_flags
+    assert not MEGATRON_UNIMPLEMENTED & MEGATRON_NEEDLESS.keys()
 
 
 def test_distributed_timeout_minutes_is_jax_initialization_timeout(monkeypatch):
