@@ -4,7 +4,8 @@ The defaults are the embedded default run (`python train.py`): a small GPT (4 la
 corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs. Field names
 are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), unique across sections, so flags and preset keys
 map to fields without a table (presets are read by mtx/presets.py); each field carries its flag's help (`_f`, shown
-by mtx/cli.py's `--help`). The model section, `ModelConfig`, and its arithmetic live in mtx/architecture.py.
+by mtx/cli.py's `--help`). The model section, `ModelConfig`, and its arithmetic live in mtx/architecture.py, the
+logging section, `LoggingConfig`, in mtx/logging_config.py.
 `Config.validate()` is the one place where bad values and combinations are refused, before any device work (the
 checks themselves: mtx/schema_checks.py and mtx/config_checks.py).
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
+from mtx.logging_config import LoggingConfig
 from mtx.config_checks import check_combinations
 from mtx.files import expand_home, unexpanded_home
 from mtx.schema_checks import check_field, described as _f, flag_name, is_path_list
@@ -126,12 +128,6 @@ class TrainingConfig:
                                            "runs: masked (only the positions the loss reads, at most round-up("
                                            "--mask-prob x S) a sequence) | all (every position, as Megatron)",
                                  step=True)
-    log_interval: int = _f(10, "steps between metrics lines")
-    log_params_norm: bool = _f(False, "log the parameters' global L2 norm (the fp32 weights after each step)",
-                               step=True)
-    log_num_zeros_in_grad: bool = _f(False, "log how many gradient entries are exactly 0 (each step's, unscaled; the "
-                                     "padded vocabulary's rows are always 0)",
-                                     step=True)
     eval_interval: int = _f(100, "steps between validation runs; 0 disables")
     eval_iters: int = _f(10, "global batches per evaluation (validation; test once training ends)")
     save: str | None = _f(None, "checkpoint (and run) directory", path=True)
@@ -157,12 +153,6 @@ class TrainingConfig:
     use_checkpoint_args: bool = _f(False, "take the model architecture from --load's saved config; it wins over "
                                           "flags and presets (each overridden value is printed)")
     run_dir: str | None = _f(None, "where metrics and the resolved config go when --save is not given", path=True)
-    tensorboard_dir: str | None = _f(None, "TensorBoard event directory (pip install 'mtx[tensorboard]')", path=True)
-    wandb_project: str | None = _f(None, "Weights & Biases project: the TensorBoard scalars are logged there too "
-                                         "(process 0; pip install 'mtx[wandb]'; WANDB_MODE=offline works)")
-    wandb_exp_name: str | None = _f(None, "W&B run name; None: the run directory's name")
-    wandb_save_dir: str | None = _f(
-        None, "directory W&B writes its wandb/ folder into; None: the run directory", path=True)
     generate_tokens: int = _f(200, "tokens of a sample printed after training; 0 disables")
     exit_interval: int | None = _f(None, "stop after the first step divisible by this, saving a checkpoint")
     exit_duration_in_mins: float | None = _f(None, "stop after this many minutes of training, saving a checkpoint")
@@ -213,7 +203,7 @@ class DataConfig:
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
-            "training": TrainingConfig, "data": DataConfig}
+            "training": TrainingConfig, "logging": LoggingConfig, "data": DataConfig}
 
 
 @dataclass(frozen=True)
@@ -222,6 +212,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "the mesh and processes"})
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": "AdamW and the lr schedule"})
     training: TrainingConfig = field(default_factory=TrainingConfig, metadata={"help": "batches, precision, runs"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "metrics and trackers"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data files and tokenizer"})
 
     @property

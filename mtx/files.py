@@ -223,14 +223,14 @@ def is_mtx_config(path: Path) -> bool:
 def run_files(cfg, run_dir) -> str:
     """The line that says where the run's files go: its directory (--save, else --run-dir, else runs/<time>) and the
     tracker directories outside it."""
-    t, folder = cfg.training, lambda path: os.path.join(path, "")  # "runs/x" and "runs/x/" -> "runs/x/"
-    files = [CONFIG, METRICS, *([WANDB_ID] if t.wandb_project else []),
+    t, log, folder = cfg.training, cfg.logging, lambda path: os.path.join(path, "")  # "runs/x/" once
+    files = [CONFIG, METRICS, *([WANDB_ID] if log.wandb_project else []),
              *(["checkpoints"] if t.save else [])]
     line = f"mtx: run directory {folder(run_dir)} ({', '.join(files)})"
-    if t.tensorboard_dir:
-        line += f"; TensorBoard events in {folder(t.tensorboard_dir)}"
-    if t.wandb_project:
-        line += f"; Weights & Biases files in {folder(t.wandb_save_dir or run_dir)}"
+    if log.tensorboard_dir:
+        line += f"; TensorBoard events in {folder(log.tensorboard_dir)}"
+    if log.wandb_project:
+        line += f"; Weights & Biases files in {folder(log.wandb_save_dir or run_dir)}"
     return line
 
 

@@ -22,8 +22,9 @@ class StopRequests:
     same step: signals and the clock are agreed on at logging steps (a host sync there anyway), the interval is the
     same everywhere."""
 
-    def __init__(self, t):
+    def __init__(self, t, log_interval: int):
         self.t, self.start, self.signal, self.previous = t, time.monotonic(), None, {}
+        self.log_interval = log_interval  # (the logging steps: a host sync anyway)
 
     def __enter__(self) -> "StopRequests":
         if self.t.exit_signal_handler and threading.current_thread() is threading.main_thread():
@@ -49,7 +50,7 @@ class StopRequests:
                  if t.exit_duration_in_mins and minutes >= t.exit_duration_in_mins else None)
         if jax.process_count() == 1:
             return local
-        if step % t.log_interval:
+        if step % self.log_interval:
             return None
         from jax.experimental import multihost_utils
 

@@ -35,13 +35,38 @@ def peak_flops_per_device(device=None) -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
-def check_trackers(tensorboard_dir: str | None, wandb_project: str | None) -> None:
-    """Refuses a tracker whose package is not installed, naming the extra to install (before any device work)."""
-    for flag, value, package in (("--tensorboard-dir", tensorboard_dir, "tensorboard"),
-                                 ("--wandb-project", wandb_project, "wandb")):
+def check_trackers(log) -> None:
+    """Refuses (before any device work) a tracker whose package is not installed, naming the extra to install, and
+    --log-memory-to-tensorboard where the devices report no memory (the CPU)."""
+    for flag, value, package in (("--tensorboard-dir", log.tensorboard_dir, "tensorboard"),
+                                 ("--wandb-project", log.wandb_project, "wandb")):
         if value and not _installed(package):
             raise ValueError(f"{flag} needs the {package} package, which is not installed: pip install "
                              f"'mtx[{package}]'.")
+    if log.log_memory_to_tensorboard and not _memory_stats():
+        raise ValueError(f"--log-memory-to-tensorboard: the {jax.default_backend()} devices report no memory "
+                         "statistics (GPUs do); leave it out here.")
+
+
+def _memory_stats() -> list[dict]:
+    """This process's devices' allocator statistics (empty where the backend keeps none, as the CPU's)."""
+    return [stats for device in jax.local_devices() if (stats := device.memory_stats())]
+
+
+# Megatron's memory scalars, from XLA's allocator statistics (the largest over this process's devices)
+_MEMORY = {"mem_allocated_bytes": ("bytes_in_use",), "mem_max_allocated_bytes": ("peak_bytes_in_use",),
+           "mem_reserved_bytes": ("pool_bytes", "bytes_reserved"), "mem_limit_bytes": ("bytes_limit",)}
+
+
+def device_memory() -> dict[str, int]:
+    """--log-memory-to-tensorboard's fields: each the largest over this process's devices (the fullest one is what
+    runs out), where the allocator reports it."""
+    stats, record = _memory_stats(), {}
+    for name, keys in _MEMORY.items():
+        values = [next((s[k] for k in keys if k in s), None) for s in stats]
+        if values := [int(v) for v in values if v is not None]:
+            record[name] = max(values)
+    return record
 
 
 def _installed(package: str) -> bool:
@@ -59,10 +84,10 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, tensorboard_dir: str | None = None, *, enabled: bool = True,
                  resumed_at: int | None = None, tokens_per_step: int | None = None,
-                 wandb: dict[str, Any] | None = None):
+                 wandb: dict[str, Any] | None = None, tracker_interval: int = 1):
         self.path = Path(run_dir) / METRICS
         self.enabled = enabled  # False on every process but the first of a multi-host run: one writer per file
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_step, self.tracker_interval = tokens_per_step, tracker_interval
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resumed_at is not None and self.path.exists():
@@ -73,9 +98,15 @@ class MetricsLogger:
         if enabled and wandb:  # a resumed run goes on in the W&B run it started (its id kept beside the metrics)
             self._trackers.append(_WandB(**wandb, id_file=self.path.parent / WANDB_ID, resume=resumed_at is not None))
 
-    def log(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Writes `record` with its tokens and wall time added; returns it as written."""
+    def log(self, record: dict[str, Any], steps=()) -> dict[str, Any]:
+        """Writes `record` with its tokens and wall time added; returns it as written. `steps`, the (step, metrics)
+        of the steps the record ends, give the trackers each --tensorboard-log-interval'th step's own scalars."""
         step = record["step"]
+        for s, metrics in steps if self._trackers else ():
+            if s % self.tracker_interval == 0 and s != step:  # (the record's own step: its scalars below)
+                values = {k: float(v) for k, v in metrics.items() if k in _STEP_SCALARS}
+                for tracker in self._trackers:
+                    tracker.scalars(s, values)
         record = {"step": step, **({"tokens": step * self.tokens_per_step} if self.tokens_per_step else {}),
                   **{k: v for k, v in record.items() if k != "step"}, "wall_time": time.time()}
         if not self.enabled:
@@ -102,6 +133,10 @@ class MetricsLogger:
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []
+
+
+# A step's own scalars (its metrics as the training step returns them), for the trackers between records
+_STEP_SCALARS = ("loss", "lr", "grad_norm", "loss_scale", "params_norm", "num_zeros")
 
 
 class _TensorBoard:
@@ -178,6 +213,22 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, num_devices:
     peak = peak_flops_per_device()
     return {"tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
             "mfu": flops_per_device / peak if peak else None}
+
+
+def interval_record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float,
+                    devices: int, batch_times: tuple[float, float]) -> dict:
+    """The metrics record of a logging interval: the last step's values, skipped steps, and the interval's timing
+    over its `steps` timed steps (none when the interval held only the compiling first step): step time, throughput,
+    and per step the time spent making a batch (off the loop, on the prefetch thread) and waiting for one."""
+    s, m = fetched[-1]
+    timing = (throughput(tokens_per_step * steps, elapsed, flops_per_token, devices) if steps else
+              {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
+    making, waiting = batch_times
+    timing["batch_make_s"], timing["batch_wait_s"] = (making / steps, waiting / steps) if steps else (None, None)
+    return {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+            "loss_scale": float(m["loss_scale"]), "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
+            **{k: float(m[k]) for k in ("params_norm", "num_zeros") if k in m},
+            "step_time_s": elapsed / steps if steps else None, **timing}
 
 
 def log_line(record: dict[str, Any], train_iters: int, global_batch_size: int, loss_name: str = "lm loss") -> str:

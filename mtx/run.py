@@ -27,7 +27,7 @@ from mtx.distributed import barrier, is_main_process
 from mtx.evaluation import perplexity
 from mtx.files import CONFIG, METRICS, check_outside, check_run_dir, check_writable, forget_new_run_dir, same_path
 from mtx.loop_controls import Profiler, Startup, StopRequests
-from mtx.metrics import MetricsLogger, Progress, check_trackers, throughput
+from mtx.metrics import MetricsLogger, Progress, check_trackers, device_memory, interval_record
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import (check_same_batches, check_same_schedule, from_checkpoint, load_state, resume_point,
                         say_if_data_changed, say_if_tokenizer_changed, set_aside)
@@ -74,7 +74,7 @@ def prepare(cfg: Config) -> Plan:
     cfg.validate(num_devices)
     check_tensor_parallel_fits(cfg.parallel.tensor_model_parallel_size, jax.local_device_count(), jax.process_count())
     t = cfg.training
-    check_trackers(t.tensorboard_dir, t.wandb_project)
+    check_trackers(cfg.logging)
     load_step, broken_later, saved = resume_point(cfg) if t.load else (None, (), None)
     if saved is not None:  # its seed (RNG state) and, with --use-checkpoint-args, its architecture, before the data
         cfg = from_checkpoint(cfg, saved).validate(num_devices)
@@ -109,7 +109,8 @@ def prepare(cfg: Config) -> Plan:
     check_run_dir(run_dir, run_flag)  # never over a file mtx did not write
     # nor beside a run still writing there
     check_free(run_dir, run_flag, by_pid=_single_process(), quiet=not is_main_process())
-    for flag, path in (("--tensorboard-dir", t.tensorboard_dir), ("--wandb-save-dir", t.wandb_save_dir)):
+    trackers = (("--tensorboard-dir", cfg.logging.tensorboard_dir), ("--wandb-save-dir", cfg.logging.wandb_save_dir))
+    for flag, path in trackers:
         if path:  # W&B writes a folder wandb/ into its directory: the run directory, or that folder, is the run's
             own = flag == "--wandb-save-dir" and (same_path(path, run_dir) or same_path(path, run_dir / "wandb"))
             check_writable(run_dir if own else path, flag, a_run_dir=True)
@@ -136,7 +137,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
     entered = time.perf_counter()
     plan = cfg if isinstance(cfg, Plan) else prepare(cfg)
     cfg, dataset, run_dir = plan.cfg, plan.dataset, plan.run_dir
-    t, p = cfg.training, cfg.parallel
+    t, p, log = cfg.training, cfg.parallel, cfg.logging
     mesh = mesh or make_mesh(p.data_parallel_size, p.pipeline_model_parallel_size, p.tensor_model_parallel_size)
     model = ShardedModel(cfg, mesh)
     train_step = TrainStep(model)
@@ -157,10 +158,11 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
 
         # The trackers start before the device work, so a W&B run that will not start costs no compile.
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
-        wandb = dict(project=t.wandb_project, name=t.wandb_exp_name or run_dir.absolute().name,
-                     dir=str(t.wandb_save_dir or run_dir), config=cfg.to_dict()) if t.wandb_project else None
-        logger = MetricsLogger(run_dir, t.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step,
-                               wandb=wandb, resumed_at=(plan.load_step or 0) if t.resumes else None)
+        wandb = dict(project=log.wandb_project, name=log.wandb_exp_name or run_dir.absolute().name,
+                     dir=str(log.wandb_save_dir or run_dir), config=cfg.to_dict()) if log.wandb_project else None
+        logger = MetricsLogger(run_dir, log.tensorboard_dir, enabled=main, tokens_per_step=tokens_per_step,
+                               wandb=wandb, resumed_at=(plan.load_step or 0) if t.resumes else None,
+                               tracker_interval=log.tensorboard_log_interval)
         saver = workers = batches = None  # closed in the finally below, whatever fails after this point
         try:
             saver = Checkpointer(t.save, async_save=t.async_save, keep_last=t.keep_last_n_checkpoints,
@@ -191,7 +193,7 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
             batches = prefetch(lambda step: model.put_batch(source.batch("train", step, t.global_batch_size,
                                                                          rows.slice), rows),
                                range(start, t.train_iters), depth=cfg.data.prefetch_depth, times=batch_times)
-            profiler = Profiler(t, t.tensorboard_dir or run_dir / "profile", enabled=main)
+            profiler = Profiler(t, log.tensorboard_dir or run_dir / "profile", enabled=main)
 
             def report(step: int, splits) -> None:
                 """Each of `splits` that holds samples evaluated with the state of `step`: logged and printed."""
@@ -210,7 +212,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                     if main:
                         console.write(message)
 
-            with StopRequests(t) as stops, profiler:  # until the last checkpoint is written; the trace stopped
+            # until the last checkpoint is written; the trace stopped
+            with StopRequests(t, log.log_interval) as stops, profiler:
                 for step, batch in zip(range(start, t.train_iters), batches):
                     profiler.before(step)
                     state, metrics = train_step(state, batch)
@@ -227,13 +230,14 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                         interval_steps += 1
                     final = step + 1 == t.train_iters
                     result.stopped = None if final else stops.reason(step + 1)
-                    if (step + 1) % t.log_interval == 0 or final or result.stopped is not None:
+                    if (step + 1) % log.log_interval == 0 or final or result.stopped is not None:
                         fetched = jax.device_get(pending)  # the interval's host sync (and on the CPU the waits above)
                         elapsed = time.perf_counter() - interval_start
                         result.losses.update((s, float(m["loss"])) for s, m in fetched)
-                        record = _record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
+                        record = interval_record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
                                          batch_times.take()) | startup.take()
-                        console.update(logger.log(record), len(fetched))
+                        record |= device_memory() if log.log_memory_to_tensorboard else {}
+                        console.update(logger.log(record, fetched), len(fetched))
                         pending, interval_steps = [], 0
                     evaluating = t.eval_interval and ((step + 1) % t.eval_interval == 0 or final)
                     # validation every --eval-interval steps and at the end; the test split once training ends
@@ -377,19 +381,3 @@ def _print_banner(cfg: Config, mesh, model: ShardedModel, start: int) -> None:
         chunks = f" x {sch.virtual} virtual stages" if sch.virtual > 1 else ""
         print(f"mtx: pipeline schedule {sch.kind}: {sch.stages} stages{chunks}, layers {list(sch.counts)}, "
               f"{sch.microbatches} microbatches, {sch.ticks} ticks; ideal bubble {sch.bubble:.1%}")
-
-
-def _record(fetched, elapsed: float, steps: int, tokens_per_step: int, flops_per_token: float, devices: int,
-            batch_times: tuple[float, float]) -> dict:
-    """The metrics record of a logging interval: the last step's values, skipped steps, and the interval's timing
-    over its `steps` timed steps (none when the interval held only the compiling first step): step time, throughput,
-    and per step the time spent making a batch (off the loop, on the prefetch thread) and waiting for one."""
-    s, m = fetched[-1]
-    timing = (throughput(tokens_per_step * steps, elapsed, flops_per_token, devices) if steps else
-              {"tokens_per_s": None, "tflops_per_device": None, "mfu": None})
-    making, waiting = batch_times
-    timing["batch_make_s"], timing["batch_wait_s"] = (making / steps, waiting / steps) if steps else (None, None)
-    return {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-            "loss_scale": float(m["loss_scale"]), "skipped_steps": sum(bool(x["skipped"]) for _, x in fetched),
-            **{k: float(m[k]) for k in ("params_norm", "num_zeros") if k in m},
-            "step_time_s": elapsed / steps if steps else None, **timing}

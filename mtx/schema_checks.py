@@ -51,10 +51,12 @@ RANGES = {
     "micro_batch_size": ">= 1", "global_batch_size": ">= 1", "train_iters": ">= 0", "seed": ">= 0",
     "recompute_num_layers": ">= 1",
     "initial_loss_scale": "(0, 4294967296]", "loss_scale_window": ">= 1", "min_loss_scale": "(0, 4294967296]",
-    "log_interval": ">= 1", "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
+    "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
     "keep_checkpoint_every": ">= 1", "generate_tokens": "[0, 65536]", "train_samples": ">= 0",
     "profile_step_start": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
+    # logging
+    "log_interval": ">= 1", "tensorboard_log_interval": ">= 1",
     # data
     "prefetch_depth": ">= 0", "num_workers": "[0, 256]", "mask_prob": "(0, 1)", "short_seq_prob": "[0, 1]",
 }
@@ -161,8 +163,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff expert-model-parallel-size context-parallel-size
     rotary-interleaved apply-query-key-layer-scaling distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    vocab-extra-ids timing-log-level recompute-modules log-timers-to-tensorboard log-memory-to-tensorboard
-    tensorboard-log-interval manual-gc profile-ranks use-pytorch-profiler
+    vocab-extra-ids timing-log-level recompute-modules manual-gc profile-ranks use-pytorch-profiler
     """.split())
 
 _KERNEL = "a switch of Megatron's CUDA kernels; in mtx XLA fuses and schedules the step, with the same results"
@@ -171,6 +172,8 @@ _KERNEL = "a switch of Megatron's CUDA kernels; in mtx XLA fuses and schedules t
 MEGATRON_NEEDLESS = {
     "--log-throughput": "mtx always logs it (the log line's throughput per GPU, tflops_per_device in metrics.jsonl)",
     "--log-validation-ppl-to-tensorboard": "mtx always logs the validation perplexity (val_ppl) to its trackers",
+    "--log-timers-to-tensorboard": "mtx always logs the step's time and its batch's (step_time_s, batch_make_s, "
+    "batch_wait_s) to its trackers; the step is one XLA program, with no finer timers",
     "--attention-softmax-in-fp32": "mtx's attention always takes its softmax in float32",
     "--accumulate-allreduce-grads-in-fp32": "mtx always accumulates and reduces the gradients in float32",
     "--use-cpu-initialization": "mtx's initial weights are the same on every mesh already",

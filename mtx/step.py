@@ -328,9 +328,9 @@ class TrainStep:
             "loss_scale": state.loss_scale.scale,
             "skipped": ~finite,
         }
-        if t.log_params_norm:  # Megatron's params norm: the weights the step leaves
+        if self.cfg.logging.log_params_norm:  # Megatron's params norm: the weights the step leaves
             metrics["params_norm"] = optax.tree.norm(params)
-        if t.log_num_zeros_in_grad:
+        if self.cfg.logging.log_num_zeros_in_grad:
             zeros = sum(_zeros(g) for g in jax.tree.leaves(grads))
             metrics["num_zeros"] = jnp.where(finite, zeros, jnp.nan)  # a skipped step's: none (Megatron's None)
         return TrainState(state.step + 1, params, opt_state, loss_scale), metrics

@@ -207,17 +207,18 @@ def test_tools_range_check_their_own_numbers(capsys, argv, message):
 
 
 def test_checkpoint_and_tracking_flags_parse_with_megatron_names():
-    t = parse_config(["--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args", "--async-save",
-                      "--keep-last-n-checkpoints", "3", "--keep-checkpoint-every", "100", "--load", "ckpt",
-                      "--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "w"]).training
+    cfg = parse_config(["--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args", "--async-save",
+                        "--keep-last-n-checkpoints", "3", "--keep-checkpoint-every", "100", "--load", "ckpt",
+                        "--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", "w"])
+    t, log = cfg.training, cfg.logging
     assert (t.finetune, t.load_optim, t.load_rng, t.use_checkpoint_args, t.async_save) == (
         True, False, False, True, True)
     assert (t.keep_last_n_checkpoints, t.keep_checkpoint_every) == (3, 100)
-    assert (t.wandb_project, t.wandb_exp_name, t.wandb_save_dir) == ("p", "e", "w")
+    assert (log.wandb_project, log.wandb_exp_name, log.wandb_save_dir) == ("p", "e", "w")
     d = Config().training
     assert (d.finetune, d.load_optim, d.load_rng, d.use_checkpoint_args, d.async_save) == (
         False, True, True, False, False)
-    assert d.keep_last_n_checkpoints is None and d.wandb_project is None
+    assert d.keep_last_n_checkpoints is None and Config().logging.wandb_project is None
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -312,7 +313,7 @@ def test_a_home_directory_in_a_preset_or_a_quoted_flag_is_the_users(tmp_path, mo
     preset = tmp_path / "p.toml"
     preset.write_text('save = "~/ckpt"\ndata_path = ["0.7", "~/a", "0.3", "b~"]\nvocab_file = "~/vocab.json"\n')
     cfg = parse_config(["--config", str(preset), "--tensorboard-dir", "~/tb"])
-    assert (cfg.training.save, cfg.training.tensorboard_dir) == (f"{tmp_path}/ckpt", f"{tmp_path}/tb")
+    assert (cfg.training.save, cfg.logging.tensorboard_dir) == (f"{tmp_path}/ckpt", f"{tmp_path}/tb")
     assert cfg.data.data_path == ("0.7", f"{tmp_path}/a", "0.3", "b~")
     assert cfg.data.vocab_file == f"{tmp_path}/vocab.json"
     assert Config().replace(load="~").training.load == str(tmp_path)

@@ -207,3 +207,32 @@ def test_throughput_mfu_and_perplexity_by_value(monkeypatch):
     monkeypatch.setattr(metrics, "peak_flops_per_device", lambda device=None: None)
     assert metrics.throughput(1000, 2.0, 6e9, 4)["mfu"] is None
     assert perplexity(2.0) == math.exp(2.0) and perplexity(800.0) == math.inf and math.isnan(perplexity(math.nan))
+
+
+def test_trackers_get_steps_between_records_and_memory_where_the_devices_report_it(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="read back from TensorBoard's events: pip install 'mtx[tensorboard]'")
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    from mtx import metrics
+    from mtx.cli import parse_config
+
+    run = train(TINY.replace(train_iters=6, log_interval=3, tensorboard_log_interval=2, eval_interval=0,
+                             run_dir=str(tmp_path / "run"), tensorboard_dir=str(tmp_path / "tb")), progress=False)
+    events = [e for f in (tmp_path / "tb").iterdir() for e in LegacyEventFileLoader(str(f)).Load()]
+    board = {(e.step, v.tag): v.simple_value for e in events for v in e.summary.value}
+    assert sorted(s for s, tag in board if tag == "loss") == [2, 3, 4, 6]  # every 2nd step's, and each record's
+    assert {tag for s, tag in board if s in (2, 4)} == {"loss", "lr", "grad_norm", "loss_scale"}  # a step's own
+    assert [board[s, "loss"] for s in (2, 4)] == pytest.approx([run.losses[2], run.losses[4]])
+    with pytest.raises(ValueError, match="--tensorboard-log-interval .*--tensorboard-dir or --wandb-project"):
+        parse_config(["--tensorboard-log-interval", "5"]).validate()
+
+    with pytest.raises(ValueError, match="--log-memory-to-tensorboard: the cpu devices report no memory statistics"):
+        train(TINY.replace(log_memory_to_tensorboard=True), progress=False)
+    devices = [{"bytes_in_use": 5, "peak_bytes_in_use": 9, "bytes_limit": 20, "pool_bytes": 12},
+               {"bytes_in_use": 7, "peak_bytes_in_use": 8, "bytes_limit": 20, "bytes_reserved": 3}]
+    monkeypatch.setattr(metrics, "_memory_stats", lambda: devices)  # as a GPU's allocator reports them
+    train(TINY.replace(train_iters=2, log_interval=1, eval_interval=0, log_memory_to_tensorboard=True,
+                       run_dir=str(tmp_path / "mem")), progress=False)
+    record = records(tmp_path / "mem")[-1]  # each the fullest device's
+    assert [record[k] for k in ("mem_allocated_bytes", "mem_max_allocated_bytes", "mem_reserved_bytes",
+                                "mem_limit_bytes")] == [7, 9, 12, 20]
