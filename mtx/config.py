@@ -157,6 +157,11 @@ class TrainingConfig:
     exit_interval: int | None = _f(None, "stop after the first step divisible by this, saving a checkpoint")
     exit_duration_in_mins: float | None = _f(None, "stop after this many minutes of training, saving a checkpoint")
     exit_signal_handler: bool = _f(True, "on SIGTERM/SIGINT, finish the step, save a checkpoint and exit 0")
+    manual_gc: bool = _f(False, "Python's garbage collector off, run by the loop instead: at the start, every "
+                                "--manual-gc-interval steps and around evaluations (Megatron's: every process pauses "
+                                "at the same step, not one at a time)")
+    manual_gc_interval: int = _f(0, "--manual-gc: steps between collections; 0: none between steps")
+    manual_gc_eval: bool = _f(True, "--manual-gc: collect before and after each evaluation")
     profile: bool = _f(False, "jax.profiler trace of steps --profile-step-start + 1 .. --profile-step-end on "
                               "process 0, into --tensorboard-dir or <run dir>/profile (TensorBoard's profile tab)")
     profile_step_start: int = _f(10, "--profile: steps completed before the trace starts")

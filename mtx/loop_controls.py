@@ -1,9 +1,10 @@
 """The training loop's controls (mtx/run.py): when to stop before --train-iters (signals, --exit-interval,
---exit-duration-in-mins, agreed on by every process), the --profile trace's window, and where the time to the first
-step went."""
+--exit-duration-in-mins, agreed on by every process), the --profile trace's window, --manual-gc's collections, and
+where the time to the first step went."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -13,6 +14,41 @@ import jax
 import numpy as np
 
 from mtx.metrics import seconds_since_process_start
+
+
+def _collect() -> None:
+    gc.collect()
+
+
+class ManualGC:
+    """Megatron's --manual-gc: Python's collector off for the loop (each process would otherwise pause whenever its
+    own allocations trip a threshold, and the others wait for it at the next collective), a full collection at the
+    start, after every --manual-gc-interval'th step and, with --manual-gc-eval, before and after each evaluation;
+    the collector's own state is restored at the end. Nothing without --manual-gc."""
+
+    def __init__(self, t):
+        self.t, self.was_enabled = t, gc.isenabled()
+
+    def __enter__(self) -> "ManualGC":
+        if self.t.manual_gc:
+            self.was_enabled = gc.isenabled()
+            gc.disable()
+            _collect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.t.manual_gc and self.was_enabled:
+            gc.enable()
+
+    def after_step(self, step: int) -> None:
+        """After `step` steps."""
+        if self.t.manual_gc and self.t.manual_gc_interval and step % self.t.manual_gc_interval == 0:
+            _collect()
+
+    def around_evaluation(self) -> None:
+        """Before and after an evaluation."""
+        if self.t.manual_gc and self.t.manual_gc_eval:
+            _collect()
 
 
 class StopRequests:

@@ -26,7 +26,7 @@ from mtx.devices import check_accelerator, devices, use_compilation_cache
 from mtx.distributed import barrier, is_main_process
 from mtx.evaluation import perplexity
 from mtx.files import CONFIG, METRICS, check_outside, check_run_dir, check_writable, forget_new_run_dir, same_path
-from mtx.loop_controls import Profiler, Startup, StopRequests
+from mtx.loop_controls import ManualGC, Profiler, Startup, StopRequests
 from mtx.metrics import MetricsLogger, Progress, check_trackers, device_memory, interval_record
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE, check_tensor_parallel_fits, make_mesh
 from mtx.resume import (check_same_batches, check_same_schedule, from_checkpoint, load_state, resume_point,
@@ -200,7 +200,9 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 for split in [s for s in splits if dataset.num_samples(s)]:
                     if cpu and pending:  # the evaluation's batches queue behind the steps still running
                         jax.block_until_ready(pending[-1][1])
+                    collector.around_evaluation()
                     loss = evaluate(model, state.params, dataset, t.eval_iters, split)
+                    collector.around_evaluation()
                     key, name = _EVALUATED[split]
                     if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
                         logger.log({"step": step, f"{key}_loss": loss})
@@ -213,11 +215,12 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                         console.write(message)
 
             # until the last checkpoint is written; the trace stopped
-            with StopRequests(t, log.log_interval) as stops, profiler:
+            with StopRequests(t, log.log_interval) as stops, profiler, ManualGC(t) as collector:
                 for step, batch in zip(range(start, t.train_iters), batches):
                     profiler.before(step)
                     state, metrics = train_step(state, batch)
                     profiler.after(step, metrics)
+                    collector.after_step(step + 1)
                     pending.append((step + 1, metrics))
                     if cpu and len(pending) >= MAX_IN_FLIGHT:  # a long log interval: bound the steps queued
                         jax.block_until_ready(pending[-MAX_IN_FLIGHT][1])

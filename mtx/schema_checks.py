@@ -54,7 +54,7 @@ RANGES = {
     "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
     "keep_checkpoint_every": ">= 1", "generate_tokens": "[0, 65536]", "train_samples": ">= 0",
-    "profile_step_start": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
+    "profile_step_start": ">= 0", "manual_gc_interval": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
     # logging
     "log_interval": ">= 1", "tensorboard_log_interval": ">= 1",
     # data
@@ -163,7 +163,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff expert-model-parallel-size context-parallel-size
     rotary-interleaved apply-query-key-layer-scaling distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    vocab-extra-ids timing-log-level recompute-modules manual-gc profile-ranks use-pytorch-profiler
+    vocab-extra-ids timing-log-level recompute-modules profile-ranks use-pytorch-profiler
     """.split())
 
 _KERNEL = "a switch of Megatron's CUDA kernels; in mtx XLA fuses and schedules the step, with the same results"

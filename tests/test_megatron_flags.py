@@ -91,8 +91,8 @@ def test_unimplemented_megatron_flags_say_so(tmp_path):
                   "--use-rope-scaling"])  # implemented
     with pytest.raises(ValueError, match="Megatron-LM's --num-experts: mtx does not implement it; remove it.$"):
         parse_config(["--num-experts", "8", "--lr", "1e-3"])
-    with pytest.raises(ValueError, match="--rotary-interleaved, --manual-gc: mtx does not implement them"):
-        parse_config(["--swiglu", "--rotary-interleaved", "--manual-gc"])  # --swiglu is implemented
+    with pytest.raises(ValueError, match="--rotary-interleaved, --profile-ranks: mtx does not implement them"):
+        parse_config(["--swiglu", "--rotary-interleaved", "--profile-ranks", "0"])  # --swiglu is implemented
     with pytest.raises(ValueError, match="py: Megatron-LM's --num-experts: mtx does not implement it; remove it. "
                                          "Megatron-LM's --use-mcore-models: mtx has one model implementation; remove it. "
                                          "Megatron-LM's --no-bias-dropout-fusion: a switch of Megatron's CUDA kernels"):
@@ -319,3 +319,21 @@ def test_null_tokenizer_trains_resumes_and_scores_from_its_checkpoint(tmp_path, 
     with pytest.raises(ValueError, match="NullTokenizer reads text as token ids"):
         ids.write_text("1 2 three")
         train(null.replace(data_path=(str(ids),), train_iters=1), progress=False)
+
+
+def test_manual_gc_collects_where_megatron_does_and_restores_the_collector(tmp_path, monkeypatch):
+    import gc
+
+    from mtx import loop_controls
+
+    seen = []
+    monkeypatch.setattr(loop_controls, "_collect", lambda: seen.append(gc.isenabled()))
+    runs = TINY.replace(train_iters=4, eval_interval=2, eval_iters=1, split="90,10,0", manual_gc=True,
+                        manual_gc_interval=3)
+    train(runs.replace(run_dir=str(tmp_path / "a")), progress=False)
+    assert seen == [False] * 6 and gc.isenabled()  # the start, step 3, around the validations of steps 2 and 4
+    seen.clear()
+    train(runs.replace(manual_gc_eval=False, run_dir=str(tmp_path / "b")), progress=False)
+    assert len(seen) == 2 and gc.isenabled()
+    with pytest.raises(ValueError, match="--manual-gc-interval .*--manual-gc"):
+        parse_config(["--manual-gc-interval", "5"]).validate()
