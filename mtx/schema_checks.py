@@ -163,7 +163,7 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff expert-model-parallel-size context-parallel-size
     rotary-interleaved apply-query-key-layer-scaling distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    vocab-extra-ids timing-log-level recompute-modules profile-ranks use-pytorch-profiler
+    vocab-extra-ids recompute-modules profile-ranks
     """.split())
 
 _KERNEL = "a switch of Megatron's CUDA kernels; in mtx XLA fuses and schedules the step, with the same results"
@@ -174,11 +174,14 @@ MEGATRON_NEEDLESS = {
     "--log-validation-ppl-to-tensorboard": "mtx always logs the validation perplexity (val_ppl) to its trackers",
     "--log-timers-to-tensorboard": "mtx always logs the step's time and its batch's (step_time_s, batch_make_s, "
     "batch_wait_s) to its trackers; the step is one XLA program, with no finer timers",
+    "--timing-log-level": "mtx always logs the step's time and its batch's; the step is one XLA program, with no "
+    "finer timers (--profile traces its kernels)",
+    "--use-pytorch-profiler": "mtx spells it --profile (a jax.profiler trace, TensorBoard's profile tab)",
     "--attention-softmax-in-fp32": "mtx's attention always takes its softmax in float32",
     "--accumulate-allreduce-grads-in-fp32": "mtx always accumulates and reduces the gradients in float32",
     "--use-cpu-initialization": "mtx's initial weights are the same on every mesh already",
-    "--use-mcore-models": "mtx has one model implementation", "--use-legacy-models": "mtx has one model "
-    "implementation", "--transformer-impl": "mtx has one model implementation",
+    **dict.fromkeys(("--use-mcore-models", "--use-legacy-models", "--transformer-impl"),
+                    "mtx has one model implementation"),
     "--use-rotary-position-embeddings": "mtx spells it --position-embedding-type rope",
     **dict.fromkeys(("--no-masked-softmax-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
                      "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce"), _KERNEL)}
