@@ -50,7 +50,7 @@ def build_parser() -> OneLineParser:
 
     scoring = common(_COMMON_FIELDS)
     generating = common(tuple(f for f in _COMMON_FIELDS if f != "micro_batch_size"))  # every prompt in one batch
-    parser = OneLineParser(prog="eval.py", description=__doc__.splitlines()[0],
+    parser = OneLineParser(prog="eval.py", reads_checkpoint=True, description=__doc__.splitlines()[0],
                            epilog="`python eval.py TASK --help` lists the flags of a task, with their defaults.")
     tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK", title="tasks")
 

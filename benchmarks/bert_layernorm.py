@@ -43,7 +43,7 @@ SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 def build_vocab(text: str, num_words: int) -> list[str]:
     """A small WordPiece vocabulary for `text`: the special tokens, every character (alone and as a "##"
     continuation, so no word is [UNK]) and the `num_words` most frequent words of BERT's basic tokenization."""
-    from mtx.data.tokenizer import _basic_tokenize
+    from mtx.data.wordpiece import _basic_tokenize
 
     words = collections.Counter(_basic_tokenize(text))
     chars = sorted({c for w in words for c in w})

@@ -42,8 +42,8 @@ class ModelConfig:
     seq_length: int = _f(128, "tokens per training sequence S")
     max_position_embeddings: int | None = _f(None, "rows of the learned position table (with rope: the longest "
                                                    "sequence generation runs); None means seq_length")
-    vocab_size: int = _f(50257, "tokenizer vocabulary before padding (set from the tokenizer when data is loaded; "
-                                "NullTokenizer's ids before its end-of-document id, as Megatron's)")
+    vocab_size: int = _f(50257, "tokenizer vocabulary before padding (set from the tokenizer when data is loaded), "
+                                "but with NullTokenizer its size: ids 0 .. N - 1, end-of-document N (Megatron's)")
     make_vocab_size_divisible_by: int = _f(128, "each model-parallel vocab shard is a multiple of this")
     hidden_dropout: float = _f(0.1, "dropout on the residual branches and embeddings (one mask per sequence, any mesh)")
     attention_dropout: float = _f(0.1, "dropout on attention probabilities (masks by sequence and head: any mesh's)")

@@ -249,13 +249,13 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise no_checkpoint(self.directory)
-        check_compatible(self.saved_config(step).model, cfg.model, self.directory)
+        check_compatible(self.saved_config(step), cfg.model, self.directory)
         return self._read(step, self._manager, ocp.args.StandardRestore(abstract_state))
 
     def restore_params(self, abstract_state, cfg: Config, step: int):
         """Only the fp32 weights of `step` (--finetune, --no-load-optim), laid out like `abstract_state.params`; the
         optimizer state, two thirds of the bytes, is not read."""
-        check_compatible(self.saved_config(step).model, cfg.model, self.directory)
+        check_compatible(self.saved_config(step), cfg.model, self.directory)
         item = {"params": abstract_state.params}
         args = ocp.args.PyTreeRestore(item=item, partial_restore=True,
                                       restore_args=ocp.checkpoint_utils.construct_restore_args(item))
@@ -285,9 +285,11 @@ class Checkpointer:
         self._manager.close()
 
 
-def check_compatible(saved, current, directory) -> None:
-    """Refuses to load a checkpoint of a different architecture, naming every differing field and the flags that
-    would match it (the model type first: it explains the rest; the vocabulary by the tokenizer, which sets it)."""
+def check_compatible(saved_config: Config, current, directory) -> None:
+    """Refuses to load a checkpoint of a different architecture (its saved config's model against `current`), naming
+    every differing field and the flags that would match it (the model type first: it explains the rest; the
+    vocabulary by the tokenizer flags of the saved run, which set it)."""
+    saved = saved_config.model
     skipped = ("seq_length", *NOT_SHAPING)  # nor does the length of the sequences trained on
 
     def value(m, name):  # a learned position table's rows as the model has them (unset: --seq-length's)
@@ -305,9 +307,11 @@ def check_compatible(saved, current, directory) -> None:
                          f"--config of a {saved.model_type} preset (or --use-checkpoint-args), or load a "
                          f"{current.model_type} checkpoint.")
     if differ == ["vocab_size"]:  # train.py takes it from the tokenizer: --vocab-size would not change it
+        from mtx.data.tokenizer import tokenizer_flags
+
+        flags = tokenizer_flags(saved_config.data, saved.vocab_size)
         raise ValueError(f"{where} vocab_size={saved.vocab_size} but this run's tokenizer has {current.vocab_size}; "
-                         "pass the tokenizer it was trained with (--vocab-file, --merge-file, --tokenizer-type; "
-                         f"NullTokenizer: --vocab-size {saved.vocab_size - 1}), or load a matching checkpoint.")
+                         f"pass the tokenizer it was trained with ({flags}), or load a matching checkpoint.")
     from mtx.cli import flag_for  # the flags that set them as saved (train.py's parser; imported where used)
 
     saved_values = ", ".join(f"{name}={value(saved, name)!r}" for name in differ)

@@ -146,9 +146,10 @@ class OneLineParser(argparse.ArgumentParser):
     parser): a prefix that means one flag today would silently mean another once a flag is added.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, reads_checkpoint: bool = False, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.reads_checkpoint = reads_checkpoint  # a tool whose model is --load's: train.py's flags said so
 
     def print_help(self, file=None):
         """argparse's, but a failed write is not swallowed: --help into a closed pipe ends as any output does."""
@@ -200,13 +201,19 @@ class OneLineParser(argparse.ArgumentParser):
 
     def refuse_unknown_flags(self, tokens: list[str], argv: list[str] | None = None) -> None:
         """Raises the one-line error of the flags among `tokens` that neither this parser nor the subcommand named in
-        the command line `argv` (default: `tokens`) takes, if there are any (the subcommand's error: its name in the
-        message)."""
+        the command line `argv` (default: `tokens`) takes, if any (the subcommand's error: its name in the message)."""
         parser, known = self, set()
         while parser is not None:
             known.update(s for action in parser._actions for s in action.option_strings)
             owner, parser = parser, subcommand(parser, tokens if argv is None else argv)
         unknown = [flag for flag in flags_in(tokens) if flag not in known]
+        if unknown and self.reads_checkpoint:  # train.py's flags that no task takes (the model's, the tokenizer's)
+            tasks = [t for a in self._actions if isinstance(a, argparse._SubParsersAction) for t in a.choices.values()]
+            taken = {s for p in (self, *tasks) for a in p._actions for s in a.option_strings}
+            trains = {s for a in build_parser()._actions for s in a.option_strings} - taken
+            if train := [f for f in dict.fromkeys(unknown) if f in trains]:
+                owner.error(f"{', '.join(train)}: train.py's; {self.prog} reads the model and its settings from "
+                            f"--load's checkpoint; drop {'them' if train[1:] else 'it'}.")
         if unknown:
             owner.error(unknown_flags_message(unknown, known, f"{owner.prog} --help lists the flags"))
 
@@ -373,10 +380,8 @@ def unset_nones(values: dict) -> dict:
 
 def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Config:
     """Flags (and an optional preset) -> a Config. Bad flags raise ValueError, one line naming them (and `prog`, the
-    tool they were given to): an unknown flag with the closest one mtx has, a missing or mistyped value with its
-    flag."""
-    values = vars(build_parser(prog).parse_args(with_negative_values(argv)))  # "unknown flag --hiden-size; did you mean
-    # --hidden-size?"
+    tool they were given to): an unknown flag with the closest one mtx has, a missing or mistyped value its flag."""
+    values = vars(build_parser(prog).parse_args(with_negative_values(argv)))  # (unknown flags: "did you mean")
     preset = values.pop("config", None)
     # (an empty --config once trained the default model, silently)
     refuse_empty(preset, "--config", "a preset file such as configs/gpt2_124m.toml, or drop --config")
@@ -390,4 +395,6 @@ def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Confi
     for name in set(values) & set(CHOICES):  # a setting mtx lacks is named as such, not as a flag that does nothing
         check_field(name, FIELD_TYPES[name], cfg.value(name))
     check_unused_flags(cfg, values)
+    if cfg.data.tokenizer_type == "NullTokenizer" and "vocab_size" not in fields:  # (Megatron's assert)
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N: its ids are 0 .. N - 1.")
     return cfg

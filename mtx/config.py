@@ -185,8 +185,8 @@ class DataConfig:
     train_data_path: tuple[str, ...] = _f((), "training data alone (--data-path's forms; no --split)", path=True)
     valid_data_path: tuple[str, ...] = _f((), "validation data alone, read every --eval-interval N > 0", path=True)
     test_data_path: tuple[str, ...] = _f((), "test data alone, evaluated at the end (--eval-interval N > 0)", path=True)
-    mock_data: bool = _f(False, "GPT: Megatron's mock data, no files read: synthetic documents 1, 2, ..., n - 1 and "
-                                "end-of-document, their lengths n < --seq-length drawn from --seed")
+    mock_data: bool = _f(False, "GPT: Megatron's mock data, no files read: documents 1, 2, ..., n - 1 (wrapping "
+                                "below the vocabulary's end) and end-of-document, n < --seq-length drawn from --seed")
     vocab_file: str | None = _f(None, "GPT-2 encoder.json, or BERT's vocab.txt (the tokenizer)", path=True)
     merge_file: str | None = _f(None, "GPT-2 vocab.bpe merges", path=True)
     tokenizer_type: str | None = _f(None, "GPT2BPETokenizer | BertWordPieceLowerCase | HuggingFaceTokenizer | "

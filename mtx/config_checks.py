@@ -233,9 +233,13 @@ def _check_model_against_run(cfg) -> None:
 def _check_model_shapes(m) -> None:
     """The model's sizes together; Llama's blocks (mtx/architecture.py): names, the rotary dimensions, the key/value
     groups against the heads, and BERT, which they do not combine with."""
+    # (the vocabulary itself near the limit: no divisor would help, a smaller vocabulary does)
+    fix = "pass 128" if m.vocab_size + 1024 <= LIMITS[int] and m.make_vocab_size_divisible_by > 128 else \
+        "pass a smaller --vocab-size (or a tokenizer of fewer ids)"
     _check(m.padded_vocab_size <= LIMITS[int],
-           f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} pads the vocabulary to "
-           f"{m.padded_vocab_size:,} rows (a multiple of 8 x it), beyond what mtx can use ({LIMITS[int]:,}); pass 128.")
+           f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} pads the vocabulary of {m.vocab_size:,} "
+           f"ids to {m.padded_vocab_size:,} rows (a multiple of 8 x it), beyond what mtx can use ({LIMITS[int]:,}); "
+           f"{fix}.")
     _check(m.num_params() <= MAX_PARAMETERS,
            f"--num-layers {m.num_layers}, --hidden-size {m.hidden_size}, --ffn-hidden-size {m.ffn_size} and the "
            f"vocabulary ({m.padded_vocab_size:,} padded) make {m.num_params():.3g} parameters, beyond what mtx can "

@@ -287,7 +287,9 @@ def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | N
     # (NullTokenizer's ids: those before its end-of-document id, which the saved vocabulary counts)
     tokenizer = build_tokenizer(*flags, vocab_size=cfg.model.vocab_size - 1 if cfg is not None else None)
     if cfg is not None and tokenizer.vocab_size != cfg.model.vocab_size:
+        from mtx.data.tokenizer import tokenizer_flags
+
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model has vocab_size "
-                         f"{cfg.model.vocab_size}; pass the tokenizer it was trained with (--vocab-file and "
-                         "--merge-file, or --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR).")
+                         f"{cfg.model.vocab_size}; drop the tokenizer flags (the checkpoint's own is then read: "
+                         f"{tokenizer_flags(cfg.data, cfg.model.vocab_size)}), or pass the one it was trained with.")
     return tokenizer

@@ -359,3 +359,13 @@ def refuse_repeats(names, flag: str, what: str) -> None:
             also = "" if str(seen[path]) == str(name) else f" (as {seen[path]} and {name})"
             raise ValueError(f"{flag + ' ' if flag else ''}{name} is given twice{also}; pass each {what} once.")
         seen[path] = name
+
+
+def read_tokenizer_file(path: str, flag: str, what: str | None = None) -> bytes:
+    """The bytes of a tokenizer's file given as `flag` (GPT-2's by default, else `what`); one line if it is not a
+    file."""
+    if not Path(path).is_file():
+        what = what or ("GPT-2's encoder.json" if flag == "--vocab-file" else "GPT-2's vocab.bpe")
+        raise ValueError(f"{flag} {path}: {not_a_file(path)}; pass the path to {what} (or drop --vocab-file and "
+                         "--merge-file to use the byte-level tokenizer).")
+    return Path(path).read_bytes()

@@ -91,7 +91,7 @@ def prepare(cfg: Config) -> Plan:
         # read no data and followed no schedule: its run's batch, sequence length and schedule need not continue.
         continues = t.resumes and load_step > 0
         kept = dataclasses.replace(cfg.model, seq_length=saved.model.seq_length) if continues else cfg.model
-        check_compatible(saved.model, kept, t.load)
+        check_compatible(saved, kept, t.load)
         say_if_tokenizer_changed(saved, dataset.tokenizer, t.load)
         if continues:
             check_same_batches(saved, cfg)
@@ -237,8 +237,8 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                         fetched = jax.device_get(pending)  # the interval's host sync (and on the CPU the waits above)
                         elapsed = time.perf_counter() - interval_start
                         result.losses.update((s, float(m["loss"])) for s, m in fetched)
-                        record = interval_record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token, mesh.size,
-                                         batch_times.take()) | startup.take()
+                        record = interval_record(fetched, elapsed, interval_steps, tokens_per_step, flops_per_token,
+                                                 mesh.size, batch_times.take()) | startup.take()
                         record |= device_memory() if log.log_memory_to_tensorboard else {}
                         console.update(logger.log(record, fetched), len(fetched))
                         pending, interval_steps = [], 0

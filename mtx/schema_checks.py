@@ -54,7 +54,8 @@ RANGES = {
     "eval_interval": ">= 0", "eval_iters": ">= 1", "save_interval": ">= 1", "ckpt_step": ">= 0",
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
     "keep_checkpoint_every": ">= 1", "generate_tokens": "[0, 65536]", "train_samples": ">= 0",
-    "profile_step_start": ">= 0", "manual_gc_interval": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
+    "profile_step_start": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
+    "manual_gc_interval": ">= 0",
     # logging
     "log_interval": ">= 1", "tensorboard_log_interval": ">= 1",
     # data

@@ -88,35 +88,39 @@ def test_a_resume_drops_a_metrics_line_that_a_kill_cut_short(tmp_path):
 
 
 def test_a_different_model_names_every_field_and_a_fix_that_works():
+    check = lambda saved, current, directory: check_compatible(Config(model=saved), current, directory)  # noqa: E731
     gpt = dataclasses.replace(TINY.model, vocab_size=257)
     _refused("saved with num_layers=2, hidden_size=64 but this run has 3, 128; pass --num-layers 2 --hidden-size 64",
-             check_compatible, gpt, dataclasses.replace(gpt, num_layers=3, hidden_size=128), "ck")
+             check, gpt, dataclasses.replace(gpt, num_layers=3, hidden_size=128), "ck")
     bert = Config().replace(**load_preset("configs/bert_tiny.toml")).model
     _refused("saved with model_type='gpt' but this run has 'bert'; pass --config of a gpt preset",
-             check_compatible, gpt, bert, "ck")
+             check, gpt, bert, "ck")
     # train.py sets the vocabulary from the tokenizer, so "pass --vocab-size 257" would have changed nothing
-    _refused("vocab_size=257 but this run's tokenizer has 50257; pass the tokenizer it was trained with",
-             check_compatible, gpt, dataclasses.replace(gpt, vocab_size=50257), "ck")
+    _refused("vocab_size=257 but this run's tokenizer has 50257; pass the tokenizer it was trained with "
+             r"\(--tokenizer-type byte\)", check, gpt, dataclasses.replace(gpt, vocab_size=50257), "ck")
+    null = Config(model=gpt).replace(tokenizer_type="NullTokenizer")  # the saved run's tokenizer, as it was built
+    _refused(r"pass the tokenizer it was trained with \(--tokenizer-type NullTokenizer --vocab-size 256\)",
+             check_compatible, null, dataclasses.replace(gpt, vocab_size=301), "ck")
     # a boolean and an unset number: the flags that give them (was "pass --swiglu False --ffn-hidden-size None",
     # which argparse refuses), and they parse back to the saved model
     with pytest.raises(ValueError) as e:
-        check_compatible(gpt, dataclasses.replace(gpt, swiglu=True, ffn_hidden_size=128), "ck")
+        check(gpt, dataclasses.replace(gpt, swiglu=True, ffn_hidden_size=128), "ck")
     fix = str(e.value).split("; pass ")[1].split(" (or")[0]
     assert fix == "--ffn-hidden-size none --no-swiglu", str(e.value)
     # a learned position table unset in both (its rows: --seq-length's) once compared equal, and read as "has None"
     _refused("saved with max_position_embeddings=32 but this run has 64; pass --max-position-embeddings 32",
-             check_compatible, dataclasses.replace(gpt, seq_length=32), dataclasses.replace(gpt, seq_length=64), "ck")
+             check, dataclasses.replace(gpt, seq_length=32), dataclasses.replace(gpt, seq_length=64), "ck")
     _refused("this run has 64; pass --max-position-embeddings 16 --seq-length 16 \\(or",  # (a table cannot grow)
-             check_compatible, dataclasses.replace(gpt, seq_length=16), dataclasses.replace(gpt, seq_length=64), "ck")
+             check, dataclasses.replace(gpt, seq_length=16), dataclasses.replace(gpt, seq_length=64), "ck")
     # settings of a feature off in both models (a Llama preset under --no-group-query-attention) change neither;
     # where one model has the feature, only flags the saved model takes are named
     llama = Config().replace(**load_preset("configs/llama_8b.toml")).model
     off = dataclasses.replace(llama, group_query_attention=False)
-    check_compatible(off, dataclasses.replace(off, num_query_groups=None), "ck")
-    _refused("pass --position-embedding-type learned_absolute \\(or", check_compatible,
+    check(off, dataclasses.replace(off, num_query_groups=None), "ck")
+    _refused("pass --position-embedding-type learned_absolute \\(or", check,
              dataclasses.replace(llama, position_embedding_type="learned_absolute"), llama, "ck")
     rope = dataclasses.replace(gpt, position_embedding_type="rope")  # (no table: the rows are no parameter)
-    check_compatible(dataclasses.replace(rope, seq_length=32), dataclasses.replace(rope, seq_length=64), "ck")
+    check(dataclasses.replace(rope, seq_length=32), dataclasses.replace(rope, seq_length=64), "ck")
     model = parse_config(["--config", "configs/tiny.toml", "--swiglu", "--ffn-hidden-size", "128", *fix.split()]).model
     assert (model.swiglu, model.ffn_hidden_size) == (gpt.swiglu, gpt.ffn_hidden_size)
 

@@ -261,7 +261,8 @@ def test_bert_flops_count_the_mlm_head_where_it_runs():
      "number is 1.2e-38); pass a larger value."),
     (["--lr", "1e-45"], "--lr 1e-45 is 0 in float32"),
     (["--make-vocab-size-divisible-by", "2147483647"], "--make-vocab-size-divisible-by 2147483647 pads the "
-     "vocabulary to 17,179,869,176 rows (a multiple of 8 x it), beyond what mtx can use (2,147,483,647); pass 128."),
+     "vocabulary of 50,257 ids to 17,179,869,176 rows (a multiple of 8 x it), beyond what mtx can use "
+     "(2,147,483,647); pass 128."),
     (["--hidden-size", "2147483640", "--num-attention-heads", "8"],
      "--num-layers 4, --hidden-size 2147483640, --ffn-hidden-size 8589934560 and the vocabulary"),
     (["--seq-length", "2147483647", "--max-position-embeddings", "2147483647"],

@@ -180,7 +180,7 @@ def test_builtin_corpus_is_english_text():
 def test_check_token_ids():
     check_token_ids(np.array([0, 50256]), 50257, "x")
     with pytest.raises(ValueError, match="^token id 70000 in data.npy is outside the vocabulary of 50257; .*"
-                                         "re-tokenize it or pass the matching --vocab-file"):
+                                         "re-tokenize it or pass the tokenizer it was made with"):
         check_token_ids(np.array([5, 70000, 3]), 50257, "data.npy")
     with pytest.raises(ValueError, match="token id -1 in"):
         check_token_ids(np.array([5, -1]), 50257, "data.npy")

@@ -160,5 +160,5 @@ def test_a_checkpoint_resumes_with_either_setting():
     from mtx.config import ModelConfig
     from mtx.resume import ARCHITECTURE
 
-    check_compatible(ModelConfig(), ModelConfig(bias_gelu_fusion=True, bias_swiglu_fusion=True), "ck")
+    check_compatible(Config(), ModelConfig(bias_gelu_fusion=True, bias_swiglu_fusion=True), "ck")
     assert not {"bias_gelu_fusion", "bias_swiglu_fusion"} & set(ARCHITECTURE)

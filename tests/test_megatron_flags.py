@@ -2,6 +2,7 @@
 timeout, the document flags of packed GPT samples (the numbers, and the same losses on two meshes), the mock data
 and the NullTokenizer."""
 
+import json
 import re
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from mtx.data.preprocess import main as preprocess
 from mtx.evaluation import make_scorer
 from mtx.models.transformer import attention_core, fused_attention
 from mtx.parallel.mesh import DATA, PIPELINE, make_mesh
-from mtx.run import train
+from mtx.run import prepare, train
 from mtx.sharded_model import ShardedModel
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"), hidden_dropout=0.0, attention_dropout=0.0)
@@ -94,7 +95,8 @@ def test_unimplemented_megatron_flags_say_so(tmp_path):
     with pytest.raises(ValueError, match="--rotary-interleaved, --profile-ranks: mtx does not implement them"):
         parse_config(["--swiglu", "--rotary-interleaved", "--profile-ranks", "0"])  # --swiglu is implemented
     with pytest.raises(ValueError, match="py: Megatron-LM's --num-experts: mtx does not implement it; remove it. "
-                                         "Megatron-LM's --use-mcore-models: mtx has one model implementation; remove it. "
+                                         "Megatron-LM's --use-mcore-models: mtx has one model implementation; "
+                                         "remove it. "
                                          "Megatron-LM's --no-bias-dropout-fusion: a switch of Megatron's CUDA kernels"):
         parse_config(["--use-mcore-models", "--num-experts", "2", "--no-bias-dropout-fusion"])
     with pytest.raises(ValueError, match="did you mean --hidden-size"):
@@ -270,13 +272,16 @@ def test_mock_data_trains_alike_on_two_meshes_and_is_refused_beside_data(tmp_pat
 
 
 def test_null_tokenizer_reads_ids_and_refuses_words():
+    from mtx.data.build import mock_documents
     from mtx.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer(None, None, "NullTokenizer", vocab_size=10)
     assert (tok.vocab_size, tok.eod) == (11, 10)  # Megatron's: end-of-document one id past --vocab-size
     assert tok.encode("3 4  5\n10\t0") == [3, 4, 5, 10, 0] and tok.decode([3, 4, 10]) == "3 4 10"
-    for text in ("3 x", "11", "-1", "²", "9" * 30):
-        with pytest.raises(ValueError, match="NullTokenizer reads text as token ids between spaces, each 0 to 10"):
+    assert tok.encode("007 0000000000000000000001") == [7, 1]  # leading zeros are digits too
+    for text in ("3 x", "11", "-1", "²", "9" * 30, "+5"):
+        with pytest.raises(ValueError, match=r"NullTokenizer reads text as token ids \(decimal digits\) between "
+                                             "spaces, each 0 to 10,"):
             tok.encode(text)
     for kwargs, match in (({}, "needs --vocab-size N >= 1"), ({"vocab_size": 0}, "needs --vocab-size N >= 1")):
         with pytest.raises(ValueError, match=match):
@@ -285,6 +290,17 @@ def test_null_tokenizer_reads_ids_and_refuses_words():
         build_tokenizer("encoder.json", None, "NullTokenizer", vocab_size=10)
     with pytest.raises(ValueError, match="the built-in corpus is read byte by byte; pass --mock-data or --data-path"):
         train(TINY.replace(tokenizer_type="NullTokenizer", vocab_size=300), progress=False)
+    with pytest.raises(ValueError, match="NullTokenizer does not read --tokenizer-model; drop it"):
+        build_tokenizer(None, None, "NullTokenizer", "tok/", vocab_size=10)
+    with pytest.raises(ValueError, match="^--tokenizer-type NullTokenizer needs --vocab-size N"):  # (as Megatron's)
+        parse_config(["--mock-data", "--tokenizer-type", "NullTokenizer"])
+    tokens, offsets = mock_documents(tok, 64, seed=0, documents=20)  # long documents wrap below end-of-document
+    inside = np.delete(tokens, offsets[1:] - 1)
+    assert inside.min() == 1 and inside.max() == 9 and (tokens[offsets[1:] - 1] == 10).all()
+    with pytest.raises(ValueError, match="--mock-data counts 1, 2, ... in ids other than end-of-document"):
+        mock_documents(build_tokenizer(None, None, "NullTokenizer", vocab_size=1), 8, seed=0)
+    with pytest.raises(ValueError, match="pads the vocabulary of 2,147,483,000 ids .*pass a smaller --vocab-size"):
+        TINY.replace(vocab_size=2_147_483_000).validate()
 
 
 def test_null_tokenizer_trains_resumes_and_scores_from_its_checkpoint(tmp_path, capsys):
@@ -304,21 +320,35 @@ def test_null_tokenizer_trains_resumes_and_scores_from_its_checkpoint(tmp_path, 
     saved = checkpoint_config(str(tmp_path / "ckpt"), None)
     tok = checkpoint_tokenizer(saved)  # the checkpoint's: the saved vocabulary counts the end-of-document id
     assert (tok.name, tok.vocab_size, tok.eod) == ("null", 301, 300)
-    with pytest.raises(ValueError, match="NullTokenizer: --vocab-size 300"):
+    with pytest.raises(ValueError, match=r"trained with \(--tokenizer-type NullTokenizer --vocab-size 300\)"):
         train(null.replace(mock_data=True, vocab_size=299, load=str(tmp_path / "ckpt")), progress=False)
     text = train(null.replace(data_path=(str(ids),), train_iters=1, run_dir=str(tmp_path / "t")), progress=False)
     assert np.isfinite(text.losses[1])  # a text of ids is read as Megatron's NullTokenizer reads one
     null_flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
-    prefix = preprocess(["--input", str(ids), "--output-prefix", str(tmp_path / "p"), "--append-eod", *null_flags])
-    np.testing.assert_array_equal(IndexedDataset(prefix[0]).tokens, [*(i % 300 for i in range(4000)), 300])
+    docs = tmp_path / "ids.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(map(str, range(k, k + 100)))}) + "\n" for k in (0, 200)))
+    prefix = preprocess(["--input", str(docs), "--output-prefix", str(tmp_path / "p"), "--append-eod", *null_flags])
+    np.testing.assert_array_equal(IndexedDataset(prefix[0]).tokens, [*range(100), 300, *range(200, 300), 300])
     for drop in ([0, 1], [2, 3]):  # preprocess's --vocab-size is NullTokenizer's, and NullTokenizer needs it
         with pytest.raises(SystemExit):
             preprocess(["--input", str(ids), "--output-prefix", str(tmp_path / "q"),
                         *[f for i, f in enumerate(null_flags) if i not in drop]])
         assert "--vocab-size is NullTokenizer's and NullTokenizer needs it" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="NullTokenizer reads text as token ids"):
+    with pytest.raises(ValueError, match=f"^--data-path {ids}: NullTokenizer reads text as token ids"):
         ids.write_text("1 2 three")
         train(null.replace(data_path=(str(ids),), train_iters=1), progress=False)
+    capsys.readouterr()
+    prepare(null.replace(vocab_size=400, data_path=tuple(prefix), run_dir=str(tmp_path / "e")))  # made at 300
+    assert f"every document of --data-path {prefix[0]} ends in id 300, and this tokenizer's end-of-document is 400" \
+        in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"drop the tokenizer flags \(the checkpoint's own is then read: "
+                                         "--tokenizer-type NullTokenizer --vocab-size 300"):
+        checkpoint_tokenizer(saved, tokenizer_type="byte")
+    import eval as eval_script
+
+    assert eval_script.main(["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "1", "--vocab-size", "300"]) == 2
+    assert "--vocab-size: train.py's; eval.py reads the model and its settings from --load's checkpoint; drop it." \
+        in capsys.readouterr().err
 
 
 def test_manual_gc_collects_where_megatron_does_and_restores_the_collector(tmp_path, monkeypatch):

@@ -91,7 +91,7 @@ def say_what_data_overrides(cfg, dataset) -> None:
     tokenizer's whatever --vocab-size or the preset says (the schema's default is said by no one; NullTokenizer's
     is --vocab-size, said when it is that default), and with no
     validation share of --split, --eval-interval has nothing to evaluate; a blend's dataset of weight 0 is never
-    read."""
+    read; an indexed dataset whose documents all end in another end-of-document id was made by another tokenizer."""
     from mtx.config import ModelConfig
     from mtx.distributed import is_main_process
 
@@ -115,6 +115,10 @@ def say_what_data_overrides(cfg, dataset) -> None:
         if both := sorted(read["train"] & read[split]):
             print(f"mtx: {', '.join(both)} is training data and {flag_name(SPLIT_PATHS[split])} data: the {split} "
                   "loss is then measured on samples trained on.", file=sys.stderr)
+    for prefix in {indexed_prefix(p) for name in ("data_path", *SPLIT_PATHS.values())
+                   if getattr(cfg.data, name) and not cfg.model.is_bert
+                   for p in parse_data_path(getattr(cfg.data, name))[1]} - {None}:
+        _say_if_other_eod(prefix, dataset.tokenizer)  # (GPT's: BERT's samples are sentences, no end-of-document)
     t = cfg.training
     if t.eval_interval and not dataset.num_samples("valid"):
         gives, fix = ((f"--split {cfg.data.split} gives validation no share", "give valid a --split share (e.g. "
@@ -126,6 +130,21 @@ def say_what_data_overrides(cfg, dataset) -> None:
         else:
             print(f"mtx: {gives}, so --eval-interval {t.eval_interval} evaluates nothing; pass --eval-interval 0, "
                   f"or {fix}.", file=sys.stderr)
+
+
+def _say_if_other_eod(prefix: str, tokenizer: Tokenizer) -> None:
+    """A line when every document of an indexed dataset ends in one id that is not the tokenizer's end-of-document:
+    --append-eod by another tokenizer (NullTokenizer's end-of-document is its --vocab-size), so this run would read
+    that id as a token and not see where documents end (--eod-mask-loss, --reset-position-ids). Said, not refused:
+    documents that all end in, say, a full stop look the same."""
+    ds = IndexedDataset(prefix)
+    offsets = ds.document_token_offsets()
+    ends = offsets[1:][offsets[1:] > offsets[:-1]] - 1  # each non-empty document's last token
+    last = np.asarray(ds.tokens[ends])
+    if len(last) > 1 and (last == last[0]).all() and last[0] != tokenizer.eod:
+        print(f"mtx: every document of --data-path {prefix} ends in id {last[0]}, and this tokenizer's end-of-document "
+              f"is {tokenizer.eod}: if it was preprocessed with --append-eod by another tokenizer, pass that one "
+              f"(NullTokenizer: --vocab-size {last[0]}).", file=sys.stderr)
 
 
 def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
@@ -174,12 +193,16 @@ def _gpt_dataset(cfg) -> GPTDataset | BlendedDataset:
 
 def mock_documents(tokenizer: Tokenizer, seq_length: int, seed: int, documents: int = 4096):
     """Megatron's mock GPT data: document i is 1, 2, ..., n_i - 1 then end-of-document, n_i drawn from
-    [1, seq_length) with the seed (ids past the vocabulary wrap to 1) -> (tokens, (documents + 1,) offsets). 4,096
-    documents, read in epochs like any corpus."""
+    [1, seq_length) with the seed (ids past the vocabulary wrap to 1; the end-of-document id only ends a document)
+    -> (tokens, (documents + 1,) offsets). 4,096 documents, read in epochs like any corpus."""
+    if tokenizer.vocab_size < 3:
+        raise ValueError(f"--mock-data counts 1, 2, ... in ids other than end-of-document, and this vocabulary has "
+                         f"{tokenizer.vocab_size - 2} (of {tokenizer.vocab_size}); pass a larger --vocab-size.")
     lengths = np.random.default_rng(seed).integers(1, max(seq_length, 3), documents)  # (a token or two at S < 3)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     position = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)  # within its document
-    tokens = 1 + position % (tokenizer.vocab_size - 1)
+    tokens = 1 + position % (tokenizer.vocab_size - 2)  # 1 .. V - 2, then past end-of-document's id by one
+    tokens += tokens >= tokenizer.eod
     tokens[offsets[1:] - 1] = tokenizer.eod
     return tokens.astype(np.int32), offsets
 
@@ -223,7 +246,10 @@ def _load(path: Path, tokenizer: Tokenizer) -> np.ndarray:
         return ids.astype(np.int32)
     text = read_text(path, "--data-path", "pass plain UTF-8 text, a .npy array of token ids, or an indexed-dataset "
                      "prefix (PATH for PATH.bin + PATH.idx).")
-    return _tokenize(tokenizer, text)
+    try:
+        return _tokenize(tokenizer, text)
+    except ValueError as e:  # (NullTokenizer's: text that is not ids) the file it is in
+        raise ValueError(f"--data-path {path}: {e}") from None
 
 
 def _tokenize(tokenizer: Tokenizer, text: str) -> np.ndarray:

@@ -54,7 +54,9 @@ def check_token_ids(ids: np.ndarray, vocab_size: int, source: str) -> None:
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} in {source} is outside the vocabulary of {vocab_size}; the data was "
-                         "tokenized with a different vocabulary — re-tokenize it or pass the matching --vocab-file.")
+                         "tokenized with a different vocabulary — re-tokenize it or pass the tokenizer it was made "
+                         "with (--vocab-file, --tokenizer-type" + (f"; NullTokenizer: --vocab-size {bad} or more" if
+                                                                   bad > 0 else "") + ").")
 
 
 class GPTDataset:

@@ -202,8 +202,9 @@ class IndexedDataset:
         lo, hi = int(self.tokens.min()), int(self.tokens.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"token id {lo if lo < 0 else hi} in {self.prefix}.bin is outside the vocabulary of "
-                             f"{vocab_size}; {_RETOKENIZE}.")
+                             f"{vocab_size}; {_RETOKENIZE}" + (f" (NullTokenizer: --vocab-size {hi} or more)." if
+                                                                  lo >= 0 else "."))
 
 
-_RETOKENIZE = ("it was tokenized with a different vocabulary — pass the matching --vocab-file/--tokenizer-type or "
-               "re-run `python -m mtx.data.preprocess` with yours")
+_RETOKENIZE = ("it was tokenized with a different vocabulary — pass the tokenizer it was made with (--vocab-file, "
+               "--tokenizer-type) or re-run `python -m mtx.data.preprocess` with yours")

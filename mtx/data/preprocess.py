@@ -105,9 +105,11 @@ def _preprocess(args) -> list[str]:
         if not tokens:
             under = f" under --json-keys {' '.join(args.json_keys)}" if keys_given else ""
             raise ValueError(f"{source} holds no text{under}; pass an input with text.")
-    except BaseException:  # a bad input line, an interrupt: no half-written dataset, older outputs untouched
+    except BaseException as e:  # a bad input line, an interrupt: no half-written dataset, older outputs untouched
         for writer in writers:
             writer.abort()
+        if isinstance(e, ValueError) and str(e).startswith("NullTokenizer"):  # a text that is not ids: whose
+            raise ValueError(f"{source}, document {count + 1}: {e}") from None
         raise
     for writer in writers:
         writer.close()
@@ -171,7 +173,7 @@ def _parser() -> OneLineParser:
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="default: from the files given")
     p.add_argument("--tokenizer-model",
                    help="HuggingFaceTokenizer: a local directory holding tokenizer.json, or that file")
-    p.add_argument("--vocab-size", type=ranged(int, ">= 1"),
+    p.add_argument("--vocab-size", type=ranged(int, "[1, 2147483646]"),
                    help="NullTokenizer: its ids 0 .. N - 1 (end-of-document is N); input text is ids between spaces")
     p.add_argument("--append-eod", action="store_true", help="end each document with the end-of-document id")
     p.add_argument("--split-sentences", action="store_true",

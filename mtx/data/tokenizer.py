@@ -1,24 +1,23 @@
 """Tokenizers: a byte-level one that needs no files, GPT-2 BPE built with tiktoken from local vocab files, BERT's
-uncased WordPiece from a local `vocab.txt`, any local Hugging Face `tokenizer.json`, and Megatron's NullTokenizer
-(ids only, for data that is ids already).
+uncased WordPiece from a local `vocab.txt` (mtx/data/wordpiece.py), any local Hugging Face `tokenizer.json`, and
+Megatron's NullTokenizer (ids only, for data that is ids already). The type names are Megatron's `--tokenizer-type`
+values.
 
 Nothing here downloads: `tiktoken.get_encoding("gpt2")` fetches its files from the internet, so GPT-2's BPE is
 assembled from the user's own `encoder.json` (`--vocab-file`) and `vocab.bpe` (`--merge-file`) instead.
-BERT's WordPiece runs in Rust through the `tokenizers` package where it is installed (the same ids, ~4x faster:
-docs/design.md), else in the pure-Python code below. The type names are Megatron's `--tokenizer-type` values.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import unicodedata
 from pathlib import Path
 from typing import Iterable, Protocol
 
 from mtx.errors import first_line
-from mtx.files import not_a_file
+from mtx.files import not_a_file, read_tokenizer_file
 from mtx.schema_checks import TOKENIZER_TYPES
+from mtx.data.wordpiece import BertWordPieceTokenizer  # noqa: F401 (BERT's, with the others here)
 
 # GPT-2's pre-tokenization regex, as tiktoken_ext.openai_public uses it for "gpt2" (r50k_pat_str).
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -66,7 +65,8 @@ class GPT2Tokenizer:
         from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
         vocab_file, merge_file = str(vocab_file), str(merge_file)
-        vocab_bytes, merge_bytes = _read(vocab_file, "--vocab-file"), _read(merge_file, "--merge-file")
+        vocab_bytes = read_tokenizer_file(vocab_file, "--vocab-file")
+        merge_bytes = read_tokenizer_file(merge_file, "--merge-file")
         encoder = _check_files(vocab_file, vocab_bytes, merge_file, merge_bytes)
         try:
             # tiktoken caches every file it reads under its path's name, even a local one, and would hand back a
@@ -100,85 +100,6 @@ class GPT2Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         # Ids in the padded part of the vocabulary (>= 50257) have no text; drop them instead of failing.
         return self._enc.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], errors="replace")
-
-
-class BertWordPieceTokenizer:
-    """BERT's uncased WordPiece (Megatron's BertWordPieceLowerCase) from a local `vocab.txt`: ids are line numbers.
-
-    Text is cleaned, lower-cased, stripped of accents and split on whitespace and punctuation (BERT's
-    BasicTokenizer); each word is then cut greedily into the longest vocabulary pieces, continuations marked `##`,
-    and a word with no such cut becomes [UNK]. No [CLS]/[SEP] are added: the BERT data pipeline places them.
-    `eod` is [SEP], the token that separates segments in BERT's inputs.
-
-    fast: encode with the `tokenizers` package (Rust) when it is installed (None, the default) or always (True);
-    False keeps the pure-Python code. Both give the same ids (tests/test_tokenizer.py).
-    """
-
-    name = "bert-wordpiece-lowercase"
-    max_word_chars = 100  # longer "words" are [UNK], as in BERT
-
-    def __init__(self, vocab_file: str | Path, *, fast: bool | None = None):
-        raw = _read(str(vocab_file), "--vocab-file", "BERT's vocab.txt")
-        try:
-            tokens = raw.decode("utf-8").splitlines()
-        except UnicodeDecodeError:
-            raise ValueError(f"--vocab-file {vocab_file} is not UTF-8 text; pass BERT's vocab.txt.") from None
-        self.vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # the first line of a duplicate wins
-        self.inv_vocab = tokens
-        missing = [t for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.vocab]
-        if missing:
-            raise ValueError(f"--vocab-file {vocab_file} has no {', '.join(missing)} line, so it is not a BERT "
-                             "WordPiece vocab.txt; pass BERT's vocab.txt (one token a line).")
-        self.vocab_size = len(tokens)
-        self.pad, self.unk, self.cls, self.sep, self.mask = (
-            self.vocab[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"))
-        self.eod = self.sep
-        self._fast = _rust_wordpiece(self.vocab, self.max_word_chars) if fast is not False else None
-        if fast and self._fast is None:
-            raise ValueError("BertWordPieceTokenizer(fast=True) needs the tokenizers package: pip install "
-                             "'mtx[tokenizers]'.")
-
-    def tokenize(self, text: str) -> list[str]:
-        return [piece for word in _basic_tokenize(text) for piece in self._wordpiece(word)]
-
-    def encode(self, text: str) -> list[int]:
-        if self._fast is not None:  # line by line: "\n" separates words anyway, and short inputs encode faster
-            return [i for line in text.split("\n") for i in self._fast.encode(line, add_special_tokens=False).ids]
-        return [self.vocab[piece] for piece in self.tokenize(text)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        text = " ".join(self.inv_vocab[int(i)] for i in ids if 0 <= int(i) < self.vocab_size)
-        return text.replace(" ##", "").replace("##", "")
-
-    def _wordpiece(self, word: str) -> list[str]:
-        # Greedy longest-match-first: the longest prefix in the vocabulary, then the longest "##" continuation.
-        if len(word) > self.max_word_chars:
-            return ["[UNK]"]
-        pieces, start = [], 0
-        while start < len(word):
-            for end in range(len(word), start, -1):
-                piece = word[start:end] if start == 0 else "##" + word[start:end]
-                if piece in self.vocab:
-                    break
-            else:
-                return ["[UNK]"]
-            pieces.append(piece)
-            start = end
-        return pieces
-
-
-def _rust_wordpiece(vocab: dict[str, int], max_word_chars: int):
-    """The same uncased WordPiece as a `tokenizers.Tokenizer` (BERT's normalizer and pre-tokenizer, no [CLS]/[SEP]
-    template) over mtx's own vocabulary dict; None where the package is not installed."""
-    try:
-        from tokenizers import Tokenizer as RustTokenizer, models, normalizers, pre_tokenizers
-    except ImportError:
-        return None
-    tok = RustTokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=max_word_chars))
-    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True,
-                                                lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    return tok
 
 
 class HuggingFaceTokenizer:
@@ -248,11 +169,12 @@ class NullTokenizer:
 
     def encode(self, text: str) -> list[int]:
         words = text.split()
-        is_id = (lambda w: w.isascii() and w.isdigit() and len(w) < 20 and int(w) <= self.eod)  # (no 10^4300)
+        # decimal digits only (Megatron's int() takes "+5" and "1_0" too); at most 19 of them, leading zeros aside
+        is_id = (lambda w: w.isascii() and w.isdigit() and len(w.lstrip("0")) < 20 and int(w) <= self.eod)
         if bad := next((w for w in words if not is_id(w)), None):
-            raise ValueError(f"NullTokenizer reads text as token ids between spaces, each 0 to {self.eod}, and "
-                             f"{bad[:40]!r} is none; pass ids, or a tokenizer of words (--tokenizer-type "
-                             "GPT2BPETokenizer with --vocab-file and --merge-file, say).")
+            raise ValueError(f"NullTokenizer reads text as token ids (decimal digits) between spaces, each 0 to "
+                             f"{self.eod}, and {bad[:40]!r} is none; pass text of ids (NullTokenizer has no words: "
+                             "data of words needs a tokenizer of words, and so does a model that reads them).")
         return [int(w) for w in words]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -281,49 +203,21 @@ def _configured_eos(folder: Path, given: str) -> str | None:
     return eos
 
 
-def _basic_tokenize(text: str) -> list[str]:
-    """BERT's BasicTokenizer(do_lower_case=True): clean, space out CJK, lower-case, strip accents, split punctuation."""
-    chars = []
-    for ch in text:
-        cp = ord(ch)
-        if cp == 0 or cp == 0xFFFD or (unicodedata.category(ch).startswith("C") and ch not in "\t\n\r"):
-            continue
-        if _is_cjk(cp):
-            chars += [" ", ch, " "]
-        else:
-            chars.append(" " if ch.isspace() else ch)
-    words = []
-    for word in "".join(chars).split():
-        word = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
-        current = ""
-        for ch in word:
-            if _is_punctuation(ch):
-                words += [current, ch] if current else [ch]
-                current = ""
-            else:
-                current += ch
-        if current:
-            words.append(current)
-    return words
-
-
-def _is_punctuation(ch: str) -> bool:
-    # BERT counts every non-alphanumeric ASCII character as punctuation ("$", "^", "`"), plus Unicode P* classes.
-    cp = ord(ch)
-    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or \
-        unicodedata.category(ch).startswith("P")
-
-
-def _is_cjk(cp: int) -> bool:
-    return any(lo <= cp <= hi for lo, hi in ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF),
-                                             (0x2A700, 0x2B73F), (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF),
-                                             (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)))
-
-
 # The files each tokenizer type does not read (build_tokenizer refuses them; checkpoints saved before it did may name
 # them, and were trained without them).
 UNREAD_FILES = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer": ("--vocab-file", "--merge-file"),
                 "BertWordPieceLowerCase": ("--merge-file",), "NullTokenizer": ("--vocab-file", "--merge-file")}
+
+
+def tokenizer_flags(data, vocab_size: int) -> str:
+    """The flags that build the tokenizer of a run's `data` config whose model has `vocab_size` ids (NullTokenizer's
+    count its end-of-document id: --vocab-size one less), as a refusal names them."""
+    kind = data.tokenizer_type or ("GPT2BPETokenizer" if data.vocab_file else "byte")
+    files = [f"{flag} {value}" for flag, value in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file),
+                                                   ("--tokenizer-model", data.tokenizer_model))
+             if value is not None and flag not in UNREAD_FILES.get(kind, ())]
+    size = [f"--vocab-size {vocab_size - 1}"] if kind == "NullTokenizer" else []
+    return " ".join([f"--tokenizer-type {kind}", *files, *size])
 
 
 def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_type: str | None = None,
@@ -336,6 +230,9 @@ def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_ty
     """
     if tokenizer_type is not None and tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is unknown; use one of {', '.join(TOKENIZER_TYPES)}.")
+    if tokenizer_type not in (None, "HuggingFaceTokenizer") and tokenizer_model is not None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} does not read --tokenizer-model; drop it, or pass "
+                         "--tokenizer-type HuggingFaceTokenizer for a tokenizer.json.")
     if (tokenizer_type == "HuggingFaceTokenizer") != (tokenizer_model is not None):
         raise ValueError("--tokenizer-type HuggingFaceTokenizer and --tokenizer-model DIR (a directory holding "
                          "tokenizer.json, or the file) go together; pass both or neither.")
@@ -368,14 +265,6 @@ def build_tokenizer(vocab_file: str | None, merge_file: str | None, tokenizer_ty
         raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {missing} too; pass GPT-2's encoder.json and "
                          "vocab.bpe.")
     return GPT2Tokenizer(vocab_file, merge_file)
-
-
-def _read(path: str, flag: str, what: str | None = None) -> bytes:
-    if not Path(path).is_file():
-        what = what or ("GPT-2's encoder.json" if flag == "--vocab-file" else "GPT-2's vocab.bpe")
-        raise ValueError(f"{flag} {path}: {not_a_file(path)}; pass the path to {what} (or drop --vocab-file and "
-                         "--merge-file to use the byte-level tokenizer).")
-    return Path(path).read_bytes()
 
 
 def _check_files(vocab_file: str, vocab_bytes: bytes, merge_file: str, merge_bytes: bytes) -> dict:
