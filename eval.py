@@ -12,8 +12,9 @@ from mtx.errors import script_needs
 
 script_needs("jax", "pip install -e . here first; '.[cuda12]' for NVIDIA GPUs", __name__)  # (else a traceback)
 
-from mtx.cli import (OneLineParser, add_config_flags, flags_in, ranged, refuse_idle,  # noqa: E402
-                     subcommand, with_negative_values)
+from mtx.cli import (OneLineParser, add_config_flags, flags_in, ranged, subcommand,  # noqa: E402
+                     with_negative_values)
+from mtx.flag_rules import refuse_idle  # noqa: E402
 from mtx.devices import simulate_cpu_devices  # noqa: E402
 from mtx.files import expand_home, json_line  # noqa: E402
 
@@ -91,9 +92,9 @@ def build_parser() -> OneLineParser:
 
 
 def idle_rules(parser, args) -> list:
-    """The flags that a task, as the others set it, would not read: mtx.cli.refuse_idle's rules. A flag given at its
-    default (`--top-k 0`, `--top-p 1`: their off settings; the defaults are `parser`'s) is let be, as train.py lets
-    a preset's feature be turned off."""
+    """The flags that a task, as the others set it, would not read: mtx.flag_rules.refuse_idle's rules. A flag given
+    at its default (`--top-k 0`, `--top-p 1`: their off settings; the defaults are `parser`'s) is let be, as
+    train.py lets a preset's feature be turned off."""
     task = subcommand(parser, [args.task])
 
     def changed(*flags):  # those of `flags` whose value is not the task's default

@@ -42,7 +42,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.bench import run_cli, time_steps
-from mtx.cli import refuse_idle
+from mtx.flag_rules import refuse_idle
 from mtx.devices import simulate_cpu_devices
 from mtx.schema_checks import flag_name
 

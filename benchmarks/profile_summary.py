@@ -41,7 +41,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from mtx.cli import COUNT, OneLineParser, flags_in, ranged, refuse_idle  # noqa: E402
+from mtx.cli import COUNT, OneLineParser, flags_in, ranged  # noqa: E402
+from mtx.flag_rules import refuse_idle  # noqa: E402
 
 CLASSES = (  # first match wins
     ("collective", re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
@@ -279,7 +280,7 @@ def format_summary(s: dict, step_ms: float | None = None) -> str:
 
 
 def _idle_rules(args) -> tuple:
-    """The flags that act in one report only, as mtx.cli.refuse_idle's rules: given elsewhere they would do
+    """The flags that act in one report only, as mtx.flag_rules.refuse_idle's rules: given elsewhere they would do
     nothing."""
     summary, out = not (args.calls or args.ticks), "leave it out."
     return ((("--ticks",), not args.calls, "without --calls (two reports: pass one)", out),

@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # mtx's checks of the output paths, run from anywhere (no jax: rows run apart)
-from mtx.cli import COUNT, WARMUP, OneLineParser, flags_in, ranged, refuse_idle  # noqa: E402
+from mtx.cli import COUNT, WARMUP, OneLineParser, flags_in, ranged  # noqa: E402
+from mtx.flag_rules import refuse_idle  # noqa: E402
 from mtx.errors import exit_with  # noqa: E402
 from mtx.files import check_json_lines, json_line, refuse_empty  # noqa: E402  (json_line: a diverged row's NaN as null)
 # The fast settings measured in docs/benchmarks.md: bf16 (presets), cuDNN flash attention (no attention dropout),
@@ -33,8 +34,7 @@ from mtx.files import check_json_lines, json_line, refuse_empty  # noqa: E402  (
 FAST = ["--use-flash-attn", "--hidden-dropout", "0", "--attention-dropout", "0", "--recompute-granularity",
         "matmuls", "--no-scan-layers"]
 SP = ["--sequence-parallel"]
-# sequence parallelism's gathers and scatters inside the linears' matmuls, through peer memory (Hopper, Mosaic GPU;
-# the model axis spanning every GPU of the row)
+# sequence parallelism's gathers and scatters in the linears' matmuls, by peer memory (Hopper; the model axis all GPUs)
 OVERLAP = [*SP, "--tp-comm-overlap"]
 GPIPE = ["--pipeline-schedule", "gpipe", "--recompute-granularity", "full"]  # (it holds every microbatch's activations)
 INTERLEAVED = ["--virtual-pipeline-model-parallel-size", "2"]

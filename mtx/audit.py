@@ -303,7 +303,8 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtx.cli import check_unused_flags, flags_in, unset_nones, with_negative_values
+    from mtx.cli import flags_in, unset_nones, with_negative_values
+    from mtx.flag_rules import check_unused_flags
     from mtx.config import FIELD_SECTION
     from mtx.devices import devices, simulate_cpu_devices
 

@@ -309,7 +309,7 @@ def check_compatible(saved_config: Config, current, directory) -> None:
     if differ == ["vocab_size"]:  # train.py takes it from the tokenizer: --vocab-size would not change it
         from mtx.data.tokenizer import tokenizer_flags
 
-        flags = tokenizer_flags(saved_config.data, saved.vocab_size)
+        flags = tokenizer_flags(saved_config.data, saved.vocab_size) or "--vocab-file, --merge-file, --tokenizer-type"
         raise ValueError(f"{where} vocab_size={saved.vocab_size} but this run's tokenizer has {current.vocab_size}; "
                          f"pass the tokenizer it was trained with ({flags}), or load a matching checkpoint.")
     from mtx.cli import flag_for  # the flags that set them as saved (train.py's parser; imported where used)

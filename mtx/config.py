@@ -1,4 +1,4 @@
-"""The one typed configuration schema: model, parallelism, optimizer, training and data.
+"""The one typed configuration schema: model, parallelism, optimizer, training, logging and data.
 
 The defaults are the embedded default run (`python train.py`): a small GPT (4 layers, width 128) on the built-in
 corpus with TP = 2 and the remaining devices data-parallel. Presets in configs/ set only what differs. Field names

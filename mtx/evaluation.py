@@ -274,10 +274,11 @@ def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | N
     WordPiece, a Hugging Face tokenizer.json, NullTokenizer's ids or bytes); refuses one whose vocabulary size
     differs from the model's."""
     from mtx.data import build_tokenizer
-    from mtx.data.tokenizer import UNREAD_FILES
+    from mtx.data.tokenizer import UNREAD_FILES, tokenizer_flags
 
     flags = (vocab_file, merge_file, tokenizer_type, tokenizer_model)
-    if all(f is None for f in flags) and cfg is not None:
+    given = any(f is not None for f in flags)
+    if not given and cfg is not None:
         d = cfg.data
         unread = UNREAD_FILES.get(d.tokenizer_type, ())  # an older checkpoint may name files its tokenizer ignored
         flags = (None if "--vocab-file" in unread else d.vocab_file, None if "--merge-file" in unread else d.merge_file,
@@ -287,9 +288,10 @@ def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | N
     # (NullTokenizer's ids: those before its end-of-document id, which the saved vocabulary counts)
     tokenizer = build_tokenizer(*flags, vocab_size=cfg.model.vocab_size - 1 if cfg is not None else None)
     if cfg is not None and tokenizer.vocab_size != cfg.model.vocab_size:
-        from mtx.data.tokenizer import tokenizer_flags
-
+        saved = tokenizer_flags(cfg.data, cfg.model.vocab_size)  # (None: a converted checkpoint's, say)
+        fix = (f"drop the tokenizer flags (the checkpoint's own is then read: {saved})" if saved and given else
+               "pass the tokenizer it was trained with (--vocab-file and --merge-file, or --tokenizer-type "
+               "HuggingFaceTokenizer --tokenizer-model DIR)")
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the checkpoint's model has vocab_size "
-                         f"{cfg.model.vocab_size}; drop the tokenizer flags (the checkpoint's own is then read: "
-                         f"{tokenizer_flags(cfg.data, cfg.model.vocab_size)}), or pass the one it was trained with.")
+                         f"{cfg.model.vocab_size}; {fix}.")
     return tokenizer

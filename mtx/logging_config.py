@@ -19,12 +19,13 @@ class LoggingConfig:
                                      "padded vocabulary's rows are always 0)",
                                      step=True)
     tensorboard_dir: str | None = _f(None, "TensorBoard event directory (pip install 'mtx[tensorboard]')", path=True)
-    tensorboard_log_interval: int = _f(1, "steps between the trackers' (TensorBoard, W&B) scalars of one step: its "
-                                          "loss, lr, grad norm and loss scale; the timing, memory and evaluations "
-                                          "come with each --log-interval record")
+    tensorboard_log_interval: int = _f(1, "steps between the trackers' (TensorBoard, W&B) training scalars, as "
+                                          "Megatron's: each such step's loss, lr, grad norm and loss scale, with the "
+                                          "timing and memory where it is a --log-interval step; evaluations always")
     log_memory_to_tensorboard: bool = _f(
         False, "GPU: each --log-interval record (metrics.jsonl and the trackers) gains the memory of this process's "
-        "fullest device: mem_allocated_bytes, mem_max_allocated_bytes, mem_reserved_bytes, mem_limit_bytes")
+        "fullest device (most bytes in use): mem_allocated_bytes, mem_max_allocated_bytes, mem_reserved_bytes, "
+        "mem_limit_bytes")
     wandb_project: str | None = _f(None, "Weights & Biases project: the TensorBoard scalars are logged there too "
                                          "(process 0; pip install 'mtx[wandb]'; WANDB_MODE=offline works)")
     wandb_exp_name: str | None = _f(None, "W&B run name; None: the run directory's name")

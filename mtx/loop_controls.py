@@ -16,15 +16,16 @@ import numpy as np
 from mtx.metrics import seconds_since_process_start
 
 
-def _collect() -> None:
-    gc.collect()
+def _collect(generation: int = 2) -> None:
+    gc.collect(generation)
 
 
 class ManualGC:
     """Megatron's --manual-gc: Python's collector off for the loop (each process would otherwise pause whenever its
     own allocations trip a threshold, and the others wait for it at the next collective), a full collection at the
-    start, after every --manual-gc-interval'th step and, with --manual-gc-eval, before and after each evaluation;
-    the collector's own state is restored at the end. Nothing without --manual-gc."""
+    start, after every --manual-gc-interval'th step and, with --manual-gc-eval, before each evaluation, and one of
+    the youngest generation (what the evaluation made) after it, as Megatron's; the collector's own state is
+    restored at the end. Nothing without --manual-gc."""
 
     def __init__(self, t):
         self.t, self.was_enabled = t, gc.isenabled()
@@ -45,10 +46,13 @@ class ManualGC:
         if self.t.manual_gc and self.t.manual_gc_interval and step % self.t.manual_gc_interval == 0:
             _collect()
 
-    def around_evaluation(self) -> None:
-        """Before and after an evaluation."""
+    def before_evaluation(self) -> None:
         if self.t.manual_gc and self.t.manual_gc_eval:
             _collect()
+
+    def after_evaluation(self) -> None:
+        if self.t.manual_gc and self.t.manual_gc_eval:
+            _collect(generation=0)
 
 
 class StopRequests:

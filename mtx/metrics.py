@@ -53,20 +53,17 @@ def _memory_stats() -> list[dict]:
     return [stats for device in jax.local_devices() if (stats := device.memory_stats())]
 
 
-# Megatron's memory scalars, from XLA's allocator statistics (the largest over this process's devices)
+# Megatron's memory scalars, from XLA's allocator statistics (each field the first of its keys reported)
 _MEMORY = {"mem_allocated_bytes": ("bytes_in_use",), "mem_max_allocated_bytes": ("peak_bytes_in_use",),
            "mem_reserved_bytes": ("pool_bytes", "bytes_reserved"), "mem_limit_bytes": ("bytes_limit",)}
 
 
 def device_memory() -> dict[str, int]:
-    """--log-memory-to-tensorboard's fields: each the largest over this process's devices (the fullest one is what
-    runs out), where the allocator reports it."""
-    stats, record = _memory_stats(), {}
-    for name, keys in _MEMORY.items():
-        values = [next((s[k] for k in keys if k in s), None) for s in stats]
-        if values := [int(v) for v in values if v is not None]:
-            record[name] = max(values)
-    return record
+    """--log-memory-to-tensorboard's fields: the statistics of this process's fullest device (the most bytes in use:
+    the one that runs out first), those its allocator reports."""
+    fullest = max(_memory_stats(), key=lambda s: s.get("bytes_in_use", 0))
+    found = {name: next((fullest[k] for k in keys if k in fullest), None) for name, keys in _MEMORY.items()}
+    return {name: int(value) for name, value in found.items() if value is not None}
 
 
 def _installed(package: str) -> bool:
@@ -99,8 +96,10 @@ class MetricsLogger:
             self._trackers.append(_WandB(**wandb, id_file=self.path.parent / WANDB_ID, resume=resumed_at is not None))
 
     def log(self, record: dict[str, Any], steps=()) -> dict[str, Any]:
-        """Writes `record` with its tokens and wall time added; returns it as written. `steps`, the (step, metrics)
-        of the steps the record ends, give the trackers each --tensorboard-log-interval'th step's own scalars."""
+        """Writes `record` with its tokens and wall time added; returns it as written. The trackers get a training
+        record (one with a loss) only at a step divisible by --tensorboard-log-interval, as Megatron writes its
+        scalars, and an evaluation's always; `steps`, the (step, metrics) of the steps the record ends, give them
+        each such step's own scalars in between."""
         step = record["step"]
         for s, metrics in steps if self._trackers else ():
             if s % self.tracker_interval == 0 and s != step:  # (the record's own step: its scalars below)
@@ -115,7 +114,7 @@ class MetricsLogger:
             fh.write(json_line(record) + "\n")  # a diverged loss as null
         scalars = {k: v for k, v in record.items()
                    if k not in ("step", "wall_time") and isinstance(v, (int, float)) and v is not None}
-        for tracker in self._trackers:
+        for tracker in self._trackers if "loss" not in record or step % self.tracker_interval == 0 else ():
             tracker.scalars(step, scalars)
         return record
 

@@ -32,10 +32,10 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(values) - set(FIELD_SECTION))
     megatron = [name for name in unknown if flag_name(name) in MEGATRON_UNIMPLEMENTED | MEGATRON_NEEDLESS.keys()]
     if megatron:  # as the flags say
-        flag, more = flag_name(megatron[0]), bool(megatron[1:])
-        why = MEGATRON_NEEDLESS.get(flag, "mtx does not implement it")
-        raise ValueError(f"--config {path} sets {', '.join(megatron)}: Megatron-LM's {flag}{' and more' * more}: "
-                         f"{why}; remove {'them' if more else 'it'}.")
+        flag = flag_name(megatron[0])
+        why = f"{flag}: {MEGATRON_NEEDLESS.get(flag, 'mtx does not implement it')}"
+        which, them = (f"flags ({why})", "them") if megatron[1:] else (why, "it")
+        raise ValueError(f"--config {path} sets {', '.join(megatron)}: Megatron-LM's {which}; remove {them}.")
     if unknown:
         raise ValueError(f"--config {path} sets unknown field(s) {', '.join(unknown)}; remove or rename them.")
     values = {k: coerce_field(k, v) for k, v in values.items()}

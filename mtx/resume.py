@@ -186,17 +186,10 @@ def say_if_tokenizer_changed(saved: Config, tokenizer, load: str) -> None:
     """A line (main process) when this run's tokenizer is of another kind than the checkpoint's run used: the
     vocabulary sizes agree (check_compatible saw to that), so the weights load, but each id may now mean another
     token (a deliberate switch, GPT-2's files to its tokenizer.json say, keeps them)."""
-    from mtx.data.tokenizer import build_tokenizer
+    from mtx.data.tokenizer import saved_tokenizer
 
-    d = saved.data
-    try:
-        then = build_tokenizer(d.vocab_file, d.merge_file, d.tokenizer_type, d.tokenizer_model,
-                               saved.model.vocab_size - 1)  # (NullTokenizer's: the saved size counts its eod)
-    except (ValueError, OSError):  # its files moved or gone: nothing to compare against
-        return
-    if then.vocab_size != saved.model.vocab_size:  # not what it trained with (a converted checkpoint's defaults, say)
-        return
-    if then.name != tokenizer.name and is_main_process():
+    then = saved_tokenizer(saved.data, saved.model.vocab_size)  # (None: nothing to compare against)
+    if then is not None and then.name != tokenizer.name and is_main_process():
         print(f"mtx: --load {load} was trained with the {then.name} tokenizer, this run reads its data with the "
               f"{tokenizer.name} one (of the same vocabulary size): the ids the weights learned may now mean other "
               "tokens.", file=sys.stderr)

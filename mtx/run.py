@@ -200,9 +200,9 @@ def train(cfg: Config | Plan, *, progress: bool = True, mesh=None) -> RunResult:
                 for split in [s for s in splits if dataset.num_samples(s)]:
                     if cpu and pending:  # the evaluation's batches queue behind the steps still running
                         jax.block_until_ready(pending[-1][1])
-                    collector.around_evaluation()
+                    collector.before_evaluation()
                     loss = evaluate(model, state.params, dataset, t.eval_iters, split)
-                    collector.around_evaluation()
+                    collector.after_evaluation()
                     key, name = _EVALUATED[split]
                     if cfg.model.is_bert:  # MLM + SOP loss: no perplexity of one distribution
                         logger.log({"step": step, f"{key}_loss": loss})

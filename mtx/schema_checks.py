@@ -164,7 +164,8 @@ MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff expert-model-parallel-size context-parallel-size
     rotary-interleaved apply-query-key-layer-scaling distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
-    vocab-extra-ids recompute-modules profile-ranks
+    vocab-extra-ids recompute-modules profile-ranks log-batch-size-to-tensorboard log-world-size-to-tensorboard
+    tensorboard-queue-size
     """.split())
 
 _KERNEL = "a switch of Megatron's CUDA kernels; in mtx XLA fuses and schedules the step, with the same results"
@@ -172,7 +173,9 @@ _KERNEL = "a switch of Megatron's CUDA kernels; in mtx XLA fuses and schedules t
 # ignored, with what mtx does instead, so that a script drops them knowing that nothing is lost.
 MEGATRON_NEEDLESS = {
     "--log-throughput": "mtx always logs it (the log line's throughput per GPU, tflops_per_device in metrics.jsonl)",
-    "--log-validation-ppl-to-tensorboard": "mtx always logs the validation perplexity (val_ppl) to its trackers",
+    "--log-validation-ppl-to-tensorboard": "mtx always logs GPT's validation perplexity (val_ppl) to its trackers",
+    **dict.fromkeys(("--no-log-learning-rate-to-tensorboard", "--no-log-loss-scale-to-tensorboard"),
+                    "mtx always logs the learning rate and the loss scale (lr, loss_scale) to its trackers"),
     "--log-timers-to-tensorboard": "mtx always logs the step's time and its batch's (step_time_s, batch_make_s, "
     "batch_wait_s) to its trackers; the step is one XLA program, with no finer timers",
     "--timing-log-level": "mtx always logs the step's time and its batch's; the step is one XLA program, with no "

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mtx.checkpoint import check_compatible
+from mtx.evaluation import checkpoint_tokenizer
 from mtx.cli import parse_config
 from mtx.config import Config
 from mtx.evaluation import checkpoint_config
@@ -88,7 +89,9 @@ def test_a_resume_drops_a_metrics_line_that_a_kill_cut_short(tmp_path):
 
 
 def test_a_different_model_names_every_field_and_a_fix_that_works():
-    check = lambda saved, current, directory: check_compatible(Config(model=saved), current, directory)  # noqa: E731
+    def check(saved, current, directory):  # the saved run's model with the defaults of the rest of its config
+        check_compatible(Config(model=saved), current, directory)
+
     gpt = dataclasses.replace(TINY.model, vocab_size=257)
     _refused("saved with num_layers=2, hidden_size=64 but this run has 3, 128; pass --num-layers 2 --hidden-size 64",
              check, gpt, dataclasses.replace(gpt, num_layers=3, hidden_size=128), "ck")
@@ -98,6 +101,11 @@ def test_a_different_model_names_every_field_and_a_fix_that_works():
     # train.py sets the vocabulary from the tokenizer, so "pass --vocab-size 257" would have changed nothing
     _refused("vocab_size=257 but this run's tokenizer has 50257; pass the tokenizer it was trained with "
              r"\(--tokenizer-type byte\)", check, gpt, dataclasses.replace(gpt, vocab_size=50257), "ck")
+    converted = Config(model=dataclasses.replace(gpt, vocab_size=50257))  # (mtx.convert's: the data defaults)
+    _refused(r"pass the tokenizer it was trained with \(--vocab-file, --merge-file, --tokenizer-type\)",
+             check_compatible, converted, dataclasses.replace(gpt, vocab_size=257), "ck")
+    with pytest.raises(ValueError, match=r"pass the tokenizer it was trained with \(--vocab-file and --merge-file"):
+        checkpoint_tokenizer(converted)  # (eval.py; was "drop the tokenizer flags (... --tokenizer-type byte)")
     null = Config(model=gpt).replace(tokenizer_type="NullTokenizer")  # the saved run's tokenizer, as it was built
     _refused(r"pass the tokenizer it was trained with \(--tokenizer-type NullTokenizer --vocab-size 256\)",
              check_compatible, null, dataclasses.replace(gpt, vocab_size=301), "ck")

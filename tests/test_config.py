@@ -129,6 +129,10 @@ def test_configs_saved_with_removed_fields_still_load():
     saved = Config().to_dict()
     saved["parallel"].update(tp_comm_p2p=True, tp_comm_batch_split=False)
     assert Config.from_dict(saved) == Config()
+    old = {k: v for k, v in Config().to_dict().items() if k != "logging"}  # before the logging section: in training
+    old["training"].update(log_interval=7, tensorboard_dir="tb", wandb_project="p", log_params_norm=True)
+    log = Config.from_dict(old).logging
+    assert (log.log_interval, log.tensorboard_dir, log.wandb_project, log.log_params_norm) == (7, "tb", "p", True)
     saved["parallel"]["not_a_field"] = 1
     with pytest.raises(ValueError, match="holds 'not_a_field', which mtx does not know"):
         Config.from_dict(saved)  # said of the file by its caller, not of a flag

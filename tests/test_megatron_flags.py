@@ -292,8 +292,9 @@ def test_null_tokenizer_reads_ids_and_refuses_words():
         train(TINY.replace(tokenizer_type="NullTokenizer", vocab_size=300), progress=False)
     with pytest.raises(ValueError, match="NullTokenizer does not read --tokenizer-model; drop it"):
         build_tokenizer(None, None, "NullTokenizer", "tok/", vocab_size=10)
-    with pytest.raises(ValueError, match="^--tokenizer-type NullTokenizer needs --vocab-size N"):  # (as Megatron's)
-        parse_config(["--mock-data", "--tokenizer-type", "NullTokenizer"])
+    for preset in ([], ["--config", "configs/llama_1b.toml"]):  # (a preset's vocab_size is its tokenizer's)
+        with pytest.raises(ValueError, match="^--tokenizer-type NullTokenizer needs --vocab-size N"):  # (Megatron's)
+            parse_config(["--mock-data", "--tokenizer-type", "NullTokenizer", *preset])
     tokens, offsets = mock_documents(tok, 64, seed=0, documents=20)  # long documents wrap below end-of-document
     inside = np.delete(tokens, offsets[1:] - 1)
     assert inside.min() == 1 and inside.max() == 9 and (tokens[offsets[1:] - 1] == 10).all()
@@ -347,7 +348,7 @@ def test_null_tokenizer_trains_resumes_and_scores_from_its_checkpoint(tmp_path, 
     import eval as eval_script
 
     assert eval_script.main(["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "1", "--vocab-size", "300"]) == 2
-    assert "--vocab-size: train.py's; eval.py reads the model and its settings from --load's checkpoint; drop it." \
+    assert "--vocab-size: train.py's; eval.py trains nothing and reads its model from --load's checkpoint; drop it." \
         in capsys.readouterr().err
 
 
@@ -357,13 +358,18 @@ def test_manual_gc_collects_where_megatron_does_and_restores_the_collector(tmp_p
     from mtx import loop_controls
 
     seen = []
-    monkeypatch.setattr(loop_controls, "_collect", lambda: seen.append(gc.isenabled()))
+    monkeypatch.setattr(loop_controls, "_collect", lambda generation=2: seen.append((generation, gc.isenabled())))
     runs = TINY.replace(train_iters=4, eval_interval=2, eval_iters=1, split="90,10,0", manual_gc=True,
                         manual_gc_interval=3)
     train(runs.replace(run_dir=str(tmp_path / "a")), progress=False)
-    assert seen == [False] * 6 and gc.isenabled()  # the start, step 3, around the validations of steps 2 and 4
+    # the start; before the validation of step 2 and, of what it made, after; step 3; the validation of step 4
+    assert seen == [(2, False), (2, False), (0, False), (2, False), (2, False), (0, False)] and gc.isenabled()
     seen.clear()
-    train(runs.replace(manual_gc_eval=False, run_dir=str(tmp_path / "b")), progress=False)
-    assert len(seen) == 2 and gc.isenabled()
+    gc.disable()  # off before: off after
+    try:
+        train(runs.replace(manual_gc_eval=False, run_dir=str(tmp_path / "b")), progress=False)
+        assert len(seen) == 2 and not gc.isenabled()
+    finally:
+        gc.enable()
     with pytest.raises(ValueError, match="--manual-gc-interval .*--manual-gc"):
         parse_config(["--manual-gc-interval", "5"]).validate()

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from mtx.cli import OneLineParser, ranged
 from mtx.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from mtx.data.sentences import split_documents, split_sentences
-from mtx.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from mtx.data.tokenizer import TOKENIZER_TYPES, NotIds, build_tokenizer
 from mtx.files import check_new_files, not_a_file, read_text, refuse_empty, refuse_repeats
 from mtx.schema_checks import flag_name
 
@@ -108,7 +108,7 @@ def _preprocess(args) -> list[str]:
     except BaseException as e:  # a bad input line, an interrupt: no half-written dataset, older outputs untouched
         for writer in writers:
             writer.abort()
-        if isinstance(e, ValueError) and str(e).startswith("NullTokenizer"):  # a text that is not ids: whose
+        if isinstance(e, NotIds):  # a text that is not ids: where
             raise ValueError(f"{source}, document {count + 1}: {e}") from None
         raise
     for writer in writers:

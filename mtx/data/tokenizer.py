@@ -156,6 +156,10 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=False)
 
 
+class NotIds(ValueError):
+    """Text that NullTokenizer cannot read (no ids); its callers name the file it is in."""
+
+
 class NullTokenizer:
     """Megatron's NullTokenizer: no vocabulary, for data already in ids (--mock-data, preprocessed or .npy data).
     For --vocab-size N its ids are 0 .. N - 1 and end-of-document is N, one more, as Megatron adds it (so vocab_size is
@@ -172,7 +176,7 @@ class NullTokenizer:
         # decimal digits only (Megatron's int() takes "+5" and "1_0" too); at most 19 of them, leading zeros aside
         is_id = (lambda w: w.isascii() and w.isdigit() and len(w.lstrip("0")) < 20 and int(w) <= self.eod)
         if bad := next((w for w in words if not is_id(w)), None):
-            raise ValueError(f"NullTokenizer reads text as token ids (decimal digits) between spaces, each 0 to "
+            raise NotIds(f"NullTokenizer reads text as token ids (decimal digits) between spaces, each 0 to "
                              f"{self.eod}, and {bad[:40]!r} is none; pass text of ids (NullTokenizer has no words: "
                              "data of words needs a tokenizer of words, and so does a model that reads them).")
         return [int(w) for w in words]
@@ -209,9 +213,25 @@ UNREAD_FILES = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer"
                 "BertWordPieceLowerCase": ("--merge-file",), "NullTokenizer": ("--vocab-file", "--merge-file")}
 
 
-def tokenizer_flags(data, vocab_size: int) -> str:
-    """The flags that build the tokenizer of a run's `data` config whose model has `vocab_size` ids (NullTokenizer's
-    count its end-of-document id: --vocab-size one less), as a refusal names them."""
+def saved_tokenizer(data, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer a saved run's `data` config builds, where it builds one of `vocab_size` ids, the saved model's
+    (NullTokenizer's count its end-of-document id: --vocab-size one less); None where its files moved or went, and
+    for a converted checkpoint, whose data config holds the defaults (the byte tokenizer's 257 ids)."""
+    unread = UNREAD_FILES.get(data.tokenizer_type, ())  # an older checkpoint may name files its tokenizer ignored
+    try:
+        tokenizer = build_tokenizer(None if "--vocab-file" in unread else data.vocab_file,
+                                    None if "--merge-file" in unread else data.merge_file, data.tokenizer_type,
+                                    data.tokenizer_model, vocab_size - 1)
+    except (ValueError, OSError):
+        return None
+    return tokenizer if tokenizer.vocab_size == vocab_size else None
+
+
+def tokenizer_flags(data, vocab_size: int) -> str | None:
+    """The flags that build the tokenizer of a saved run's `data` config whose model has `vocab_size` ids, as a
+    refusal names them; None where that config builds no such tokenizer (`saved_tokenizer`)."""
+    if saved_tokenizer(data, vocab_size) is None:
+        return None
     kind = data.tokenizer_type or ("GPT2BPETokenizer" if data.vocab_file else "byte")
     files = [f"{flag} {value}" for flag, value in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file),
                                                    ("--tokenizer-model", data.tokenizer_model))
