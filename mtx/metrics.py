@@ -89,7 +89,7 @@ class MetricsLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resumed_at is not None and self.path.exists():
                 self._drop_after(resumed_at)
-        self._trackers = []
+        self._trackers, self._held = [], []  # (the evaluations' scalars not yet written: `log`)
         if enabled and tensorboard_dir:
             self._trackers.append(_TensorBoard(tensorboard_dir))
         if enabled and wandb:  # a resumed run goes on in the W&B run it started (its id kept beside the metrics)
@@ -99,13 +99,11 @@ class MetricsLogger:
         """Writes `record` with its tokens and wall time added; returns it as written. The trackers get a training
         record (one with a loss) only at a step divisible by --tensorboard-log-interval, as Megatron writes its
         scalars, and an evaluation's always; `steps`, the (step, metrics) of the steps the record ends, give them
-        each such step's own scalars in between."""
+        each such step's own scalars in between. They get it all in step order (W&B drops a step older than one it
+        has): an evaluation's record waits for the next training record, which brings the steps before it."""
         step = record["step"]
-        for s, metrics in steps if self._trackers else ():
-            if s % self.tracker_interval == 0 and s != step:  # (the record's own step: its scalars below)
-                values = {k: float(v) for k, v in metrics.items() if k in _STEP_SCALARS}
-                for tracker in self._trackers:
-                    tracker.scalars(s, values)
+        events = [(s, {k: float(v) for k, v in metrics.items() if k in _STEP_SCALARS}) for s, metrics in steps
+                  if self._trackers and s % self.tracker_interval == 0 and s != step]  # (its own step: the record)
         record = {"step": step, **({"tokens": step * self.tokens_per_step} if self.tokens_per_step else {}),
                   **{k: v for k, v in record.items() if k != "step"}, "wall_time": time.time()}
         if not self.enabled:
@@ -114,9 +112,18 @@ class MetricsLogger:
             fh.write(json_line(record) + "\n")  # a diverged loss as null
         scalars = {k: v for k, v in record.items()
                    if k not in ("step", "wall_time") and isinstance(v, (int, float)) and v is not None}
-        for tracker in self._trackers if "loss" not in record or step % self.tracker_interval == 0 else ():
-            tracker.scalars(step, scalars)
+        if "loss" not in record:  # an evaluation
+            self._held += [(step, scalars)] if self._trackers else []
+            return record
+        events += self._held + [(step, scalars)] * (step % self.tracker_interval == 0)
+        self._held = []
+        self._write(sorted(events, key=lambda event: event[0]))  # (stable: an evaluation after its step's scalars)
         return record
+
+    def _write(self, events) -> None:
+        for step, scalars in events:
+            for tracker in self._trackers:
+                tracker.scalars(step, scalars)
 
     def _drop_after(self, step: int) -> None:
         """A run resumed at `step` re-runs the steps after it: their earlier records go (atomically: the file is
@@ -129,6 +136,8 @@ class MetricsLogger:
             os.replace(tmp, self.path)
 
     def close(self) -> None:
+        self._write(self._held)  # the evaluations after the last training record
+        self._held = []
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []

@@ -162,7 +162,7 @@ def check_field(name: str, hint, value: Any) -> None:
 # other unknown flag gets "did you mean"). None of them is an mtx flag (tests/test_megatron_flags.py).
 MEGATRON_UNIMPLEMENTED = frozenset("--" + name for name in """
     num-experts moe-router-topk moe-grouped-gemm moe-aux-loss-coeff expert-model-parallel-size context-parallel-size
-    rotary-interleaved apply-query-key-layer-scaling distribute-saved-activations rampup-batch-size
+    rotary-interleaved distribute-saved-activations rampup-batch-size
     fp8-format fp8-margin use-dist-ckpt ckpt-format dist-ckpt-format auto-detect-ckpt-format data-cache-path
     vocab-extra-ids recompute-modules profile-ranks log-batch-size-to-tensorboard log-world-size-to-tensorboard
     tensorboard-queue-size
@@ -182,6 +182,8 @@ MEGATRON_NEEDLESS = {
     "finer timers (--profile traces its kernels)",
     "--use-pytorch-profiler": "mtx spells it --profile (a jax.profiler trace, TensorBoard's profile tab)",
     "--attention-softmax-in-fp32": "mtx's attention always takes its softmax in float32",
+    "--apply-query-key-layer-scaling": "mtx's attention scores are float32 products (its softmax too), so fp16 "
+    "cannot overflow in them, which the scaling guards against",
     "--accumulate-allreduce-grads-in-fp32": "mtx always accumulates and reduces the gradients in float32",
     "--use-cpu-initialization": "mtx's initial weights are the same on every mesh already",
     **dict.fromkeys(("--use-mcore-models", "--use-legacy-models", "--transformer-impl"),

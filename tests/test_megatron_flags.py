@@ -99,6 +99,8 @@ def test_unimplemented_megatron_flags_say_so(tmp_path):
                                          "remove it. "
                                          "Megatron-LM's --no-bias-dropout-fusion: a switch of Megatron's CUDA kernels"):
         parse_config(["--use-mcore-models", "--num-experts", "2", "--no-bias-dropout-fusion"])
+    with pytest.raises(ValueError, match="--apply-query-key-layer-scaling: mtx's attention scores are float32"):
+        parse_config(["--apply-query-key-layer-scaling"])  # (the scores' einsum: preferred_element_type float32)
     with pytest.raises(ValueError, match="did you mean --hidden-size"):
         parse_config(["--hiden-size", "8"])
     mtx_flags = {s for action in build_parser()._actions for s in action.option_strings}

@@ -237,3 +237,18 @@ def test_trackers_get_steps_between_records_and_memory_where_the_devices_report_
     record = records(tmp_path / "mem")[-1]  # the fullest device's (the most bytes in use)
     assert [record[k] for k in ("mem_allocated_bytes", "mem_max_allocated_bytes", "mem_reserved_bytes",
                                 "mem_limit_bytes")] == [7, 8, 3, 20]
+
+
+def test_trackers_get_steps_in_order_when_evaluations_fall_between_records(tmp_path, monkeypatch):
+    """W&B drops a step older than one it has: an evaluation inside a logging interval waits for the steps before it
+    (which come with the next record), and the last one is written when the run ends."""
+    pytest.importorskip("tensorboard", reason="its writer is spied on: pip install 'mtx[tensorboard]'")
+    from mtx import metrics
+
+    written = []
+    monkeypatch.setattr(metrics._TensorBoard, "scalars", lambda self, step, values: written.append((step, *values)))
+    train(TINY.replace(train_iters=5, log_interval=3, eval_interval=2, eval_iters=1, split="90,10,0",
+                       run_dir=str(tmp_path / "run"), tensorboard_dir=str(tmp_path / "tb")), progress=False)
+    steps = [step for step, *_ in written]
+    assert steps == sorted(steps) and {1, 2, 3, 4, 5} <= set(steps)
+    assert [step for step, *tags in written if "val_loss" in tags] == [2, 4, 5]  # the last one after the last record
