@@ -150,7 +150,7 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args, reads_checkpoint: bool = False, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
-        self.reads_checkpoint = reads_checkpoint  # a tool whose model is --load's: train.py's flags said so
+        self.reads_checkpoint = reads_checkpoint  # its model is --load's (eval.py): train.py's flags are named so
 
     def print_help(self, file=None):
         """argparse's, but a failed write is not swallowed: --help into a closed pipe ends as any output does."""
@@ -202,7 +202,8 @@ class OneLineParser(argparse.ArgumentParser):
 
     def refuse_unknown_flags(self, tokens: list[str], argv: list[str] | None = None) -> None:
         """Raises the one-line error of the flags among `tokens` that neither this parser nor the subcommand named in
-        the command line `argv` (default: `tokens`) takes, if any (the subcommand's error: its name in the message)."""
+        the command line `argv` (default: `tokens`) takes, if there are any (the subcommand's error: its name in the
+        message). A tool that `reads_checkpoint` (eval.py) says of train.py's flags that they are train.py's."""
         parser, known = self, set()
         while parser is not None:
             known.update(s for action in parser._actions for s in action.option_strings)
@@ -322,8 +323,10 @@ def unset_nones(values: dict) -> dict:
 
 def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Config:
     """Flags (and an optional preset) -> a Config. Bad flags raise ValueError, one line naming them (and `prog`, the
-    tool they were given to): an unknown flag with the closest one mtx has, a missing or mistyped value its flag."""
-    values = vars(build_parser(prog).parse_args(with_negative_values(argv)))  # (unknown flags: "did you mean")
+    tool they were given to): an unknown flag with the closest one mtx has, a missing or mistyped value with its
+    flag."""
+    values = vars(build_parser(prog).parse_args(with_negative_values(argv)))  # "unknown flag --hiden-size; did you mean
+    # --hidden-size?"
     preset = values.pop("config", None)
     # (an empty --config once trained the default model, silently)
     refuse_empty(preset, "--config", "a preset file such as configs/gpt2_124m.toml, or drop --config")

@@ -89,9 +89,9 @@ def _dataset(cfg):
 def say_what_data_overrides(cfg, dataset) -> None:
     """One line each (main process, stderr) where the data decides what a setting asked for: the vocabulary is the
     tokenizer's whatever --vocab-size or the preset says (the schema's default is said by no one; NullTokenizer's
-    is --vocab-size, said when it is that default), and with no
-    validation share of --split, --eval-interval has nothing to evaluate; a blend's dataset of weight 0 is never
-    read; an indexed dataset whose documents all end in another end-of-document id was made by another tokenizer."""
+    is --vocab-size, said when it is that default), and with no validation share of --split, --eval-interval has
+    nothing to evaluate; a blend's dataset of weight 0 is never read; an indexed dataset whose documents all end in
+    another end-of-document id was made by another tokenizer."""
     from mtx.config import ModelConfig
     from mtx.distributed import is_main_process
 
@@ -115,10 +115,12 @@ def say_what_data_overrides(cfg, dataset) -> None:
         if both := sorted(read["train"] & read[split]):
             print(f"mtx: {', '.join(both)} is training data and {flag_name(SPLIT_PATHS[split])} data: the {split} "
                   "loss is then measured on samples trained on.", file=sys.stderr)
-    for prefix in {indexed_prefix(p) for name in ("data_path", *SPLIT_PATHS.values())
-                   if getattr(cfg.data, name) and not cfg.model.is_bert
-                   for p in parse_data_path(getattr(cfg.data, name))[1]} - {None}:
-        _say_if_other_eod(prefix, dataset.tokenizer)  # (GPT's: BERT's samples are sentences, no end-of-document)
+    given = [name for name in ("data_path", *SPLIT_PATHS.values()) if getattr(cfg.data, name)]
+    indexed = {indexed_prefix(p): flag_name(name) for name in given if not cfg.model.is_bert
+               for p in parse_data_path(getattr(cfg.data, name))[1]}
+    indexed.pop(None, None)  # (text and .npy files; GPT's only: BERT's samples are sentences, no end-of-document)
+    for prefix, flag in indexed.items():
+        _say_if_other_eod(f"{flag} {prefix}", prefix, dataset.tokenizer)
     t = cfg.training
     if t.eval_interval and not dataset.num_samples("valid"):
         gives, fix = ((f"--split {cfg.data.split} gives validation no share", "give valid a --split share (e.g. "
@@ -132,7 +134,7 @@ def say_what_data_overrides(cfg, dataset) -> None:
                   f"or {fix}.", file=sys.stderr)
 
 
-def _say_if_other_eod(prefix: str, tokenizer: Tokenizer) -> None:
+def _say_if_other_eod(given: str, prefix: str, tokenizer: Tokenizer) -> None:
     """A line when every document of an indexed dataset (of 4,096 spread over it) ends in one id that is not the
     tokenizer's end-of-document: --append-eod by another tokenizer (NullTokenizer's end-of-document is its
     --vocab-size), so this run would read that id as a token and not see where documents end (--eod-mask-loss,
@@ -142,7 +144,7 @@ def _say_if_other_eod(prefix: str, tokenizer: Tokenizer) -> None:
     ends = offsets[1:][offsets[1:] > offsets[:-1]] - 1  # each non-empty document's last token
     last = np.asarray(ds.tokens[ends[::max(1, len(ends) // 4096)]])  # (4,096 of them at most: no second full read)
     if len(last) > 1 and (last == last[0]).all() and last[0] != tokenizer.eod:
-        print(f"mtx: every document of --data-path {prefix} ends in id {last[0]}, and this tokenizer's end-of-document "
+        print(f"mtx: every document of {given} ends in id {last[0]}, and this tokenizer's end-of-document "
               f"is {tokenizer.eod}: if it was preprocessed with --append-eod by another tokenizer, pass that one "
               f"(NullTokenizer: --vocab-size {last[0]}).", file=sys.stderr)
 
