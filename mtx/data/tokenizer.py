@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from mtx.data.wordpiece import BertWordPieceTokenizer  # noqa: F401 (BERT's, imported with the others from here)
 from mtx.errors import first_line
 from mtx.files import not_a_file, read_tokenizer_file
 from mtx.schema_checks import TOKENIZER_TYPES
-from mtx.data.wordpiece import BertWordPieceTokenizer  # noqa: F401 (BERT's, with the others here)
 
 # GPT-2's pre-tokenization regex, as tiktoken_ext.openai_public uses it for "gpt2" (r50k_pat_str).
 _GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -177,8 +177,8 @@ class NullTokenizer:
         is_id = (lambda w: w.isascii() and w.isdigit() and len(w.lstrip("0")) < 20 and int(w) <= self.eod)
         if bad := next((w for w in words if not is_id(w)), None):
             raise NotIds(f"NullTokenizer reads text as token ids (decimal digits) between spaces, each 0 to "
-                             f"{self.eod}, and {bad[:40]!r} is none; pass text of ids (NullTokenizer has no words: "
-                             "data of words needs a tokenizer of words, and so does a model that reads them).")
+                         f"{self.eod}, and {bad[:40]!r} is none; pass text of ids (NullTokenizer has no words: data "
+                         "of words needs a tokenizer of words, and so does a model that reads them).")
         return [int(w) for w in words]
 
     def decode(self, ids: Iterable[int]) -> str:
