@@ -274,15 +274,12 @@ def checkpoint_tokenizer(cfg, vocab_file: str | None = None, merge_file: str | N
     WordPiece, a Hugging Face tokenizer.json, NullTokenizer's ids or bytes); refuses one whose vocabulary size
     differs from the model's."""
     from mtx.data import build_tokenizer
-    from mtx.data.tokenizer import UNREAD_FILES, tokenizer_flags
+    from mtx.data.tokenizer import saved_tokenizer_args, tokenizer_flags
 
     flags = (vocab_file, merge_file, tokenizer_type, tokenizer_model)
     given = any(f is not None for f in flags)
     if not given and cfg is not None:
-        d = cfg.data
-        unread = UNREAD_FILES.get(d.tokenizer_type, ())  # an older checkpoint may name files its tokenizer ignored
-        flags = (None if "--vocab-file" in unread else d.vocab_file, None if "--merge-file" in unread else d.merge_file,
-                 d.tokenizer_type, d.tokenizer_model)
+        flags = saved_tokenizer_args(cfg.data)
     if flags[2] == "NullTokenizer" and cfg is None:
         raise ValueError("--tokenizer-type NullTokenizer takes its vocabulary from the checkpoint; pass --load.")
     # (NullTokenizer's ids: those before its end-of-document id, which the saved vocabulary counts)

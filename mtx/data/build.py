@@ -105,20 +105,19 @@ def say_what_data_overrides(cfg, dataset) -> None:
     elif vocab != dataset.tokenizer.vocab_size and vocab != default:
         print(f"mtx: vocab_size {vocab} (--vocab-size or the preset) is replaced by the tokenizer's "
               f"{dataset.tokenizer.vocab_size}: the tokenizer sets it.", file=sys.stderr)
+    indexed = {}  # each indexed dataset, with the flag that first gives it (GPT's: BERT's samples are sentences)
     for name in ("data_path", *SPLIT_PATHS.values()):
         weights, paths = parse_data_path(getattr(cfg.data, name)) if getattr(cfg.data, name) else (None, [])
         if never := [path for weight, path in zip(weights or (), paths) if weight == 0]:
             print(f"mtx: {flag_name(name)} {', '.join(never)}: weight 0, never sampled.", file=sys.stderr)
+        for prefix in filter(None, map(indexed_prefix, paths if not cfg.model.is_bert else ())):
+            indexed.setdefault(prefix, flag_name(name))
     read = {split: set(parse_data_path(getattr(cfg.data, name))[1] if getattr(cfg.data, name) else ())
             for split, name in SPLIT_PATHS.items()}
     for split in ("valid", "test"):  # (Megatron allows it: said, not refused)
         if both := sorted(read["train"] & read[split]):
             print(f"mtx: {', '.join(both)} is training data and {flag_name(SPLIT_PATHS[split])} data: the {split} "
                   "loss is then measured on samples trained on.", file=sys.stderr)
-    given = [name for name in ("data_path", *SPLIT_PATHS.values()) if getattr(cfg.data, name)]
-    indexed = {indexed_prefix(p): flag_name(name) for name in given if not cfg.model.is_bert
-               for p in parse_data_path(getattr(cfg.data, name))[1]}
-    indexed.pop(None, None)  # (text and .npy files; GPT's only: BERT's samples are sentences, no end-of-document)
     for prefix, flag in indexed.items():
         _say_if_other_eod(f"{flag} {prefix}", prefix, dataset.tokenizer)
     t = cfg.training

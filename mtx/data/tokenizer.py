@@ -213,15 +213,20 @@ UNREAD_FILES = {"byte": ("--vocab-file", "--merge-file"), "HuggingFaceTokenizer"
                 "BertWordPieceLowerCase": ("--merge-file",), "NullTokenizer": ("--vocab-file", "--merge-file")}
 
 
+def saved_tokenizer_args(data) -> tuple:
+    """build_tokenizer's first arguments for a saved run's `data` config, less the files its tokenizer does not read
+    (an older checkpoint may name them: build_tokenizer refuses them)."""
+    unread = UNREAD_FILES.get(data.tokenizer_type, ())
+    return (None if "--vocab-file" in unread else data.vocab_file,
+            None if "--merge-file" in unread else data.merge_file, data.tokenizer_type, data.tokenizer_model)
+
+
 def saved_tokenizer(data, vocab_size: int) -> Tokenizer | None:
     """The tokenizer a saved run's `data` config builds, where it builds one of `vocab_size` ids, the saved model's
     (NullTokenizer's count its end-of-document id: --vocab-size one less); None where its files moved or went, and
     for a converted checkpoint, whose data config holds the defaults (the byte tokenizer's 257 ids)."""
-    unread = UNREAD_FILES.get(data.tokenizer_type, ())  # an older checkpoint may name files its tokenizer ignored
     try:
-        tokenizer = build_tokenizer(None if "--vocab-file" in unread else data.vocab_file,
-                                    None if "--merge-file" in unread else data.merge_file, data.tokenizer_type,
-                                    data.tokenizer_model, vocab_size - 1)
+        tokenizer = build_tokenizer(*saved_tokenizer_args(data), vocab_size - 1)
     except (ValueError, OSError):
         return None
     return tokenizer if tokenizer.vocab_size == vocab_size else None
@@ -232,10 +237,10 @@ def tokenizer_flags(data, vocab_size: int) -> str | None:
     refusal names them; None where that config builds no such tokenizer (`saved_tokenizer`)."""
     if saved_tokenizer(data, vocab_size) is None:
         return None
-    kind = data.tokenizer_type or ("GPT2BPETokenizer" if data.vocab_file else "byte")
-    files = [f"{flag} {value}" for flag, value in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file),
-                                                   ("--tokenizer-model", data.tokenizer_model))
-             if value is not None and flag not in UNREAD_FILES.get(kind, ())]
+    vocab_file, merge_file, kind, model = saved_tokenizer_args(data)
+    kind = kind or ("GPT2BPETokenizer" if vocab_file else "byte")
+    files = [f"{flag} {value}" for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file),
+                                                   ("--tokenizer-model", model)) if value is not None]
     size = [f"--vocab-size {vocab_size - 1}"] if kind == "NullTokenizer" else []
     return " ".join([f"--tokenizer-type {kind}", *files, *size])
 
