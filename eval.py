@@ -115,7 +115,7 @@ def idle_rules(parser, args) -> list:
 
 
 def main(argv=None) -> int:
-    from mtx.devices import devices
+    from mtx.devices import devices, use_memory_fraction
     from mtx.distributed import initialize_from, is_main_process, watch_peers
     from mtx.eval_tasks import prepare
 
@@ -124,6 +124,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         refuse_idle(flags_in(argv), idle_rules(parser, args))
         initialize_from(args)  # before any device is asked for
+        use_memory_fraction()  # train.py's share of GPU memory: mtx's 0.9, or $XLA_PYTHON_CLIENT_MEM_FRACTION
         devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         load, task = prepare(args)  # mtx/eval_tasks.py
         loaded = load()

@@ -215,9 +215,13 @@ def run_cli(measure_fn, argv=None, check=None, *, uses=None, prog="bench.py", de
 
 
 def check_mesh(cfg) -> None:
-    """The mesh against the devices there are (measure's own check), before any device work."""
+    """The mesh against the devices there are (measure's own check), before any device work; first the GPU memory
+    share (--gpu-memory-fraction), as train.py sets it."""
     import jax
 
+    from mtx.devices import use_memory_fraction
+
+    use_memory_fraction(cfg.training.gpu_memory_fraction)
     cfg.validate(len(jax.devices()))
 
 

@@ -50,7 +50,7 @@ def probe(cfg, out: Path, top: int = 30) -> dict:
 
 
 def main(argv=None) -> int:
-    from benchmarks.bench import parse_flags
+    from benchmarks.bench import check_mesh, parse_flags
     from mtx.config import STEP_FIELDS
     from mtx.cli import OneLineParser, ranged
     from mtx.files import check_writable
@@ -62,9 +62,7 @@ def main(argv=None) -> int:
     try:
         own, cfg = parse_flags(ap, argv, uses=STEP_FIELDS, description=__doc__.split("\n\n")[0])
         check_writable(own.out, "OUT_DIR")
-        import jax
-
-        cfg.validate(len(jax.devices()))  # the mesh against the devices there are, before any work
+        check_mesh(cfg)  # the GPU memory share (XLA plans within it), the mesh against the devices there are
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.bench import run_cli, time_steps
 from mtx.flag_rules import refuse_idle
-from mtx.devices import simulate_cpu_devices
+from mtx.devices import simulate_cpu_devices, use_memory_fraction
 from mtx.schema_checks import flag_name
 
 # The Config fields this baseline reads (the train.py flags it takes; run_cli refuses the others): its GPT's shape,
@@ -192,6 +192,7 @@ def check_config(cfg, *, gspmd: bool = False, given=()) -> None:
     the mesh flags without --gspmd, a mesh --gspmd cannot split; then checks the config on the devices it runs on
     (one, or the first --tensor-model-parallel-size with --gspmd)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    use_memory_fraction()  # train.py's share of GPU memory (no flag here: mtx's 0.9, or the environment's)
     # a preset's model that is not the one built here (the flags that set these are refused as unused)
     blocks = {"--model-type bert": m.is_bert, "--layernorm-placement post": m.layernorm_placement == "post",
               f"--layernorm-epsilon {m.epsilon}": m.epsilon != EPSILON}

@@ -5,7 +5,8 @@ device query or computation), not when jax is imported. Only the CPU platform re
 `jax.devices()` still lists the GPUs. This module imports nothing of JAX at import, so entry points call it first.
 And if the host has GPUs but JAX runs on CPU (a jaxlib without CUDA: `pip install -e .` alone), `check_accelerator`
 says so loudly instead of letting a run train on simulated devices. `use_compilation_cache` points JAX's persistent
-compilation cache at a directory, so that the second start of a program skips XLA's compilation.
+compilation cache at a directory, so that the second start of a program skips XLA's compilation, and
+`use_memory_fraction` gives JAX's GPU allocator 0.9 of each card instead of JAX's 0.75.
 """
 
 from __future__ import annotations
@@ -101,6 +102,43 @@ def use_compilation_cache(path: str | None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(where))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     return where
+
+
+MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # JAX's own 0.75 leaves a quarter of each card to no one (docs/design.md)
+JAX_MEMORY_FRACTION = 0.75
+
+
+def use_memory_fraction(fraction: float | None = None) -> float:
+    """Sets the share of each GPU's memory that JAX's allocator holds ($XLA_PYTHON_CLIENT_MEM_FRACTION) and returns
+    it: `fraction` (--gpu-memory-fraction), else the environment's, else mtx's 0.9. XLA compiles a program to fit the
+    allocator's share: under JAX's default 0.75 the 1.2B step at micro batch 24 on an 80 GB H100 is recomputed into
+    57 GiB and runs 1.2% slower than in 72 GiB. The rest of the card is for what the allocator does not hold (the CUDA
+    context, NCCL's buffers). Call it before JAX starts its backends, which read the setting once (after, it changes
+    nothing and returns JAX's 0.75); a fraction asked for that can no longer take effect on a GPU, or one the
+    environment contradicts, is refused in one line. CPU runs ignore the share."""
+    env = os.environ.get(MEMORY_FRACTION)
+    if env is not None:
+        try:
+            held = float(env)
+        except ValueError:
+            held = float("nan")
+        if not 0 < held <= 1:
+            raise ValueError(f"{MEMORY_FRACTION}={env} is not a share of GPU memory; set it to a number in (0, 1] "
+                             "such as 0.9, or unset it.")
+        if fraction is not None and fraction != held:
+            raise ValueError(f"--gpu-memory-fraction {fraction} contradicts {MEMORY_FRACTION}={env}; pass one of them.")
+        return held
+    if _backends_started():  # the allocator is made: the share is JAX's 0.75
+        import jax
+
+        if fraction is not None and jax.default_backend() == "gpu":  # asked for, and would be silently ignored
+            raise ValueError(f"--gpu-memory-fraction {fraction} comes too late: JAX has already started its backends "
+                             f"(with its own 0.75); set {MEMORY_FRACTION} before the first device query.")
+        return JAX_MEMORY_FRACTION if fraction is None else fraction
+    fraction = DEFAULT_GPU_MEMORY_FRACTION if fraction is None else fraction
+    os.environ[MEMORY_FRACTION] = str(fraction)
+    return fraction
 
 
 def _backends_started() -> bool:

@@ -22,7 +22,7 @@ from mtx.config import Config
 from mtx.data import build_dataset, say_what_data_overrides
 from mtx.data.prefetch import BatchTimes, prefetch
 from mtx.data.workers import BatchWorkers
-from mtx.devices import check_accelerator, devices, use_compilation_cache
+from mtx.devices import check_accelerator, devices, use_compilation_cache, use_memory_fraction
 from mtx.distributed import barrier, is_main_process
 from mtx.evaluation import perplexity
 from mtx.files import CONFIG, METRICS, check_outside, check_run_dir, check_writable, forget_new_run_dir, same_path
@@ -67,6 +67,7 @@ class Plan:
 
 def prepare(cfg: Config) -> Plan:
     """Everything that can fail on bad input, with no device work: config, data, directories, checkpoint."""
+    use_memory_fraction(cfg.training.gpu_memory_fraction)  # before JAX starts its backends (it reads it once)
     num_devices = len(devices())
     for warning in (check_accelerator(), _unsaved_checkpoints(cfg.training)):
         if warning and is_main_process():

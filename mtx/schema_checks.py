@@ -55,7 +55,7 @@ RANGES = {
     "exit_interval": ">= 1", "exit_duration_in_mins": "> 0", "keep_last_n_checkpoints": ">= 1",
     "keep_checkpoint_every": ">= 1", "generate_tokens": "[0, 65536]", "train_samples": ">= 0",
     "profile_step_start": ">= 0", "profile_step_end": ">= 1", "scheduler_memory_percent": "[1, 100]",
-    "manual_gc_interval": ">= 0",
+    "gpu_memory_fraction": "(0, 1]", "manual_gc_interval": ">= 0",
     # logging
     "log_interval": ">= 1", "tensorboard_log_interval": ">= 1",
     # data

@@ -83,6 +83,7 @@ def test_gpus_left_unused_are_reported(monkeypatch):
     ({"XLA_FLAGS": "--xla_force_host_platform_device_count=-2"}, "=-2 asks for no usable count"),
     ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=3"},
      "3 devices (XLA_FLAGS --xla_force_host_platform_device_count=3) are not divisible"),
+    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "90%"}, "XLA_PYTHON_CLIENT_MEM_FRACTION=90% is not a share of GPU memory"),
 ])
 def test_a_backend_jax_cannot_start_is_one_line(env, said):
     """JAX_PLATFORMS naming a platform this install lacks, or no CPU devices: train.py says so in one line, exit
@@ -93,3 +94,44 @@ def test_a_backend_jax_cannot_start_is_one_line(env, said):
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert run.returncode == 2 and len(errors) == 1 and said in errors[0], run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+def test_the_gpu_memory_share_is_set_before_the_backends_start():
+    """mtx's 0.9 of each GPU (JAX's own 0.75 makes XLA recompute large steps to fit), set before the first device
+    query; the environment's share is kept; once the backends run, asking again changes nothing."""
+    out = _run("""
+        import os
+        from mtx.devices import use_memory_fraction
+        print(use_memory_fraction(), os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        import jax
+        jax.devices()
+        print(use_memory_fraction(), use_memory_fraction(0.9))
+    """)
+    assert out == ["0.9", "0.9", "0.9", "0.9"]
+
+
+def test_gpu_memory_shares_asked_for(monkeypatch):
+    import mtx.devices as devices
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setattr(devices, "_backends_started", lambda: False)
+    assert devices.use_memory_fraction(0.8) == 0.8 and os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
+    assert devices.use_memory_fraction(0.8) == 0.8  # (now the environment's, which agrees)
+    with pytest.raises(ValueError, match=r"^--gpu-memory-fraction 0.7 contradicts XLA_PYTHON_CLIENT_MEM_FRACTION=0.8; "
+                                         "pass one of them.$"):
+        devices.use_memory_fraction(0.7)
+    for bad in ("0", "1.5", "nan", ""):
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", bad)
+        with pytest.raises(ValueError, match="is not a share of GPU memory; set it to a number in"):
+            devices.use_memory_fraction()
+    # Too late: on the CPU the share means nothing; on a GPU the share asked for would be silently ignored.
+    import jax
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setattr(devices, "_backends_started", lambda: True)
+    assert devices.use_memory_fraction() == 0.75 and devices.use_memory_fraction(0.5) == 0.5
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert devices.use_memory_fraction() == 0.75
+    with pytest.raises(ValueError, match="--gpu-memory-fraction 0.5 comes too late: JAX has already started"):
+        devices.use_memory_fraction(0.5)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
