@@ -85,11 +85,13 @@ def count_source() -> str:
 
 
 def use_compilation_cache(path: str | None) -> Path | None:
-    """Points JAX's persistent compilation cache at `path` (`~` expanded, created if missing) and returns it; None
-    leaves JAX's setting alone; a path it cannot use is refused in one line. Programs that took over a second to
-    compile are stored there (files JAX names by the program's hash) and a later process that compiles the same
-    program on the same devices loads them. Call it before the first compilation: JAX decides once per process
-    whether the cache is in use."""
+    """Points JAX's persistent compilation cache at `path` (`~` expanded, created if missing), in a folder for the
+    GPU memory share in force (use_memory_fraction), and returns that folder; None leaves JAX's setting alone; a path
+    it cannot use is refused in one line. Programs that took over a second to compile are stored there (files JAX
+    names by the program's hash) and a later process that compiles the same program on the same devices loads them.
+    JAX's hash leaves out the allocator's share, which XLA plans the program's memory in: a program planned for a
+    larger share can run out of memory under a smaller one, so each share has its own folder. Call it before the
+    first compilation: JAX decides once per process whether the cache is in use."""
     if path is None:
         return None
     import jax
@@ -98,6 +100,7 @@ def use_compilation_cache(path: str | None) -> Path | None:
 
     where = Path(path).expanduser().absolute()
     check_writable(where, "--compilation-cache-dir")  # refuses a file, a path through one, or no write permission
+    where = where / f"gpu-memory-{use_memory_fraction()}"
     where.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(where))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -1,6 +1,7 @@
 """The persistent compilation cache (`--compilation-cache-dir`, used on GPUs): a second process compiling the same
 program loads it from the directory, and a path it cannot use is refused in one line before any device work."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,14 +25,23 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_a_second_process_loads_the_compiled_program(tmp_path):
-    cache = tmp_path / "xla"  # created by the first process
-    first, second = [subprocess.run([sys.executable, "-c", PROGRAM, str(cache)], capture_output=True, text=True,
-                                    check=True).stdout.split() for _ in range(2)]
+    first, second = [subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path / "xla")], capture_output=True,
+                                    text=True, check=True).stdout.split() for _ in range(2)]
+    cache = tmp_path / "xla" / "gpu-memory-0.9"  # created by the first process: the programs of mtx's GPU memory share
     entries = sorted(p.name for p in cache.iterdir())
     assert any(name.startswith("jit__lambda") for name in entries), entries
     # the same value; the first compiled the step (no hit), the second loaded it and wrote nothing new
     assert first[0] == second[0] and first[1] == "0" and int(second[1]) >= 1, (first, second)
     assert sorted(p.name for p in cache.iterdir()) == entries
+
+
+def test_each_gpu_memory_share_has_its_programs(tmp_path):
+    """JAX's cache key leaves out the allocator's share; a program planned for 0.95 of a card, loaded under 0.9,
+    could run out of memory, so the shares' programs live apart."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    out = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path)], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    assert out[1] == "0" and [p.name for p in tmp_path.iterdir()] == ["gpu-memory-0.5"]
 
 
 def test_a_path_the_cache_cannot_use_is_refused(tmp_path):
