@@ -121,8 +121,9 @@ class TrainingConfig:
               "scheduler may plan into when it moves collectives to overlap compute (XLA's "
               "xla_gpu_memory_limit_slop_factor, for the training step only); lower trades overlap for memory; "
               "None: XLA's 95", step=True)
-    gpu_memory_fraction: float | None = _f(None, "GPU: the share of each GPU's memory JAX's allocator holds, all XLA plans "
-                                                 "the step in; None: $XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.9", step=True)
+    gpu_memory_fraction: float | None = _f(
+        None, "GPU: the share of each GPU's memory JAX's allocator holds (XLA fits the step into it, recomputing what "
+              "does not fit); None: $XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.9 (JAX's own is 0.75)", step=True)
     use_flash_attn: bool = _f(False, "fused attention on GPU (bf16/fp16): cuDNN's flash attention, or with attention "
                                      "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere",
                               step=True)

@@ -116,7 +116,7 @@ def use_memory_fraction(fraction: float | None = None) -> float:
     """Sets the share of each GPU's memory that JAX's allocator holds ($XLA_PYTHON_CLIENT_MEM_FRACTION) and returns
     it: `fraction` (--gpu-memory-fraction), else the environment's, else mtx's 0.9. XLA compiles a program to fit the
     allocator's share: under JAX's default 0.75 the 1.2B step at micro batch 24 on an 80 GB H100 is recomputed into
-    57 GiB and runs 1.2% slower than in 72 GiB. The rest of the card is for what the allocator does not hold (the CUDA
+    57 GiB and runs 1.6% slower than at 0.9, in 68 GiB (docs/benchmarks.md 19). The rest of the card is for what the allocator does not hold (the CUDA
     context, NCCL's buffers). Call it before JAX starts its backends, which read the setting once (after, it changes
     nothing and returns JAX's 0.75); a fraction asked for that can no longer take effect on a GPU, or one the
     environment contradicts, is refused in one line. CPU runs ignore the share."""
