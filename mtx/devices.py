@@ -116,16 +116,12 @@ def use_memory_fraction(fraction: float | None = None) -> float:
     """Sets the share of each GPU's memory that JAX's allocator holds ($XLA_PYTHON_CLIENT_MEM_FRACTION) and returns
     it: `fraction` (--gpu-memory-fraction), else the environment's, else mtx's 0.9. XLA compiles a program to fit the
     allocator's share: under JAX's default 0.75 the 1.2B step at micro batch 24 on an 80 GB H100 is recomputed into
-    57 GiB and runs 1.6% slower than at 0.9, in 68 GiB (docs/benchmarks.md 19). The rest of the card is for what the allocator does not hold (the CUDA
-    context, NCCL's buffers). Call it before JAX starts its backends, which read the setting once (after, it changes
+    57 GiB and runs 1.6% slower than at 0.9, in 68 GiB (docs/benchmarks.md 19). The rest of the card is for what the
+    allocator does not hold (the CUDA context, NCCL's buffers). Call it before JAX starts its backends, which read the setting once (after, it changes
     nothing and returns JAX's 0.75); a fraction asked for that can no longer take effect on a GPU, or one the
     environment contradicts, is refused in one line. CPU runs ignore the share."""
-    env = os.environ.get(MEMORY_FRACTION)
-    if env is not None:
-        try:
-            held = float(env)
-        except ValueError:
-            held = float("nan")
+    if (held := share_set()) is not None:
+        env = os.environ[MEMORY_FRACTION]
         if not 0 < held <= 1:
             raise ValueError(f"{MEMORY_FRACTION}={env} is not a share of GPU memory; set it to a number in (0, 1] "
                              "such as 0.9, or unset it.")
@@ -142,6 +138,16 @@ def use_memory_fraction(fraction: float | None = None) -> float:
     fraction = DEFAULT_GPU_MEMORY_FRACTION if fraction is None else fraction
     os.environ[MEMORY_FRACTION] = str(fraction)
     return fraction
+
+
+def share_set() -> float | None:
+    """The share of each GPU $XLA_PYTHON_CLIENT_MEM_FRACTION sets (NaN when it is no number), None when unset."""
+    if (text := os.environ.get(MEMORY_FRACTION)) is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
 
 
 def _backends_started() -> bool:

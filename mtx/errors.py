@@ -27,7 +27,10 @@ def out_of_memory(error: BaseException, fixes: Sequence[str]) -> str | None:
 
 
 def training_memory_fixes(cfg) -> list[str]:
-    """What would make a training run fit: a smaller batch or sequence, more recomputation, more model parallelism."""
+    """What would make a training run fit: a smaller batch or sequence, more recomputation, a larger share of each
+    GPU where one below mtx's 0.9 was set, more model parallelism."""
+    from mtx.devices import DEFAULT_GPU_MEMORY_FRACTION, share_set
+
     t, m, p = cfg.training, cfg.model, cfg.parallel
     fixes = [f"a smaller --micro-batch-size (now {t.micro_batch_size}) or --seq-length (now {m.seq_length})"]
     if t.recompute_granularity != "full":
@@ -35,6 +38,8 @@ def training_memory_fixes(cfg) -> list[str]:
     elif t.recompute_method == "block" and t.recompute_num_layers < max(cfg.stage_layer_counts()):
         fixes.append(f"more recomputed layers (--recompute-num-layers, now {t.recompute_num_layers} with "
                      "--recompute-method block)")
+    if (share := share_set()) is not None and share < DEFAULT_GPU_MEMORY_FRACTION:
+        fixes.append(f"a larger share of each GPU (--gpu-memory-fraction, now {share:g})")
     return fixes + [more_devices(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)]
 
 

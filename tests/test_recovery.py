@@ -349,6 +349,20 @@ def test_out_of_memory_is_one_line_naming_the_fixes_and_takes_back_its_new_direc
     assert not run.exists()
 
 
+def test_out_of_memory_names_a_gpu_share_set_below_the_default(monkeypatch):
+    from mtx.config import Config
+    from mtx.errors import training_memory_fixes
+
+    share = "a larger share of each GPU (--gpu-memory-fraction, now 0.6)"
+    for env, named in (("0.6", True), ("0.9", False), ("0.95", False), (None, False)):
+        if env is None:
+            monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+        else:
+            monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", env)
+        fixes = training_memory_fixes(Config())
+        assert (share in fixes) == named and fixes[-1].startswith("the model spread over more devices"), (env, fixes)
+
+
 def test_out_of_memory_in_eval_is_one_line(monkeypatch, capsys):
     import jax
 
