@@ -25,8 +25,9 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_a_second_process_loads_the_compiled_program(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}  # mtx's share
     first, second = [subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path / "xla")], capture_output=True,
-                                    text=True, check=True).stdout.split() for _ in range(2)]
+                                    text=True, env=env, check=True).stdout.split() for _ in range(2)]
     cache = tmp_path / "xla" / "gpu-memory-0.9"  # created by the first process: the programs of mtx's GPU memory share
     entries = sorted(p.name for p in cache.iterdir())
     assert any(name.startswith("jit__lambda") for name in entries), entries

@@ -11,7 +11,8 @@ from mtx.devices import cpu_devices_flag, simulate_cpu_devices
 
 
 def _run(code: str, xla_flags: str | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+    env["JAX_PLATFORMS"] = "cpu"
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
@@ -113,7 +114,8 @@ def test_the_gpu_memory_share_is_set_before_the_backends_start():
 def test_gpu_memory_shares_asked_for(monkeypatch):
     import mtx.devices as devices
 
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # (recorded, so that the end restores this process's)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     monkeypatch.setattr(devices, "_backends_started", lambda: False)
     assert devices.use_memory_fraction(0.8) == 0.8 and os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
     assert devices.use_memory_fraction(0.8) == 0.8  # (now the environment's, which agrees)
