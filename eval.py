@@ -123,8 +123,8 @@ def main(argv=None) -> int:
         argv, parser = with_negative_values(sys.argv[1:] if argv is None else argv), build_parser()
         args = parser.parse_args(argv)
         refuse_idle(flags_in(argv), idle_rules(parser, args))
+        use_memory_fraction()  # train.py's share of GPU memory (mtx's 0.9, or the environment's), before joining
         initialize_from(args)  # before any device is asked for
-        use_memory_fraction()  # train.py's share of GPU memory: mtx's 0.9, or $XLA_PYTHON_CLIENT_MEM_FRACTION
         devices()  # a backend JAX cannot start (JAX_PLATFORMS, XLA_FLAGS): one line, not a traceback
         load, task = prepare(args)  # mtx/eval_tasks.py
         loaded = load()

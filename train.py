@@ -18,10 +18,12 @@ simulate_cpu_devices(8)  # without an accelerator; a GPU host still lists its GP
 
 def main(argv=None) -> int:
     from mtx.cli import parse_config
+    from mtx.devices import use_memory_fraction
     from mtx.distributed import initialize_from, watch_peers
 
     try:  # bad input fails here, in one line that names the fix, before any device work
         cfg = parse_config(argv)
+        use_memory_fraction(cfg.training.gpu_memory_fraction)  # before JAX starts its backends (joining starts them)
         # Multi-host: join the other processes before anything asks JAX for a device.
         initialize_from(cfg.parallel)
         from mtx.run import prepare, train

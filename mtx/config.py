@@ -123,7 +123,7 @@ class TrainingConfig:
               "None: XLA's 95", step=True)
     gpu_memory_fraction: float | None = _f(
         None, "GPU: the share of each GPU's memory JAX's allocator holds (XLA fits the step into it, recomputing what "
-              "does not fit); None: $XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.9 (JAX's own is 0.75)", step=True)
+              "does not fit); None: $XLA_CLIENT_MEM_FRACTION, else 0.9 (JAX's own is 0.75)", step=True)
     use_flash_attn: bool = _f(False, "fused attention on GPU (bf16/fp16): cuDNN's flash attention, or with attention "
                                      "dropout mtx's Pallas kernel (the same masks); XLA's attention elsewhere",
                               step=True)

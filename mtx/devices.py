@@ -107,47 +107,66 @@ def use_compilation_cache(path: str | None) -> Path | None:
     return where
 
 
-MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+MEMORY_FRACTION = "XLA_CLIENT_MEM_FRACTION"  # what JAX's GPU plugin reads (jaxlib 0.10.2 on)
+OLD_MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # its older name, still read
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # JAX's own 0.75 leaves a quarter of each card to no one (docs/design.md)
 JAX_MEMORY_FRACTION = 0.75
 
 
 def use_memory_fraction(fraction: float | None = None) -> float:
-    """Sets the share of each GPU's memory that JAX's allocator holds ($XLA_PYTHON_CLIENT_MEM_FRACTION) and returns
-    it: `fraction` (--gpu-memory-fraction), else the environment's, else mtx's 0.9. XLA compiles a program to fit the
-    allocator's share: under JAX's default 0.75 the 1.2B step at micro batch 24 on an 80 GB H100 is recomputed into
-    57 GiB and runs 1.6% slower than at 0.9, in 68 GiB (docs/benchmarks.md 19). The rest of the card is for what the
-    allocator does not hold (the CUDA context, NCCL's buffers). Call it before JAX starts its backends, which read the setting once (after, it changes
-    nothing and returns JAX's 0.75); a fraction asked for that can no longer take effect on a GPU, or one the
-    environment contradicts, is refused in one line. CPU runs ignore the share."""
-    if (held := share_set()) is not None:
-        env = os.environ[MEMORY_FRACTION]
-        if not 0 < held <= 1:
-            raise ValueError(f"{MEMORY_FRACTION}={env} is not a share of GPU memory; set it to a number in (0, 1] "
-                             "such as 0.9, or unset it.")
-        if fraction is not None and fraction != held:
-            raise ValueError(f"--gpu-memory-fraction {fraction} contradicts {MEMORY_FRACTION}={env}; pass one of them.")
-        return held
-    if _backends_started():  # the allocator is made: the share is JAX's 0.75
-        import jax
+    """Sets the share of each GPU's memory that JAX's allocator holds ($XLA_CLIENT_MEM_FRACTION) and returns the share
+    in force: `fraction` (--gpu-memory-fraction), else the environment's, else mtx's 0.9. XLA compiles a program to
+    fit the allocator's share: under JAX's default 0.75 the 1.2B step at micro batch 24 on an 80 GB H100 is
+    recomputed into 57 GiB and runs 1.6% slower than at 0.9, in 68 GiB (docs/benchmarks.md 19). The rest of the card
+    is for what the allocator does not hold (the CUDA context, NCCL's buffers). Call it before JAX starts its
+    backends (a multi-process run's join starts them), which read the share once; after, it changes nothing and
+    returns the share they started with. Refused in one line: a share outside (0, 1], one the environment
+    contradicts, and on a GPU one asked for after the backends started with another."""
+    if fraction is not None and not 0 < fraction <= 1:  # (NaN too)
+        raise ValueError(f"--gpu-memory-fraction {fraction} is not a share of GPU memory; pass a number in (0, 1] "
+                         "such as 0.9.")
+    held = share_set()
+    if _backends_started():  # the allocator is made, with the environment's share or JAX's own
+        in_force = JAX_MEMORY_FRACTION if held is None else held[1]
+        if fraction is not None and fraction != in_force:
+            import jax
 
-        if fraction is not None and jax.default_backend() == "gpu":  # asked for, and would be silently ignored
-            raise ValueError(f"--gpu-memory-fraction {fraction} comes too late: JAX has already started its backends "
-                             f"(with its own 0.75); set {MEMORY_FRACTION} before the first device query.")
-        return JAX_MEMORY_FRACTION if fraction is None else fraction
+            if jax.default_backend() == "gpu":  # asked for, and would be silently ignored
+                raise ValueError(f"--gpu-memory-fraction {fraction} comes too late: JAX has already started its "
+                                 f"backends with a share of {in_force:g}; set {MEMORY_FRACTION} before the first "
+                                 "device query.")
+        return in_force
+    if held is not None:
+        name, value = held
+        if fraction is not None and fraction != value:
+            raise ValueError(f"--gpu-memory-fraction {fraction} contradicts {name}={os.environ[name]}; pass one of "
+                             "them.")
+        return value
     fraction = DEFAULT_GPU_MEMORY_FRACTION if fraction is None else fraction
     os.environ[MEMORY_FRACTION] = str(fraction)
     return fraction
 
 
-def share_set() -> float | None:
-    """The share of each GPU $XLA_PYTHON_CLIENT_MEM_FRACTION sets (NaN when it is no number), None when unset."""
-    if (text := os.environ.get(MEMORY_FRACTION)) is None:
+def share_set() -> tuple[str, float] | None:
+    """The share of each GPU the environment sets, as (its variable, the share), or None when neither
+    $XLA_CLIENT_MEM_FRACTION nor its older name is set (JAX reads an empty one as unset). A value that is no share,
+    and both names set, are refused in one line (JAX's GPU plugin refuses both names, and a run would then fall back
+    to the CPU)."""
+    named = [(name, text) for name in (MEMORY_FRACTION, OLD_MEMORY_FRACTION) if (text := os.environ.get(name, ""))]
+    if len(named) > 1:
+        raise ValueError(f"{MEMORY_FRACTION} and {OLD_MEMORY_FRACTION} are both set; unset {OLD_MEMORY_FRACTION}, "
+                         "JAX's older name for the same share.")
+    if not named:
         return None
+    name, text = named[0]
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        return float("nan")
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise ValueError(f"{name}={text} is not a share of GPU memory; set it to a number in (0, 1] such as 0.9, or "
+                         "unset it.")
+    return name, value
 
 
 def _backends_started() -> bool:

@@ -28,8 +28,10 @@ def out_of_memory(error: BaseException, fixes: Sequence[str]) -> str | None:
 
 def training_memory_fixes(cfg) -> list[str]:
     """What would make a training run fit: a smaller batch or sequence, more recomputation, a larger share of each
-    GPU where one below mtx's 0.9 was set, more model parallelism."""
-    from mtx.devices import DEFAULT_GPU_MEMORY_FRACTION, share_set
+    GPU where the run's is below mtx's 0.9, more model parallelism."""
+    import jax
+
+    from mtx.devices import DEFAULT_GPU_MEMORY_FRACTION, JAX_MEMORY_FRACTION, share_set
 
     t, m, p = cfg.training, cfg.model, cfg.parallel
     fixes = [f"a smaller --micro-batch-size (now {t.micro_batch_size}) or --seq-length (now {m.seq_length})"]
@@ -38,8 +40,11 @@ def training_memory_fixes(cfg) -> list[str]:
     elif t.recompute_method == "block" and t.recompute_num_layers < max(cfg.stage_layer_counts()):
         fixes.append(f"more recomputed layers (--recompute-num-layers, now {t.recompute_num_layers} with "
                      "--recompute-method block)")
-    if (share := share_set()) is not None and share < DEFAULT_GPU_MEMORY_FRACTION:
-        fixes.append(f"a larger share of each GPU (--gpu-memory-fraction, now {share:g})")
+    held = share_set()  # (the run's share: set before its backends started, or JAX's own)
+    share = JAX_MEMORY_FRACTION if held is None else held[1]
+    if share < DEFAULT_GPU_MEMORY_FRACTION and jax.default_backend() == "gpu":
+        where = held[0] if held and t.gpu_memory_fraction is None else "--gpu-memory-fraction"
+        fixes.append(f"a larger share of each GPU ({where}, now {share:g})")
     return fixes + [more_devices(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)]
 
 

@@ -25,9 +25,7 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_a_second_process_loads_the_compiled_program(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}  # mtx's share
-    first, second = [subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path / "xla")], capture_output=True,
-                                    text=True, env=env, check=True).stdout.split() for _ in range(2)]
+    first, second = [_compile(tmp_path / "xla") for _ in range(2)]
     cache = tmp_path / "xla" / "gpu-memory-0.9"  # created by the first process: the programs of mtx's GPU memory share
     entries = sorted(p.name for p in cache.iterdir())
     assert any(name.startswith("jit__lambda") for name in entries), entries
@@ -38,11 +36,19 @@ def test_a_second_process_loads_the_compiled_program(tmp_path):
 
 def test_each_gpu_memory_share_has_its_programs(tmp_path):
     """JAX's cache key leaves out the allocator's share; a program planned for 0.95 of a card, loaded under 0.9,
-    could run out of memory, so the shares' programs live apart."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-    out = subprocess.run([sys.executable, "-c", PROGRAM, str(tmp_path)], capture_output=True, text=True, env=env,
-                         check=True).stdout.split()
-    assert out[1] == "0" and [p.name for p in tmp_path.iterdir()] == ["gpu-memory-0.5"]
+    could run out of memory, so the shares' programs live apart: a second share compiles anew."""
+    assert _compile(tmp_path)[1] == "0"
+    assert _compile(tmp_path, share="0.5")[1] == "0" and _compile(tmp_path, share="0.5")[1] != "0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-memory-0.5", "gpu-memory-0.9"]
+
+
+def _compile(cache, share: str | None = None) -> list[str]:
+    """PROGRAM in a new process -> its output (the value, the cache hits), under mtx's share or `share`."""
+    names = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's share, its older name
+    env = {k: v for k, v in os.environ.items() if k not in names} | ({} if share is None else {names[0]: share})
+    return subprocess.run([sys.executable, "-c", PROGRAM, str(cache)], capture_output=True, text=True, env=env,
+                          check=True).stdout.split()
+
 
 
 def test_a_path_the_cache_cannot_use_is_refused(tmp_path):

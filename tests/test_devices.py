@@ -9,14 +9,16 @@ import pytest
 
 from mtx.devices import cpu_devices_flag, simulate_cpu_devices
 
+SHARES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX's GPU memory share, its older name
 
-def _run(code: str, xla_flags: str | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+
+def _run(code: str, xla_flags: str | None = None, args=()) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *SHARES)}
     env["JAX_PLATFORMS"] = "cpu"
     if xla_flags is not None:
         env["XLA_FLAGS"] = xla_flags
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.split()
 
@@ -85,6 +87,8 @@ def test_gpus_left_unused_are_reported(monkeypatch):
     ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=3"},
      "3 devices (XLA_FLAGS --xla_force_host_platform_device_count=3) are not divisible"),
     ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "90%"}, "XLA_PYTHON_CLIENT_MEM_FRACTION=90% is not a share of GPU memory"),
+    # (JAX's GPU plugin refuses both, and JAX then runs on the CPU)
+    ({"XLA_CLIENT_MEM_FRACTION": "0.8", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}, "are both set; unset"),
 ])
 def test_a_backend_jax_cannot_start_is_one_line(env, said):
     """JAX_PLATFORMS naming a platform this install lacks, or no CPU devices: train.py says so in one line, exit
@@ -99,41 +103,79 @@ def test_a_backend_jax_cannot_start_is_one_line(env, said):
 
 def test_the_gpu_memory_share_is_set_before_the_backends_start():
     """mtx's 0.9 of each GPU (JAX's own 0.75 makes XLA recompute large steps to fit), set before the first device
-    query; the environment's share is kept; once the backends run, asking again changes nothing."""
+    query under the name JAX reads; once the backends run, the share they started with is what is in force."""
     out = _run("""
         import os
         from mtx.devices import use_memory_fraction
-        print(use_memory_fraction(), os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        print(use_memory_fraction(), os.environ["XLA_CLIENT_MEM_FRACTION"])
         import jax
         jax.devices()
-        print(use_memory_fraction(), use_memory_fraction(0.9))
+        print(use_memory_fraction(), use_memory_fraction(0.9), use_memory_fraction(0.5))  # (on the CPU nothing refused)
     """)
-    assert out == ["0.9", "0.9", "0.9", "0.9"]
+    assert out == ["0.9", "0.9", "0.9", "0.9", "0.9"]
+
+
+def test_a_multi_process_run_sets_the_share_before_joining(tmp_path):
+    """Joining the other processes (jax.distributed) starts JAX's backends: a share set after it would be ignored."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = _run(f"""
+        import os, sys
+        import jax
+        import mtx.run, train
+
+        def prepare(cfg):  # where train.py's own work would start: the share, and the backends started
+            from mtx.devices import _backends_started
+            print(os.environ.get("XLA_CLIENT_MEM_FRACTION"), _backends_started(), jax.process_count())
+            raise ValueError("stop here")
+
+        mtx.run.prepare = prepare
+        print(train.main(["--gpu-memory-fraction", "0.8", "--coordinator-address", "127.0.0.1:{port}",
+                          "--num-processes", "1", "--process-id", "0", "--run-dir", sys.argv[1]]))
+    """, args=[str(tmp_path / "run")])
+    assert out == ["0.8", "True", "1", "2"]
 
 
 def test_gpu_memory_shares_asked_for(monkeypatch):
     import mtx.devices as devices
 
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # (recorded, so that the end restores this process's)
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    for name in SHARES:  # (recorded first, so that the end restores this process's environment)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(devices, "_backends_started", lambda: False)
-    assert devices.use_memory_fraction(0.8) == 0.8 and os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
+    assert devices.use_memory_fraction(0.8) == 0.8 and os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.8"
     assert devices.use_memory_fraction(0.8) == 0.8  # (now the environment's, which agrees)
-    with pytest.raises(ValueError, match=r"^--gpu-memory-fraction 0.7 contradicts XLA_PYTHON_CLIENT_MEM_FRACTION=0.8; "
+    with pytest.raises(ValueError, match=r"^--gpu-memory-fraction 0.7 contradicts XLA_CLIENT_MEM_FRACTION=0.8; "
                                          "pass one of them.$"):
         devices.use_memory_fraction(0.7)
-    for bad in ("0", "1.5", "nan", ""):
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # JAX's older name, still read
+    assert devices.use_memory_fraction() == 0.6 and devices.share_set() == ("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.6)
+    for bad in ("0", "1.5", "nan", "90%"):
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", bad)
         with pytest.raises(ValueError, match="is not a share of GPU memory; set it to a number in"):
             devices.use_memory_fraction()
-    # Too late: on the CPU the share means nothing; on a GPU the share asked for would be silently ignored.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # empty: unset, as JAX reads it
+    assert devices.share_set() is None
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    for bad in (0.0, 1.5, float("nan")):  # (the flag's range is checked again later; this comes first)
+        with pytest.raises(ValueError, match=r"^--gpu-memory-fraction .* is not a share of GPU memory; pass a number"):
+            devices.use_memory_fraction(bad)
+    assert not any(name in os.environ for name in SHARES)
+    # Too late: the share the backends started with is in force; on a GPU another one asked for is refused.
     import jax
 
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     monkeypatch.setattr(devices, "_backends_started", lambda: True)
-    assert devices.use_memory_fraction() == 0.75 and devices.use_memory_fraction(0.5) == 0.5
+    assert devices.use_memory_fraction() == 0.75 and devices.use_memory_fraction(0.5) == 0.75  # (the CPU's)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert devices.use_memory_fraction() == 0.75
-    with pytest.raises(ValueError, match="--gpu-memory-fraction 0.5 comes too late: JAX has already started"):
+    assert devices.use_memory_fraction() == 0.75 and devices.use_memory_fraction(0.75) == 0.75
+    with pytest.raises(ValueError, match="--gpu-memory-fraction 0.5 comes too late: JAX has already started its "
+                                         "backends with a share of 0.75"):
         devices.use_memory_fraction(0.5)
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.8")  # what they started with
+    assert devices.use_memory_fraction() == 0.8
+    with pytest.raises(ValueError, match="with a share of 0.8; set XLA_CLIENT_MEM_FRACTION before"):
+        devices.use_memory_fraction(0.9)
