@@ -121,11 +121,13 @@ def use_memory_fraction(fraction: float | None = None) -> float:
     is for what the allocator does not hold (the CUDA context, NCCL's buffers). Call it before JAX starts its
     backends (a multi-process run's join starts them), which read the share once; after, it changes nothing and
     returns the share they started with. Refused in one line: a share outside (0, 1], one the environment
-    contradicts, and on a GPU one asked for after the backends started with another."""
+    contradicts, on a GPU one asked for after the backends started with another, and the GPU settings JAX's plugin
+    would refuse (`check_gpu_environment`)."""
     if fraction is not None and not 0 < fraction <= 1:  # (NaN too)
         raise ValueError(f"--gpu-memory-fraction {fraction} is not a share of GPU memory; pass a number in (0, 1] "
                          "such as 0.9.")
     held = share_set()
+    check_gpu_environment()
     if _backends_started():  # the allocator is made, with the environment's share or JAX's own
         in_force = JAX_MEMORY_FRACTION if held is None else held[1]
         if fraction is not None and fraction != in_force:
@@ -167,6 +169,27 @@ def share_set() -> tuple[str, float] | None:
         raise ValueError(f"{name}={text} is not a share of GPU memory; set it to a number in (0, 1] such as 0.9, or "
                          "unset it.")
     return name, value
+
+
+def check_gpu_environment() -> None:
+    """On a host with GPUs, refuses in one line the environment's GPU settings that JAX's GPU plugin refuses
+    (XLA_PYTHON_CLIENT_ALLOCATOR, _PREALLOCATE, _COLLECTIVE_MEM_SIZE_MB, the memory share): the plugin's error is
+    only logged, and JAX then runs on the CPU. jaxlib's own check is asked (where this jaxlib has it)."""
+    try:
+        from jaxlib.xla_client import generate_pjrt_gpu_plugin_options as plugin_options
+    except ImportError:
+        return
+    if not visible_gpus():
+        return
+    try:
+        plugin_options()
+    except ValueError as e:
+        settings = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(_GPU_SETTINGS))
+        raise ValueError(f"JAX's GPU plugin refuses this environment ({str(e).strip()}; set: {settings}); fix or "
+                         "unset that variable.") from None
+
+
+_GPU_SETTINGS = ("XLA_PYTHON_CLIENT_", "XLA_CLIENT_")
 
 
 def _backends_started() -> bool:

@@ -179,3 +179,24 @@ def test_gpu_memory_shares_asked_for(monkeypatch):
     assert devices.use_memory_fraction() == 0.8
     with pytest.raises(ValueError, match="with a share of 0.8; set XLA_CLIENT_MEM_FRACTION before"):
         devices.use_memory_fraction(0.9)
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda-async", 'must be one of "default", "platform", "bfc", "cuda_async"'),
+    ("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", "64MB", "invalid literal for int()"),
+])
+def test_gpu_settings_jax_would_refuse_are_one_line(monkeypatch, name, value, said):
+    """JAX's GPU plugin refuses these, logs its traceback and JAX runs on the CPU; mtx refuses them first, naming
+    what is set, where the host has GPUs (elsewhere the plugin never reads them)."""
+    import mtx.devices as devices
+
+    for share in SHARES:  # (recorded, so that a share set here is taken back at the end)
+        monkeypatch.setenv(share, "")
+        monkeypatch.delenv(share)
+    monkeypatch.setenv(name, value)
+    assert devices.use_memory_fraction() is not None  # no GPUs here: nothing to refuse
+    monkeypatch.setattr(devices, "visible_gpus", lambda: ["/dev/nvidia0"])
+    with pytest.raises(ValueError, match=r"^JAX's GPU plugin refuses this environment \(.*") as refused:
+        devices.use_memory_fraction()
+    assert said in str(refused.value) and f"set: {name}={value}" in str(refused.value)
+    assert str(refused.value).endswith("fix or unset that variable.") and "\n" not in str(refused.value)
