@@ -173,7 +173,7 @@ def share_set() -> tuple[str, float] | None:
 
 def check_gpu_environment() -> None:
     """On a host with GPUs, refuses in one line the environment's GPU settings that JAX's GPU plugin refuses
-    (XLA_PYTHON_CLIENT_ALLOCATOR, _PREALLOCATE, _COLLECTIVE_MEM_SIZE_MB, the memory share): the plugin's error is
+    (XLA_PYTHON_CLIENT_ALLOCATOR, XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB, the memory share): the plugin's error is
     only logged, and JAX then runs on the CPU. jaxlib's own check is asked (where this jaxlib has it)."""
     try:
         from jaxlib.xla_client import generate_pjrt_gpu_plugin_options as plugin_options
