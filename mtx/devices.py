@@ -111,6 +111,7 @@ MEMORY_FRACTION = "XLA_CLIENT_MEM_FRACTION"  # what JAX's GPU plugin reads (jaxl
 OLD_MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # its older name, still read
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # JAX's own 0.75 leaves a quarter of each card to no one (docs/design.md)
 JAX_MEMORY_FRACTION = 0.75
+_GPU_SETTINGS = ("XLA_PYTHON_CLIENT_", "XLA_CLIENT_")  # the environment's settings of JAX's GPU plugin
 
 
 def use_memory_fraction(fraction: float | None = None) -> float:
@@ -123,9 +124,11 @@ def use_memory_fraction(fraction: float | None = None) -> float:
     returns the share they started with. Refused in one line: a share outside (0, 1], one the environment
     contradicts, on a GPU one asked for after the backends started with another, and the GPU settings JAX's plugin
     would refuse (`check_gpu_environment`)."""
-    if fraction is not None and not 0 < fraction <= 1:  # (NaN too)
-        raise ValueError(f"--gpu-memory-fraction {fraction} is not a share of GPU memory; pass a number in (0, 1] "
-                         "such as 0.9.")
+    from mtx.schema_checks import check_field
+
+    # The config's own check (its range, RANGES), before the share reaches JAX; the field's declared type is repeated
+    # here because mtx.config imports this module.
+    check_field("gpu_memory_fraction", float | None, fraction)
     held = share_set()
     check_gpu_environment()
     if _backends_started():  # the allocator is made, with the environment's share or JAX's own
@@ -152,8 +155,8 @@ def use_memory_fraction(fraction: float | None = None) -> float:
 def share_set() -> tuple[str, float] | None:
     """The share of each GPU the environment sets, as (its variable, the share), or None when neither
     $XLA_CLIENT_MEM_FRACTION nor its older name is set (JAX reads an empty one as unset). A value that is no share,
-    and both names set, are refused in one line (JAX's GPU plugin refuses both names, and a run would then fall back
-    to the CPU)."""
+    and both names set, are refused in one line (jaxlib's GPU options refuse both names; by jax's source the plugin's
+    error is only logged and JAX goes on without the GPU, not tried on one)."""
     named = [(name, text) for name in (MEMORY_FRACTION, OLD_MEMORY_FRACTION) if (text := os.environ.get(name, ""))]
     if len(named) > 1:
         raise ValueError(f"{MEMORY_FRACTION} and {OLD_MEMORY_FRACTION} are both set; unset {OLD_MEMORY_FRACTION}, "
@@ -161,11 +164,13 @@ def share_set() -> tuple[str, float] | None:
     if not named:
         return None
     name, text = named[0]
+    from mtx.schema_checks import RANGES, in_range
+
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value <= 1:
+    if not in_range(value, RANGES["gpu_memory_fraction"]):  # (NaN fails it)
         raise ValueError(f"{name}={text} is not a share of GPU memory; set it to a number in (0, 1] such as 0.9, or "
                          "unset it.")
     return name, value
@@ -174,7 +179,8 @@ def share_set() -> tuple[str, float] | None:
 def check_gpu_environment() -> None:
     """On a host with GPUs, refuses in one line the environment's GPU settings that JAX's GPU plugin refuses
     (XLA_PYTHON_CLIENT_ALLOCATOR, XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB, the memory share): the plugin's error is
-    only logged, and JAX then runs on the CPU. jaxlib's own check is asked (where this jaxlib has it)."""
+    only logged, and JAX goes on without the GPU (read from jax's source, not tried on a GPU). jaxlib's own check is
+    asked (where this jaxlib has it)."""
     try:
         from jaxlib.xla_client import generate_pjrt_gpu_plugin_options as plugin_options
     except ImportError:
@@ -187,9 +193,6 @@ def check_gpu_environment() -> None:
         settings = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(_GPU_SETTINGS))
         raise ValueError(f"JAX's GPU plugin refuses this environment ({str(e).strip()}; set: {settings}); fix or "
                          "unset that variable.") from None
-
-
-_GPU_SETTINGS = ("XLA_PYTHON_CLIENT_", "XLA_CLIENT_")
 
 
 def _backends_started() -> bool:

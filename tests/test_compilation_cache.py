@@ -50,7 +50,6 @@ def _compile(cache, share: str | None = None) -> list[str]:
                           check=True).stdout.split()
 
 
-
 def test_a_path_the_cache_cannot_use_is_refused(tmp_path):
     (tmp_path / "file").write_text("a user's file")
     for path in (tmp_path / "file", tmp_path / "file" / "xla"):

@@ -87,7 +87,7 @@ def test_gpus_left_unused_are_reported(monkeypatch):
     ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=3"},
      "3 devices (XLA_FLAGS --xla_force_host_platform_device_count=3) are not divisible"),
     ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "90%"}, "XLA_PYTHON_CLIENT_MEM_FRACTION=90% is not a share of GPU memory"),
-    # (JAX's GPU plugin refuses both, and JAX then runs on the CPU)
+    # (jaxlib's GPU options refuse both; JAX only logs its plugin's error)
     ({"XLA_CLIENT_MEM_FRACTION": "0.8", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}, "are both set; unset"),
 ])
 def test_a_backend_jax_cannot_start_is_one_line(env, said):
@@ -161,8 +161,8 @@ def test_gpu_memory_shares_asked_for(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")  # empty: unset, as JAX reads it
     assert devices.share_set() is None
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    for bad in (0.0, 1.5, float("nan")):  # (the flag's range is checked again later; this comes first)
-        with pytest.raises(ValueError, match=r"^--gpu-memory-fraction .* is not a share of GPU memory; pass a number"):
+    for bad in (0.0, 1.5, float("nan")):  # (the config's range check, before the share reaches JAX)
+        with pytest.raises(ValueError, match=r"^--gpu-memory-fraction must be in \(0, 1\], got"):
             devices.use_memory_fraction(bad)
     assert not any(name in os.environ for name in SHARES)
     # Too late: the share the backends started with is in force; on a GPU another one asked for is refused.
@@ -186,7 +186,7 @@ def test_gpu_memory_shares_asked_for(monkeypatch):
     ("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", "64MB", "invalid literal for int()"),
 ])
 def test_gpu_settings_jax_would_refuse_are_one_line(monkeypatch, name, value, said):
-    """JAX's GPU plugin refuses these, logs its traceback and JAX runs on the CPU; mtx refuses them first, naming
+    """jaxlib's GPU options refuse these, and JAX only logs its plugin's error (by its source); mtx refuses them, naming
     what is set, where the host has GPUs (elsewhere the plugin never reads them)."""
     import mtx.devices as devices
 
