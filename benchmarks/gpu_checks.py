@@ -18,6 +18,9 @@ Checks:
   collective_matmul  an MLP's two matmuls under sequence parallelism through the peer-memory kernels (2+ Hopper
                 GPUs; XLA's collectives elsewhere) against XLA's in bf16 and fp32: the output and the gradients; on
                 GPUs it fails if the kernels did not run.
+  gemm_epilogue  the GeLU MLP with its bias + GeLU and their backward in cuBLASLt's epilogues (--gemm-epilogues)
+                against autodiff's in bf16 and fp32: the output and the gradients; on GPUs it fails if the epilogues
+                did not run.
   tp_comm_overlap_training  on 2+ GPUs, the small GPT of flash_training trained 50 steps with TP over every GPU,
                 --sequence-parallel with and without --tp-comm-overlap: the curves must agree to `--loss-tol`.
 """
@@ -187,6 +190,37 @@ def collective_matmul(tokens: int, hidden: int, ffn: int) -> dict:
             "kernels_not_used": cm.kernel_condition(*local, n, cm.default_config(ffn // n), rows_split=True)}
 
 
+def gemm_epilogue(tokens: int, hidden: int, ffn: int) -> dict:
+    """The GeLU MLP through mtx/kernels/gemm_epilogue.py (cuBLASLt's epilogues on CUDA GPUs, XLA elsewhere) and
+    through autodiff, both in bf16, against autodiff in fp32: errors of the output and of the x, w1, b1, w2
+    gradients, and whether the epilogues ran."""
+    from mtx.kernels import gemm_epilogue as ge
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (tokens, hidden))
+    w1 = jax.random.normal(keys[1], (hidden, ffn)) / hidden ** 0.5
+    b1 = 0.1 * jax.random.normal(keys[2], (ffn,))
+    w2 = jax.random.normal(keys[3], (ffn, hidden)) / ffn ** 0.5
+    ct = jax.random.normal(keys[4], (tokens, hidden))
+
+    def plain(x, w1, b1, w2):
+        return jax.nn.gelu(x @ w1 + b1, approximate=True) @ w2
+
+    def run(mlp, dtype):
+        args = tuple(a.astype(dtype) for a in (x, w1, b1, w2))
+        step = jax.jit(lambda *a: (lambda y, pullback: (y, *pullback(ct.astype(dtype))))(*jax.vjp(mlp, *a)))
+        return [np.asarray(a, np.float32) for a in step(*args)], "mtx_gemm_gelu" in step.lower(*args).as_text()
+
+    reference = run(plain, jnp.float32)[0]
+
+    def errors(outs):
+        return {name: float(np.abs(o - r).max() / np.abs(r).max())
+                for name, o, r in zip(("out", "dx", "dw1", "db1", "dw2"), outs, reference)}
+
+    fused, ran = run(ge.gelu_mlp, jnp.bfloat16)
+    return {"fused": errors(fused), "xla_bf16": errors(run(plain, jnp.bfloat16)[0]), "epilogues_ran": ran}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="gpu_checks.py", description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=ranged(int, ">= 1"), default=16)
@@ -206,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         results += [{"check": "flash_dropout", **flash_dropout(*shape, causal=causal)} for causal in (True, False)]
     if gpu:
         results.append({"check": "flash_training", **flash_training()})
+    # the 1.2B model's MLP at micro batch 8 on GPUs; elsewhere a small one
+    results.append({"check": "gemm_epilogue", **gemm_epilogue(*((8192, 1536, 6144) if gpu else (256, 128, 512)))})
     if len(jax.devices()) >= 2:  # on GPUs the MLP of the 1.2B model at micro batch 4; elsewhere a small one
         dims = (4096, 1536, 6144) if gpu else (256, 128, 512)
         results.append({"check": "collective_matmul", **collective_matmul(*dims)})
@@ -227,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             failed.append("no cuDNN attention in the compiled program")
         if result["check"] == "collective_matmul" and gpu and result["kernels_not_used"]:
             failed.append(f"the peer-memory kernels did not run: {result['kernels_not_used']}")
+        if result["check"] == "gemm_epilogue" and gpu and not result["epilogues_ran"]:
+            failed.append("the cuBLASLt epilogues did not run (see the note on stderr)")
         if result["check"] in ("flash_training", "tp_comm_overlap_training") and \
                 not result["max_loss_difference"] <= a.loss_tol:
             failed.append(f"loss curves differ by {result['max_loss_difference']:.4f}")

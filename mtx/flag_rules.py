@@ -30,7 +30,7 @@ def check_unused_flags(cfg, given) -> None:
                 (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                   "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
                 (("bias_swiglu_fusion",), m.swiglu, "--swiglu", again),
-                (("bias_gelu_fusion",), not m.swiglu, "the GeLU MLP, not --swiglu",
+                (("bias_gelu_fusion", "gemm_epilogues"), not m.swiglu, "the GeLU MLP, not --swiglu",
                  "leave it out (--bias-swiglu-fusion is SwiGLU's)."),
                 (("mask_prob", "short_seq_prob", "mlm_head_positions", "num_tokentypes"), m.is_bert,
                  "--model-type bert", "leave it out for GPT."),
@@ -62,5 +62,7 @@ def check_unused_flags(cfg, given) -> None:
               "leave it out: --start-weight-decay and --end-weight-decay set the rising decay."),
              (("distributed_timeout", "distributed_timeout_minutes"), p.coordinator_address is not None,
               "several processes (--coordinator-address)", again),
+             (("gemm_epilogues",), not p.tp_comm_overlap, "the matmuls of XLA, not --tp-comm-overlap's kernels",
+              "leave one of the two out."),
              *(() if t.use_checkpoint_args else by_model))
     refuse_idle(given, [(map(flag_name, names), on, f"with {enabler}", fix) for names, on, enabler, fix in rules])

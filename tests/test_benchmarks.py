@@ -349,7 +349,7 @@ def test_gpu_checks_pass_the_fallback_and_catch_a_wrong_fused_path(monkeypatch, 
     unmasked = lambda q, k, v, *, mask_BS=None, causal=True: gpu_checks.attention_core(q, k, v, causal=causal)
     monkeypatch.setattr(gpu_checks, "fused_attention", unmasked)
     assert gpu_checks.main(shape) == 1
-    checks = {c["check"]: c for c in map(json.loads, capsys.readouterr().out.splitlines()[-2:])}
+    checks = {c["check"]: c for c in map(json.loads, capsys.readouterr().out.splitlines()[-3:])}
     assert "out_real" in checks["bert_padding"]["failed"] and checks["collective_matmul"]["failed"] == []
     assert checks["bert_padding"]["fused_path"] == "xla (no cuDNN attention here)"
 
@@ -363,7 +363,8 @@ def test_gpu_checks_of_the_flash_kernel_pass_it_interpreted_and_catch_wrong_mask
     shape = ["--batch", "2", "--seq", "64", "--heads", "2", "--head-dim", "16"]
     assert gpu_checks.main(shape) == 0
     checks = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [c["check"] for c in checks] == ["bert_padding", "flash_dropout", "flash_dropout", "collective_matmul"]
+    assert [c["check"] for c in checks] == ["bert_padding", *["flash_dropout"] * 2, "gemm_epilogue",
+                                            "collective_matmul"]
     real = flash.flash_attention
     other_masks = lambda *a, hashes, **kw: real(*a, hashes=(hashes[0] + 1, hashes[1]), **kw)
     monkeypatch.setattr(flash, "flash_attention", other_masks)

@@ -110,7 +110,7 @@ _GELU_C = 0.7978845608028654  # sqrt(2 / pi), GPT-2's tanh approximation of GeLU
 _GELU_A = 0.044715
 
 
-def _gelu_terms(u):
+def gelu_terms(u):
     """u -> (GeLU(u), its derivative), tanh-approximated as GPT-2 and Megatron's bias-GeLU compute it, in u's dtype
     (the tanh in float32, as XLA computes a bf16 tanh)."""
     t = jnp.tanh((_GELU_C * (u + _GELU_A * u * u * u)).astype(jnp.float32)).astype(u.dtype)
@@ -128,12 +128,12 @@ def _biased(h, bias):
 
 
 def _bias_gelu_fwd(h, bias):
-    return _gelu_terms(_biased(h, bias))[0], (h, bias)
+    return gelu_terms(_biased(h, bias))[0], (h, bias)
 
 
 def _bias_gelu_bwd(residuals, dy):
     h, bias = _kept(*residuals)  # else XLA merges this tanh with the forward's and keeps it, in memory, after all
-    dh = dy * _gelu_terms(_biased(h, bias))[1]
+    dh = dy * gelu_terms(_biased(h, bias))[1]
     if bias is None:
         return dh, None
     return dh, cotangent_like(dh.astype(jnp.float32).sum(_rows(h)).astype(bias.dtype), bias)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from mtx.config import ModelConfig
 from mtx.kernels.collective_matmul import KERNEL_OUTPUT
 from mtx.kernels.elementwise import STATISTICS
+from mtx.kernels.gemm_epilogue import ACTIVATIONS
 from mtx.models.transformer import KVCache, TransformerLayer, dropout_draws, local_kv_heads
 from mtx.parallel.mesh import DATA, MODEL, PIPELINE
 from mtx.parallel.pipeline import RealLayers
@@ -53,11 +54,13 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers and reduce-scatters (the
     gathered whole-batch inputs of the column-parallel matmuls stay alive for the backward: speed over SP's
     activation-memory saving, which `full` recomputation keeps), and the peer-memory kernels' outputs
-    (`collective_matmul.KERNEL_OUTPUT`: those collectives and matmuls in one). Without cuDNN the attention core's
-    einsums have batch dimensions and are recomputed (as `selective` does).
+    (`collective_matmul.KERNEL_OUTPUT`: those collectives and matmuls in one), and the GeLU MLP's epilogue matmul's
+    two outputs (`gemm_epilogue.ACTIVATIONS`: recomputed, they would cost the matmul again). Without cuDNN the
+    attention core's einsums have batch dimensions and are recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or prim.name.startswith(_SAVED_PRIMITIVES) or params.get("name") in (STATISTICS, KERNEL_OUTPUT))
+            or prim.name.startswith(_SAVED_PRIMITIVES)
+            or params.get("name") in (STATISTICS, KERNEL_OUTPUT, ACTIVATIONS))
 
 
 @jax.custom_vjp

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtx.config import ModelConfig
-from mtx.kernels import elementwise
+from mtx.kernels import elementwise, gemm_epilogue
 from mtx.kernels import flash_attention as flash_kernel
 from mtx.models.rotary import apply_rotary
 from mtx.parallel.layers import ColumnParallelLinear, RowParallelLinear, normalization
@@ -300,6 +300,7 @@ class ParallelMLP(nnx.Module):
         bias = not cfg.disable_bias_linear
         self.swiglu = cfg.swiglu
         self.bias_gelu_fusion, self.bias_swiglu_fusion = cfg.bias_gelu_fusion, cfg.bias_swiglu_fusion
+        self.gemm_epilogues = cfg.gemm_epilogues
         self.fc1 = ColumnParallelLinear(d, f, std=std, use_bias=bias, parts=2 if cfg.swiglu else 1,
                                         sequence_parallel=sequence_parallel, comm_overlap=tp_comm_overlap,
                                         dtype=dtype, rngs=rngs)
@@ -313,9 +314,19 @@ class ParallelMLP(nnx.Module):
             if self.bias_swiglu_fusion:
                 return self.fc2(elementwise.swiglu(gate_BSF, up_BSF))
             return self.fc2(jax.nn.silu(gate_BSF) * up_BSF)
+        if self.gemm_epilogues and not self.fc1.comm_overlap:  # (the peer-memory kernels run their own matmuls)
+            return self._epilogue_mlp(x_BSD)
         if self.bias_gelu_fusion:  # the bias add and GeLU in one function whose backward recomputes them from X A
             return self.fc2(elementwise.bias_gelu(*self.fc1(x_BSD, skip_bias_add=True)))
         return self.fc2(jax.nn.gelu(self.fc1(x_BSD), approximate=True))
+
+    def _epilogue_mlp(self, x_BSD):
+        """The same MLP with its bias + GeLU and their backward inside the matmuls (`gemm_epilogue.gelu_mlp`)."""
+        dtype = self.fc1.dtype
+        w1, w2 = self.fc1.kernel[...].astype(dtype), self.fc2.kernel[...].astype(dtype)
+        b1 = jnp.zeros(w1.shape[1:], dtype) if self.fc1.bias is None else self.fc1.bias[...].astype(dtype)
+        y = gemm_epilogue.gelu_mlp(self.fc1.enter(x_BSD), w1, b1, w2, not self.bias_gelu_fusion)
+        return self.fc2.reduce(y)
 
 
 class TransformerLayer(nnx.Module):

@@ -176,10 +176,15 @@ class RowParallelLinear(nnx.Module):
         if self.comm_overlap:  # the rows' sums scattered inside the matmul
             b, s, f_local = x_BSF.shape
             y = collective_matmul.row_parallel_matmul(x_BSF.reshape(b * s, f_local), kernel)
-            y = y.reshape(-1, s, kernel.shape[1])
-        else:
-            y = x_BSF @ kernel
-            y = reduce_scatter_to_sequence_parallel(y) if self.sequence_parallel else g(y)
+            return self._biased(y.reshape(-1, s, kernel.shape[1]))
+        return self.reduce(x_BSF @ kernel)
+
+    def reduce(self, y_BSD):
+        """This rank's partial product (B, S, D) -> the sum over ranks plus the bias: `g`, or with sequence
+        parallelism the reduce-scatter into this rank's rows."""
+        return self._biased(reduce_scatter_to_sequence_parallel(y_BSD) if self.sequence_parallel else g(y_BSD))
+
+    def _biased(self, y):
         if self.bias is not None:  # replicated, added once after the reduction (to this rank's rows with SP)
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -1,0 +1,152 @@
+"""The GeLU MLP with its bias + GeLU and their backward inside the matmuls (mtx/kernels/gemm_epilogue.py): autodiff's
+values and gradients through XLA (how the CPU runs it), the whole model the same with it on or off on a mesh with
+sequence parallelism, `matmuls` recomputation keeping its two outputs, and its library's build refusing a missing
+toolchain in one line. On GPUs, where the tests do not run, benchmarks/gpu_checks.py checks cuBLASLt's epilogues."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtx.config import Config
+from mtx.kernels import gemm_epilogue
+from mtx.models.stack import save_matmul_outputs
+from mtx.presets import load_preset
+
+from helpers import loss_and_grads, refused_in_one_line
+
+
+def plain_mlp(x, w1, b1, w2):
+    return jax.nn.gelu(x @ w1 + b1, approximate=True) @ w2
+
+
+def operands(m=24, k=16, n=64, d=16, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (2, m // 2, k))
+    w1, w2 = jax.random.normal(keys[1], (k, n)) / k ** 0.5, jax.random.normal(keys[2], (n, d)) / n ** 0.5
+    b1, dy = 0.3 * jax.random.normal(keys[3], (n,)), jax.random.normal(keys[4], (2, m // 2, d))
+    return tuple(a.astype(dtype) for a in (x, w1, b1, w2)), dy.astype(dtype)
+
+
+@pytest.mark.parametrize("keep_activation", [True, False], ids=["kept", "recomputed"])
+def test_values_and_gradients_are_autodiffs(keep_activation):
+    args, dy = operands()
+    y, pullback = jax.vjp(lambda *a: gemm_epilogue.gelu_mlp(*a, keep_activation), *args)
+    y_ref, pullback_ref = jax.vjp(plain_mlp, *args)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+    for grad, ref, name in zip(pullback(dy), pullback_ref(dy), ("x", "w1", "b1", "w2")):
+        np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_bf16_gradients_keep_their_dtypes_and_autodiffs_values():
+    args, dy = operands(dtype=jnp.bfloat16)
+    grads = jax.vjp(gemm_epilogue.gelu_mlp, *args)[1](dy)
+    refs = jax.vjp(plain_mlp, *args)[1](dy)
+    for grad, ref in zip(grads, refs):
+        assert grad.dtype == jnp.bfloat16
+        np.testing.assert_allclose(grad.astype(np.float32), ref.astype(np.float32), rtol=0.05, atol=0.05)
+
+
+def test_matmuls_recomputation_keeps_both_outputs_and_recomputes_no_matmul(capsys):
+    """Under `--recompute-granularity matmuls` the backward reads h and GeLU(h) as saved (each (tokens, F)): no
+    matmul of the forward runs again."""
+    args, dy = operands()
+    fn = jax.checkpoint(gemm_epilogue.gelu_mlp, policy=save_matmul_outputs)
+    jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    saved = capsys.readouterr().out
+    assert saved.count(f"[2,12,64] named '{gemm_epilogue.ACTIVATIONS}'") == 2, saved
+    assert _matmuls(fn, args, dy) == _matmuls(gemm_epilogue.gelu_mlp, args, dy)  # as many as without recomputation
+    assert _matmuls(jax.checkpoint(gemm_epilogue.gelu_mlp), args, dy) > _matmuls(gemm_epilogue.gelu_mlp, args, dy)
+
+
+def _matmuls(fn, args, dy) -> int:
+    """dot_generals in the forward and backward of fn, nested programs included."""
+    def count(jaxpr):
+        return sum((e.primitive.name == "dot_general")
+                   + sum(count(getattr(v, "jaxpr", v)) for v in e.params.values()
+                         if isinstance(getattr(v, "jaxpr", v), jax.extend.core.Jaxpr))
+                   for e in jaxpr.eqns)
+    return count(jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1](dy))(*args).jaxpr)
+
+
+@pytest.mark.parametrize("bias_gelu_fusion,cuda_traced", [(False, True), (True, False)],
+                         ids=["kept-cuda-traced", "recomputed"])
+def test_the_model_trains_as_with_autodiffs_mlp_on_a_mesh(bias_gelu_fusion, cuda_traced, monkeypatch):
+    """The whole model with the epilogue MLP (--gemm-epilogues) and with autodiff's (the default) on a mesh with
+    sequence parallelism and data parallelism: the same loss and every gradient. cuda_traced: in bf16 with the
+    library taken as built, so the FFI calls are traced too (and typed as XLA's branch inside shard_map), the CPU
+    running XLA's branch."""
+    preset = {**load_preset("configs/tiny.toml"), "global_batch_size": 8, "micro_batch_size": 4}
+    cfg = Config().replace(**preset, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=True,
+                           bias_gelu_fusion=bias_gelu_fusion, bf16=cuda_traced)
+    monkeypatch.setattr(gemm_epilogue, "extension_ready", lambda: cuda_traced)
+    loss, grads = loss_and_grads(cfg, 2, 1, 2, gemm_epilogues=True)
+    ref_loss, ref = loss_and_grads(cfg, 2, 1, 2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-3 if cuda_traced else 1e-6)
+    assert grads.keys() == ref.keys()
+    for path in ref:
+        if cuda_traced:  # bf16: the GeLU's rounding differs from jax.nn.gelu's
+            assert np.linalg.norm(grads[path] - ref[path]) <= 0.02 * np.linalg.norm(ref[path]), path
+        else:
+            np.testing.assert_allclose(grads[path], ref[path], rtol=1e-4, atol=1e-6 * np.abs(ref[path]).max(),
+                                       err_msg=path)
+
+
+def test_no_gpu_no_library():
+    assert jax.default_backend() != "cpu" or not gemm_epilogue.extension_ready()
+
+
+def test_a_missing_compiler_or_cuda_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(gemm_epilogue, "CACHE", tmp_path)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(gemm_epilogue.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C.. compiler") as e:
+        gemm_epilogue.build()
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("CXX", "c++")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setattr(gemm_epilogue, "_nvidia_roots", lambda: [])
+    monkeypatch.setattr(gemm_epilogue, "_loaded_library", lambda name: None)
+    with pytest.raises(RuntimeError, match="no libcublasLt.so") as e:
+        gemm_epilogue.build()
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("other", [{"swiglu": True}, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                                      "tp_comm_overlap": True}], ids=["swiglu", "tp-comm-overlap"])
+def test_the_flag_where_it_would_do_nothing_is_one_line(other):
+    """--gemm-epilogues acts on the GeLU MLP's XLA matmuls: with SwiGLU, or with the peer-memory kernels running the
+    matmuls, it would do nothing, and is refused before any device work."""
+    from mtx.flag_rules import check_unused_flags
+
+    given = {"gemm_epilogues", *other}
+    message = refused_in_one_line("--gemm-epilogues only acts with", check_unused_flags,
+                                  Config().replace(gemm_epilogues=True, **other), given)
+    assert "leave" in message
+
+
+def test_a_checkpoint_resumes_with_either_setting():
+    """--gemm-epilogues changes how the MLP computes, no parameter: a run saved with it resumes without it and the
+    other way round, and --use-checkpoint-args leaves this run's choice alone."""
+    from mtx.checkpoint import check_compatible
+    from mtx.config import ModelConfig
+    from mtx.resume import ARCHITECTURE
+
+    check_compatible(Config(), ModelConfig(gemm_epilogues=True), "ck")
+    check_compatible(Config().replace(gemm_epilogues=True), ModelConfig(), "ck")
+    assert "gemm_epilogues" not in ARCHITECTURE
+
+
+def test_the_gpu_check_passes_xlas_function_and_catches_a_dropped_bias(monkeypatch):
+    """benchmarks/gpu_checks.py's `gemm_epilogue` check (on GPUs: cuBLASLt's epilogues) within XLA bf16's errors of
+    the fp32 reference here, and far outside them for an MLP whose first matmul drops its bias."""
+    from benchmarks import gpu_checks
+
+    def worst(result):
+        return max(result["fused"][key] / (result["xla_bf16"][key] + 1e-3) for key in result["fused"])
+
+    assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) < 2
+    xla = gemm_epilogue._xla_gemm_gelu
+    monkeypatch.setattr(gemm_epilogue, "_xla_gemm_gelu", lambda x, w, b: xla(x, w, 0 * b))
+    assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) > 2
