@@ -88,8 +88,8 @@ class ModelConfig:
     gemm_epilogues: bool = _f(False, "the GeLU MLP's bias + GeLU inside its first matmul and the GeLU's "
                                      "derivative with the bias gradient inside the second's input-gradient matmul "
                                      "(cuBLASLt epilogues on NVIDIA GPUs in bf16; elsewhere the same function through "
-                                     "XLA): 11 GiB less memory but 4.6% slower on the 1.2B step on an H200; off: "
-                                     "autodiff's")
+                                     "XLA): as first measured, 11 GiB less memory but 4.6% slower on the 1.2B step on "
+                                     "an H200; off: autodiff's")
 
     @property
     def ffn_size(self) -> int:

@@ -93,6 +93,21 @@ def test_the_model_trains_as_with_autodiffs_mlp_on_a_mesh(bias_gelu_fusion, cuda
                                        err_msg=path)
 
 
+def test_in_1f1b_without_biases_under_matmuls_recomputation():
+    """Through 1F1B's slots (the default schedule) with `matmuls` recomputation, on a (1, 2, 2) mesh, a model without
+    biases (the epilogue's bias a zero, its gradient dropped): the same loss and gradients as autodiff's MLP."""
+    preset = {**load_preset("configs/tiny.toml"), "global_batch_size": 8, "micro_batch_size": 2}
+    cfg = Config().replace(**preset, hidden_dropout=0.0, attention_dropout=0.0, disable_bias_linear=True,
+                           recompute_granularity="matmuls")
+    loss, grads = loss_and_grads(cfg, 1, 2, 2, gemm_epilogues=True)
+    ref_loss, ref = loss_and_grads(cfg, 1, 2, 2)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert grads.keys() == ref.keys() and not any("bias" in path and "mlp" in path for path in ref)
+    for path in ref:
+        np.testing.assert_allclose(grads[path], ref[path], rtol=1e-4, atol=1e-6 * np.abs(ref[path]).max(),
+                                   err_msg=path)
+
+
 def test_no_gpu_no_library():
     assert jax.default_backend() != "cpu" or not gemm_epilogue.extension_ready()
 

@@ -14,6 +14,7 @@
 // candidates are timed on the call's own buffers, which the chosen one then overwrites.
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -129,8 +130,18 @@ struct Problem {
   cublasLtEpilogue_t epilogue;
   bool transpose_a;  // A stored (depth, rows) rather than (rows, depth)
   int64_t rows, cols, depth;
-  auto key() const { return std::make_tuple(device, static_cast<int>(epilogue), transpose_a, rows, cols, depth); }
+  int alignment = 0;  // of the call's pointers (up to 256 bytes): cuBLASLt's heuristic picks algorithms by it
+  auto key() const {
+    return std::make_tuple(device, static_cast<int>(epilogue), transpose_a, rows, cols, depth, alignment);
+  }
 };
+
+// The largest power of two up to 256 dividing every pointer's address.
+int Alignment(std::initializer_list<const void*> pointers) {
+  uintptr_t bits = 256;
+  for (const void* pointer : pointers) bits |= reinterpret_cast<uintptr_t>(pointer);
+  return static_cast<int>(bits & (~bits + 1));
+}
 
 std::mutex mutex;
 std::map<int, cublasLtHandle_t> handles;
@@ -197,30 +208,30 @@ ffi::Error Choose(const Problem& p, cublasLtHandle_t handle, const Descriptors& 
                                 std::to_string(p.rows) + " x " + std::to_string(p.cols) + " x " +
                                 std::to_string(p.depth));
   const float one = 1.0f, zero = 0.0f;
-  cudaEvent_t start, stop;
-  MTX_CUDA(cudaEventCreate(&start));
-  MTX_CUDA(cudaEventCreate(&stop));
+  auto run = [&](const cublasLtMatmulAlgo_t* algo) {
+    return cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, algo, workspace,
+                          kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
+  };
+  cudaEvent_t start = nullptr, stop = nullptr;
+  bool timed = cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
   float best = -1.0f;
-  for (int i = 0; i < found; ++i) {
+  for (int i = 0; timed && i < found; ++i) {
     const cublasLtMatmulAlgo_t* algo = &results[i].algo;
-    if (cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, algo, workspace,
-                       kWorkspaceBytes, stream) != CUBLAS_STATUS_SUCCESS)
-      continue;  // a candidate that cannot run here is skipped
-    cudaEventRecord(start, stream);
-    for (int run = 0; run < kTimedRuns; ++run)
-      cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, algo, workspace,
-                     kWorkspaceBytes, stream);
-    cudaEventRecord(stop, stream);
+    if (!run(algo) || cudaEventRecord(start, stream) != cudaSuccess) continue;  // a candidate that cannot run here
+    bool ran = true;
+    for (int repeat = 0; repeat < kTimedRuns; ++repeat) ran = run(algo) && ran;
     float ms = 0.0f;
-    if (cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) continue;
+    if (!ran || cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)
+      continue;
     if (best < 0.0f || ms < best) {
       best = ms;
       chosen = *algo;
     }
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  if (best < 0.0f) chosen = results[0].algo;
+  if (start) cudaEventDestroy(start);
+  if (stop) cudaEventDestroy(stop);
+  if (best < 0.0f) chosen = results[0].algo;  // none timed: the heuristic's first (the final call says if it fails)
   return ffi::Error::Success();
 }
 
@@ -264,9 +275,12 @@ ffi::Error GemmGelu(cudaStream_t stream, int32_t device, Rows x, Matrix w, Vecto
                     ffi::Result<Rows> h, Workspace workspace) {
   auto [m, k] = Shape(x);
   int64_t n = w.dimensions()[1];
-  if (w.dimensions()[0] != k || bias.dimensions()[0] != n || Shape(*out) != std::make_tuple(m, n))
-    return ffi::Error::InvalidArgument("mtx_gemm_gelu: x (..., K), w (K, N) and b (N) do not match");
+  if (w.dimensions()[0] != k || bias.dimensions()[0] != n || Shape(*out) != std::make_tuple(m, n) ||
+      Shape(*h) != std::make_tuple(m, n))
+    return ffi::Error::InvalidArgument("mtx_gemm_gelu: x (..., K), w (K, N), b (N) and the outputs do not match");
   Problem p{device, CUBLASLT_EPILOGUE_GELU_AUX_BIAS, false, n, m, k};
+  p.alignment = Alignment({x.untyped_data(), w.untyped_data(), bias.untyped_data(), out->untyped_data(),
+                           h->untyped_data()});
   return Matmul(p, stream, workspace, w.untyped_data(), x.untyped_data(), out->untyped_data(), bias.untyped_data(),
                 h->untyped_data());
 }
@@ -275,9 +289,13 @@ ffi::Error GemmDgelu(cudaStream_t stream, int32_t device, Rows dy, Matrix w, Row
                      ffi::Result<Vector> db, Workspace workspace) {
   auto [m, k] = Shape(dy);
   int64_t n = w.dimensions()[0];
-  if (w.dimensions()[1] != k || Shape(h) != std::make_tuple(m, n))
-    return ffi::Error::InvalidArgument("mtx_gemm_dgelu: dy (..., K), w (N, K) and h (..., N) do not match");
+  if (w.dimensions()[1] != k || Shape(h) != std::make_tuple(m, n) || Shape(*dh) != std::make_tuple(m, n) ||
+      db->dimensions()[0] != n)
+    return ffi::Error::InvalidArgument("mtx_gemm_dgelu: dy (..., K), w (N, K), h (..., N) and the outputs do not "
+                                       "match");
   Problem p{device, CUBLASLT_EPILOGUE_DGELU_BGRAD, true, n, m, k};
+  p.alignment = Alignment({dy.untyped_data(), w.untyped_data(), h.untyped_data(), dh->untyped_data(),
+                           db->untyped_data()});
   return Matmul(p, stream, workspace, w.untyped_data(), dy.untyped_data(), dh->untyped_data(), db->untyped_data(),
                 h.untyped_data());
 }

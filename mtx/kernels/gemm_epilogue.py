@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -53,6 +54,8 @@ SOURCE = Path(__file__).with_name("cublaslt_epilogues.cc")
 CACHE = Path("~/.cache/mtx/kernels")
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace (cuBLAS's recommendation for Hopper), kWorkspaceBytes of the .cc
 TARGETS = {"mtx_gemm_gelu": "MtxGemmGelu", "mtx_gemm_dgelu": "MtxGemmDgelu"}
+_READY: list[bool] = []  # extension_ready's answer, once decided
+_READY_LOCK = threading.Lock()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -129,10 +132,17 @@ def _gemm_dgelu(dy, w, h):
     return jax.lax.platform_dependent(dy, w, h, cuda=_ffi_gemm_dgelu, default=_xla_gemm_dgelu)
 
 
-@functools.cache
 def extension_ready() -> bool:
     """Whether the epilogue matmuls are registered with XLA: built (or found built) and loaded on a host whose JAX
-    runs on CUDA GPUs; False elsewhere, and where they cannot be built (why, said once on stderr)."""
+    runs on CUDA GPUs; False elsewhere, and where they cannot be built (why, said once on stderr). Decided once, under
+    a lock (threads tracing at once register the targets once)."""
+    with _READY_LOCK:
+        if not _READY:
+            _READY.append(_make_ready())
+        return _READY[0]
+
+
+def _make_ready() -> bool:
     try:
         if jax.default_backend() != "gpu" or not jax.devices("cuda"):
             return False
@@ -161,8 +171,10 @@ def _loaded_library(name: str) -> Path | None:
     """The file of the shared library `name` this process has loaded, if any (Linux)."""
     maps = Path("/proc/self/maps")
     for line in maps.read_text().splitlines() if maps.exists() else []:
-        if Path(line.split()[-1]).name.startswith(f"{name}.so"):
-            return Path(line.split()[-1])
+        fields = line.split(maxsplit=5)  # address, permissions, offset, device, inode, path (which may hold spaces)
+        path = Path(fields[5]) if len(fields) == 6 else None
+        if path and path.name.startswith(f"{name}.so") and path.exists():  # not a "(deleted)" one
+            return path
     return None
 
 
@@ -198,7 +210,8 @@ def build() -> Path:
         built = Path(scratch) / target.name
         done = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True)
         if done.returncode:
-            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+            lines = done.stderr.splitlines()  # the first error, not the linker driver's summary of it
+            errors = [line for line in lines if "error" in line and "collect2" not in line] or lines
             raise RuntimeError(f"{Path(compiler).name} could not build {SOURCE.name}: "
                                f"{(errors or ['(no output)'])[0].strip()}")
         os.replace(built, target)
