@@ -165,3 +165,19 @@ def test_the_gpu_check_passes_xlas_function_and_catches_a_dropped_bias(monkeypat
     xla = gemm_epilogue._xla_gemm_gelu
     monkeypatch.setattr(gemm_epilogue, "_xla_gemm_gelu", lambda x, w, b: xla(x, w, 0 * b))
     assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) > 2
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["all-reduces", "sequence-parallel"])
+def test_the_audit_finds_the_papers_collectives(sp):
+    """The epilogue MLP sits between the column-parallel `f` and the row-parallel `g`: a layer still has two
+    all-reduces of b*s*h forward and two backward (with sequence parallelism and `matmuls` recomputation: two
+    all-gathers and two reduce-scatters each way, none repeated), nothing over "data"."""
+    from mtx import audit
+
+    b, s, d, tp = 4, 16, 64, 2
+    cfg = audit.audit_config(hidden_size=d, num_attention_heads=8, seq_length=s, micro_batch_size=b,
+                             tensor_model_parallel_size=tp, data_parallel_size=2, gemm_epilogues=True,
+                             sequence_parallel=sp, recompute_granularity="matmuls" if sp else None)
+    r = audit.audit_layer(cfg)
+    kinds = {"all-gather model": 2, "reduce-scatter model": 2} if sp else {"all-reduce model": 2}
+    assert r["by_axis"] == {"forward": kinds, "backward": kinds}, r["ops"]
