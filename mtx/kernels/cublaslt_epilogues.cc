@@ -5,13 +5,15 @@
 // C (M, N) = A (M, K) B (K, N) is computed as its transpose C^T = B^T A^T, the bias (or its gradient) running along
 // the N output columns, which are cuBLASLt's rows.
 //
-//   mtx_gemm_gelu:   x (M, K), w (K, N), b (N) -> gelu(x w + b), h = x w + b           (epilogue GELU_AUX_BIAS)
-//   mtx_gemm_dgelu:  dy (M, K), w (N, K), h (M, N) -> dh = (dy w^T) * gelu'(h),
+//   mtx_gemm_gelu:   x (..., K), w (K, N), b (N) -> gelu(x w + b), h = x w + b         (epilogue GELU_AUX_BIAS)
+//   mtx_gemm_dgelu:  dy (..., K), w (N, K), h (..., N) -> dh = (dy w^T) * gelu'(h),
 //                    db = column sums of dh                                            (epilogue DGELU_BGRAD)
 //
+// (x's and dy's leading dimensions are the M rows: the activations keep their (micro batch, sequence) shape.)
+//
 // GeLU is cuBLASLt's tanh approximation (GPT-2's). The accumulation and the epilogue run in float32; h, the outputs
-// and db are rounded to bf16 once. Each problem's algorithm is chosen once per device and shape: the heuristic's
-// candidates are timed on the call's own buffers, which the chosen one then overwrites.
+// and db are rounded to bf16 once. Each problem's algorithm is chosen once per device, shape and pointer alignment:
+// the heuristic's candidates are timed on the call's own buffers, which the chosen one then overwrites.
 
 #include <cstdint>
 #include <initializer_list>
