@@ -151,6 +151,11 @@ def tp_comm_overlap_training(steps: int = 50) -> dict:
             "kernels_last": curves["kernels"][-1]}
 
 
+def _relative_errors(names, outs, reference) -> dict:
+    """Each output's largest error relative to its reference's largest magnitude, by name."""
+    return {name: float(np.abs(o - r).max() / np.abs(r).max()) for name, o, r in zip(names, outs, reference)}
+
+
 def collective_matmul(tokens: int, hidden: int, ffn: int) -> dict:
     """An MLP's two matmuls under sequence parallelism (no activation between) through mtx/kernels/collective_matmul.py
     (column_parallel_matmul, then row_parallel_matmul: the peer-memory kernels on 2+ Hopper GPUs) and through XLA's
@@ -180,8 +185,7 @@ def collective_matmul(tokens: int, hidden: int, ffn: int) -> dict:
     reference = run(*plain, jnp.float32)
 
     def errors(outs):
-        return {name: float(np.abs(o - r).max() / np.abs(r).max())
-                for name, o, r in zip(("out", "dx", "dw1", "dw2"), outs, reference)}
+        return _relative_errors(("out", "dx", "dw1", "dw2"), outs, reference)
 
     local = jax.ShapeDtypeStruct((tokens // n, hidden), jnp.bfloat16), jax.ShapeDtypeStruct((hidden, ffn // n),
                                                                                             jnp.bfloat16)
@@ -215,8 +219,7 @@ def gemm_epilogue(tokens: int, hidden: int, ffn: int) -> dict:
     reference = run(plain, jnp.float32)[0]
 
     def errors(outs):
-        return {name: float(np.abs(o - r).max() / np.abs(r).max())
-                for name, o, r in zip(("out", "dx", "dw1", "db1", "dw2"), outs, reference)}
+        return _relative_errors(("out", "dx", "dw1", "db1", "dw2"), outs, reference)
 
     fused, ran = run(ge.gelu_mlp, jnp.bfloat16)
     return {"fused": errors(fused), "xla_bf16": errors(run(plain, jnp.bfloat16)[0]), "epilogues_ran": ran}

@@ -39,13 +39,16 @@ def test_values_and_gradients_are_autodiffs(keep_activation):
         np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_bf16_gradients_keep_their_dtypes_and_autodiffs_values():
+def test_bf16_gradients_keep_their_dtypes_and_are_as_accurate_as_autodiffs():
+    """In bf16 each gradient is within twice the error autodiff's bf16 gradient makes, against float32 autodiff."""
     args, dy = operands(dtype=jnp.bfloat16)
     grads = jax.vjp(gemm_epilogue.gelu_mlp, *args)[1](dy)
     refs = jax.vjp(plain_mlp, *args)[1](dy)
-    for grad, ref in zip(grads, refs):
+    exact = jax.vjp(plain_mlp, *(a.astype(jnp.float32) for a in args))[1](dy.astype(jnp.float32))
+    error = lambda a, e: np.linalg.norm(np.asarray(a, np.float32) - e) / np.linalg.norm(e)
+    for grad, ref, want, name in zip(grads, refs, exact, ("x", "w1", "b1", "w2")):
         assert grad.dtype == jnp.bfloat16
-        np.testing.assert_allclose(grad.astype(np.float32), ref.astype(np.float32), rtol=0.05, atol=0.05)
+        assert error(grad, want) <= 2 * error(ref, want), name
 
 
 def test_matmuls_recomputation_keeps_both_outputs_and_recomputes_no_matmul(capsys):
@@ -108,10 +111,6 @@ def test_in_1f1b_without_biases_under_matmuls_recomputation():
                                    err_msg=path)
 
 
-def test_no_gpu_no_library():
-    assert jax.default_backend() != "cpu" or not gemm_epilogue.extension_ready()
-
-
 def test_a_missing_compiler_or_cuda_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setattr(gemm_epilogue, "CACHE", tmp_path)
     monkeypatch.delenv("CXX", raising=False)
@@ -162,8 +161,8 @@ def test_the_gpu_check_passes_xlas_function_and_catches_a_dropped_bias(monkeypat
         return max(result["fused"][key] / (result["xla_bf16"][key] + 1e-3) for key in result["fused"])
 
     assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) < 2
-    xla = gemm_epilogue._xla_gemm_gelu
-    monkeypatch.setattr(gemm_epilogue, "_xla_gemm_gelu", lambda x, w, b: xla(x, w, 0 * b))
+    fused = gemm_epilogue._gemm_gelu
+    monkeypatch.setattr(gemm_epilogue, "_gemm_gelu", lambda x, w, b: fused(x, w, 0 * b))
     assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) > 2
 
 

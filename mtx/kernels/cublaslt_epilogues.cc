@@ -101,7 +101,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Hopper
 constexpr int kCandidates = 8;
 constexpr int kTimedRuns = 3;
 
@@ -192,10 +191,10 @@ ffi::Error Handle(int device, cublasLtHandle_t& handle) {
 
 // The fastest of the heuristic's candidates on this call's buffers (each run writes what the final run overwrites).
 ffi::Error Choose(const Problem& p, cublasLtHandle_t handle, const Descriptors& desc, cudaStream_t stream,
-                  const void* a, const void* b, void* d, void* workspace, cublasLtMatmulAlgo_t& chosen) {
+                  const void* a, const void* b, void* d, void* workspace, size_t workspace_bytes,
+                  cublasLtMatmulAlgo_t& chosen) {
   cublasLtMatmulPreference_t preference;
   MTX_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
-  size_t workspace_bytes = kWorkspaceBytes;
   cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
       preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes));
   std::vector<cublasLtMatmulHeuristicResult_t> results(kCandidates);
@@ -212,7 +211,7 @@ ffi::Error Choose(const Problem& p, cublasLtHandle_t handle, const Descriptors& 
   const float one = 1.0f, zero = 0.0f;
   auto run = [&](const cublasLtMatmulAlgo_t* algo) {
     return cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, algo, workspace,
-                          kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
+                          workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
   };
   cudaEvent_t start = nullptr, stop = nullptr;
   bool timed = cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
@@ -243,9 +242,8 @@ ffi::Error Matmul(const Problem& p, cudaStream_t stream, Workspace& workspace, c
   if (ffi::Error error = Handle(p.device, handle); error.failure()) return error;
   Descriptors desc;
   if (ffi::Error error = Describe(p, bias, aux, desc); error.failure()) return error;
-  if (workspace->element_count() < kWorkspaceBytes)
-    return ffi::Error::InvalidArgument("cuBLASLt's workspace must hold " + std::to_string(kWorkspaceBytes) +
-                                       " bytes");
+  void* space = workspace->untyped_data();
+  size_t space_bytes = workspace->size_bytes();  // as large as the caller made it (gemm_epilogue.WORKSPACE_BYTES)
   cublasLtMatmulAlgo_t algo;
   bool known;
   {
@@ -255,14 +253,14 @@ ffi::Error Matmul(const Problem& p, cudaStream_t stream, Workspace& workspace, c
     if (known) algo = found->second;
   }
   if (!known) {
-    ffi::Error error = Choose(p, handle, desc, stream, a, b, d, workspace->untyped_data(), algo);
+    ffi::Error error = Choose(p, handle, desc, stream, a, b, d, space, space_bytes, algo);
     if (error.failure()) return error;
     std::lock_guard<std::mutex> lock(mutex);
     algorithms[p.key()] = algo;
   }
   const float one = 1.0f, zero = 0.0f;
   MTX_CUBLAS(cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, &algo,
-                            workspace->untyped_data(), kWorkspaceBytes, stream));
+                            space, space_bytes, stream));
   return ffi::Error::Success();
 }
 

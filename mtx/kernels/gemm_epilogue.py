@@ -13,8 +13,9 @@ its backward written out:
               dw2 = a^T dy, dw1 = x^T dh, dx = dh w1^T (autodiff's own transposes of the two matmuls)
 
 Measured on an H200 (docs/benchmarks.md 20): the MLP's forward is 3.5% faster, its backward 10% slower (cuBLASLt's
-DGELU_BGRAD matmul), and the 1.2B step at micro batch 24 4.6% slower, with 11.3 GiB less memory (the backward keeps
-h and GeLU(h), not autodiff's tanh as well); so the default stays autodiff's MLP.
+DGELU_BGRAD matmul), and the 1.2B step at micro batch 24 4.6% slower, with 11.3 GiB less memory (one (tokens, F)
+activation a layer: the backward keeps h and GeLU(h), and by the arithmetic not autodiff's tanh as well); so the
+default stays autodiff's MLP.
 
 mtx/kernels/cublaslt_epilogues.cc holds the two epilogue matmuls as XLA FFI handlers; it is compiled on first use on
 a host whose JAX runs on CUDA GPUs (a C++ compiler, jaxlib's FFI headers, and the cuBLASLt and CUDA runtime
@@ -52,9 +53,8 @@ from mtx.parallel.ops import cotangent_like, vary, varying_axes
 ACTIVATIONS = "gemm_epilogue_activations"  # checkpoint name of h and gelu(h), which the backward reads
 SOURCE = Path(__file__).with_name("cublaslt_epilogues.cc")
 CACHE = Path("~/.cache/mtx/kernels")
-WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace (cuBLAS's recommendation for Hopper), kWorkspaceBytes of the .cc
+WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace, an output of each call (cuBLAS's recommendation for Hopper)
 TARGETS = {"mtx_gemm_gelu": "MtxGemmGelu", "mtx_gemm_dgelu": "MtxGemmDgelu"}
-_READY: list[bool] = []  # extension_ready's answer, once decided
 _READY_LOCK = threading.Lock()
 
 
@@ -120,16 +120,18 @@ def _epilogue_operands(*arrays) -> bool:
     return all(a.dtype == jnp.bfloat16 and a.shape[-1] % 8 == 0 for a in arrays)
 
 
-def _gemm_gelu(x, w, b):
-    if not (_epilogue_operands(x, w, b) and extension_ready()):
-        return _xla_gemm_gelu(x, w, b)
-    return jax.lax.platform_dependent(x, w, b, cuda=_ffi_gemm_gelu, default=_xla_gemm_gelu)
+def _on_cuda(ffi, xla):
+    """ffi(*operands) where the program runs on CUDA GPUs and the library is ready for these operands, else
+    xla(*operands) (the same values up to bf16 rounding)."""
+    def dispatch(*operands):
+        if not (_epilogue_operands(*operands) and extension_ready()):
+            return xla(*operands)
+        return jax.lax.platform_dependent(*operands, cuda=ffi, default=xla)
+    return dispatch
 
 
-def _gemm_dgelu(dy, w, h):
-    if not (_epilogue_operands(dy, w, h) and extension_ready()):
-        return _xla_gemm_dgelu(dy, w, h)
-    return jax.lax.platform_dependent(dy, w, h, cuda=_ffi_gemm_dgelu, default=_xla_gemm_dgelu)
+_gemm_gelu = _on_cuda(_ffi_gemm_gelu, _xla_gemm_gelu)  # x, w, b -> gelu(x w + b), x w + b
+_gemm_dgelu = _on_cuda(_ffi_gemm_dgelu, _xla_gemm_dgelu)  # dy, w, h -> (dy w^T) gelu'(h), its column sums
 
 
 def extension_ready() -> bool:
@@ -137,12 +139,11 @@ def extension_ready() -> bool:
     runs on CUDA GPUs; False elsewhere, and where they cannot be built (why, said once on stderr). Decided once, under
     a lock (threads tracing at once register the targets once)."""
     with _READY_LOCK:
-        if not _READY:
-            _READY.append(_make_ready())
-        return _READY[0]
+        return _ready()
 
 
-def _make_ready() -> bool:
+@functools.cache
+def _ready() -> bool:
     try:
         if jax.default_backend() != "gpu" or not jax.devices("cuda"):
             return False
