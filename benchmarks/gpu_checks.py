@@ -18,9 +18,9 @@ Checks:
   collective_matmul  an MLP's two matmuls under sequence parallelism through the peer-memory kernels (2+ Hopper
                 GPUs; XLA's collectives elsewhere) against XLA's in bf16 and fp32: the output and the gradients; on
                 GPUs it fails if the kernels did not run.
-  gemm_epilogue  the GeLU MLP with its bias + GeLU and their backward in cuBLASLt's epilogues (--gemm-epilogues)
-                against autodiff's in bf16 and fp32: the output and the gradients; on GPUs it fails if the epilogues
-                did not run.
+  gemm_epilogue  the GeLU MLP with its bias + GeLU and their backward in cuBLASLt's epilogues, and a matmul with its
+                bias in one (--gemm-epilogues), against autodiff's in bf16 and fp32: the outputs and the gradients;
+                on GPUs it fails if the epilogues did not run.
   tp_comm_overlap_training  on 2+ GPUs, the small GPT of flash_training trained 50 steps with TP over every GPU,
                 --sequence-parallel with and without --tp-comm-overlap: the curves must agree to `--loss-tol`.
 """
@@ -195,9 +195,9 @@ def collective_matmul(tokens: int, hidden: int, ffn: int) -> dict:
 
 
 def gemm_epilogue(tokens: int, hidden: int, ffn: int) -> dict:
-    """The GeLU MLP through mtx/kernels/gemm_epilogue.py (cuBLASLt's epilogues on CUDA GPUs, XLA elsewhere) and
-    through autodiff, both in bf16, against autodiff in fp32: errors of the output and of the x, w1, b1, w2
-    gradients, and whether the epilogues ran."""
+    """mtx/kernels/gemm_epilogue.py's two functions (cuBLASLt's epilogues on CUDA GPUs, XLA elsewhere) and autodiff's,
+    both in bf16, against autodiff in fp32: errors of the GeLU MLP's output and x, w1, b1, w2 gradients, and of the
+    biased matmul x w1 + b1's output and gradients (`bias_*`); whether the epilogues ran."""
     from mtx.kernels import gemm_epilogue as ge
 
     keys = jax.random.split(jax.random.key(0), 5)
@@ -210,19 +210,25 @@ def gemm_epilogue(tokens: int, hidden: int, ffn: int) -> dict:
     def plain(x, w1, b1, w2):
         return jax.nn.gelu(x @ w1 + b1, approximate=True) @ w2
 
+    def biased(x, w1, b1, w2):  # the MLP's first matmul alone, its output projected by w2 to give it a cotangent
+        return ge.bias_matmul(x, w1, b1) @ w2
+
     def run(mlp, dtype):
         args = tuple(a.astype(dtype) for a in (x, w1, b1, w2))
         step = jax.jit(lambda *a: (lambda y, pullback: (y, *pullback(ct.astype(dtype))))(*jax.vjp(mlp, *a)))
-        program = step.lower(*args).as_text()  # both epilogues: the forward's and the backward's
-        return [np.asarray(a, np.float32) for a in step(*args)], all(t in program for t in ge.TARGETS)
+        return [np.asarray(a, np.float32) for a in step(*args)], step.lower(*args).as_text()
 
+    names = ("out", "dx", "dw1", "db1", "dw2")
     reference = run(plain, jnp.float32)[0]
-
-    def errors(outs):
-        return _relative_errors(("out", "dx", "dw1", "db1", "dw2"), outs, reference)
-
-    fused, ran = run(ge.gelu_mlp, jnp.bfloat16)
-    return {"fused": errors(fused), "xla_bf16": errors(run(plain, jnp.bfloat16)[0]), "epilogues_ran": ran}
+    bias_reference = run(lambda x, w1, b1, w2: (x @ w1 + b1) @ w2, jnp.float32)[0]
+    (fused, program), (fused_bias, bias_program) = run(ge.gelu_mlp, jnp.bfloat16), run(biased, jnp.bfloat16)
+    xla_bias = run(lambda x, w1, b1, w2: (x @ w1 + b1) @ w2, jnp.bfloat16)[0]
+    ran = all(target in program for target in ("mtx_gemm_gelu", "mtx_gemm_dgelu")) and "mtx_gemm_bias" in bias_program
+    return {"fused": {**_relative_errors(names, fused, reference),
+                      **_relative_errors([f"bias_{n}" for n in names], fused_bias, bias_reference)},
+            "xla_bf16": {**_relative_errors(names, run(plain, jnp.bfloat16)[0], reference),
+                         **_relative_errors([f"bias_{n}" for n in names], xla_bias, bias_reference)},
+            "epilogues_ran": ran}
 
 
 def main(argv: list[str] | None = None) -> int:

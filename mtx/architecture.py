@@ -85,11 +85,11 @@ class ModelConfig:
     bias_swiglu_fusion: bool = _f(False, "--swiglu: silu(gate) * up as one function whose backward recomputes it "
                                          "from the two matmuls' outputs, keeping nothing else (the Llama 1B preset: "
                                          "the same memory, within 1% of the speed on an H200); off: autodiff's")
-    gemm_epilogues: bool = _f(False, "the GeLU MLP's bias + GeLU inside its first matmul and the GeLU's "
-                                     "derivative with the bias gradient inside the second's input-gradient matmul "
-                                     "(cuBLASLt epilogues on NVIDIA GPUs in bf16; elsewhere the same function through "
-                                     "XLA): as first measured, 11 GiB less memory but 4.6% slower on the 1.2B step on "
-                                     "an H200; off: autodiff's")
+    gemm_epilogues: bool = _f(False, "the GeLU MLP's bias + GeLU inside its first matmul, the GeLU's derivative "
+                                     "inside the second's input-gradient matmul and the q, k, v biases inside their "
+                                     "matmuls (cuBLASLt epilogues on NVIDIA GPUs in bf16; elsewhere the same functions "
+                                     "through XLA): 2% faster on the 1.2B step, 11 GiB less memory (H200); off: "
+                                     "XLA's separate passes")
 
     @property
     def ffn_size(self) -> int:

@@ -30,8 +30,11 @@ def check_unused_flags(cfg, given) -> None:
                 (("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                   "rope_scaling_original_max_position_embeddings"), m.use_rope_scaling, "--use-rope-scaling", again),
                 (("bias_swiglu_fusion",), m.swiglu, "--swiglu", again),
-                (("bias_gelu_fusion", "gemm_epilogues"), not m.swiglu, "the GeLU MLP, not --swiglu",
+                (("bias_gelu_fusion",), not m.swiglu, "the GeLU MLP, not --swiglu",
                  "leave it out (--bias-swiglu-fusion is SwiGLU's)."),
+                (("gemm_epilogues",), not m.swiglu or not (m.disable_bias_linear or m.group_query_attention),
+                 "the GeLU MLP, or the fused q, k, v projection's biases (not --swiglu with "
+                 "--disable-bias-linear or --group-query-attention)", "leave it out."),
                 (("mask_prob", "short_seq_prob", "mlm_head_positions", "num_tokentypes"), m.is_bert,
                  "--model-type bert", "leave it out for GPT."),
                 (("label_smoothing", "generate_tokens"), not m.is_bert, "GPT's next-token loss",

@@ -1,7 +1,7 @@
-"""The GeLU MLP with its bias + GeLU and their backward inside the matmuls (mtx/kernels/gemm_epilogue.py): autodiff's
-values and gradients through XLA (how the CPU runs it), the whole model the same with it on or off on a mesh with
-sequence parallelism, `matmuls` recomputation keeping its two outputs, and its library's build refusing a missing
-toolchain in one line. On GPUs, where the tests do not run, benchmarks/gpu_checks.py checks cuBLASLt's epilogues."""
+"""The GeLU MLP with its bias + GeLU and their backward inside the matmuls, and the q, k, v matmuls with their biases
+inside (mtx/kernels/gemm_epilogue.py): autodiff's values and gradients through XLA (how the CPU runs it), the whole
+model the same with it on or off on a mesh with sequence parallelism, `matmuls` recomputation keeping their outputs,
+and its library's build refusing a missing toolchain in one line. On GPUs, where the tests do not run, benchmarks/gpu_checks.py checks cuBLASLt's epilogues."""
 
 import jax
 import jax.extend
@@ -39,6 +39,16 @@ def test_values_and_gradients_are_autodiffs(keep_activation):
         np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_the_biased_matmul_is_autodiffs():
+    """bias_matmul (the q, k, v projections' matmuls with --gemm-epilogues): x w + b and autodiff's gradients."""
+    (x, w, b, _), dy = operands(d=64)
+    y, pullback = jax.vjp(gemm_epilogue.bias_matmul, x, w, b)
+    y_ref, pullback_ref = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+    for grad, ref, name in zip(pullback(dy), pullback_ref(dy), ("x", "w", "b")):
+        np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_bf16_gradients_keep_their_dtypes_and_are_as_accurate_as_autodiffs():
     """In bf16 each gradient is within twice the error autodiff's bf16 gradient makes, against float32 autodiff."""
     args, dy = operands(dtype=jnp.bfloat16)
@@ -61,6 +71,13 @@ def test_matmuls_recomputation_keeps_both_outputs_and_recomputes_no_matmul(capsy
     assert saved.count(f"[2,12,64] named '{gemm_epilogue.ACTIVATIONS}'") == 2, saved
     assert _matmuls(fn, args, dy) == _matmuls(gemm_epilogue.gelu_mlp, args, dy)  # as many as without recomputation
     assert _matmuls(jax.checkpoint(gemm_epilogue.gelu_mlp), args, dy) > _matmuls(gemm_epilogue.gelu_mlp, args, dy)
+    x, w, b, _ = args  # the biased matmul's output, where what follows reads it (as attention does), is kept too
+    biased = lambda x, w, b: jnp.sin(gemm_epilogue.bias_matmul(x, w, b))
+    fn = jax.checkpoint(biased, policy=save_matmul_outputs)
+    jax.ad_checkpoint.print_saved_residuals(fn, x, w, b)
+    assert f"[2,12,64] named '{gemm_epilogue.ACTIVATIONS}'" in capsys.readouterr().out
+    ct = jnp.ones((2, 12, 64))
+    assert _matmuls(fn, (x, w, b), ct) == _matmuls(biased, (x, w, b), ct)
 
 
 def _matmuls(fn, args, dy) -> int:
@@ -127,17 +144,21 @@ def test_a_missing_compiler_or_cuda_is_one_line(monkeypatch, tmp_path):
     assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("other", [{"swiglu": True}, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
-                                                      "tp_comm_overlap": True}], ids=["swiglu", "tp-comm-overlap"])
+@pytest.mark.parametrize("other", [{"swiglu": True, "disable_bias_linear": True},
+                                   {"swiglu": True, "group_query_attention": True, "num_query_groups": 2},
+                                   {"tensor_model_parallel_size": 2, "sequence_parallel": True, "tp_comm_overlap": True}],
+                         ids=["swiglu-no-biases", "swiglu-grouped", "tp-comm-overlap"])
 def test_the_flag_where_it_would_do_nothing_is_one_line(other):
-    """--gemm-epilogues acts on the GeLU MLP's XLA matmuls: with SwiGLU, or with the peer-memory kernels running the
-    matmuls, it would do nothing, and is refused before any device work."""
+    """--gemm-epilogues acts on the GeLU MLP's and the fused q, k, v projection's XLA matmuls: with SwiGLU and no
+    biases or grouped projections, or with the peer-memory kernels running the matmuls, it would do nothing, and is
+    refused before any device work. (SwiGLU with biases keeps the q, k, v epilogue: accepted.)"""
     from mtx.flag_rules import check_unused_flags
 
     given = {"gemm_epilogues", *other}
     message = refused_in_one_line("--gemm-epilogues only acts with", check_unused_flags,
                                   Config().replace(gemm_epilogues=True, **other), given)
     assert "leave" in message
+    check_unused_flags(Config().replace(gemm_epilogues=True, swiglu=True), {"gemm_epilogues", "swiglu"})
 
 
 def test_a_checkpoint_resumes_with_either_setting():
@@ -161,9 +182,11 @@ def test_the_gpu_check_passes_xlas_function_and_catches_a_dropped_bias(monkeypat
         return max(result["fused"][key] / (result["xla_bf16"][key] + 1e-3) for key in result["fused"])
 
     assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) < 2
-    fused = gemm_epilogue._gemm_gelu
-    monkeypatch.setattr(gemm_epilogue, "_gemm_gelu", lambda x, w, b: fused(x, w, 0 * b))
-    assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) > 2
+    for name in ("_gemm_gelu", "_gemm_bias"):
+        with monkeypatch.context() as patch:
+            fused = getattr(gemm_epilogue, name)
+            patch.setattr(gemm_epilogue, name, lambda x, w, b, fused=fused: fused(x, w, 0 * b))
+            assert worst(gpu_checks.gemm_epilogue(64, 32, 128)) > 2, name
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["all-reduces", "sequence-parallel"])

@@ -1,13 +1,16 @@
-// The MLP's two matmuls with their element-wise neighbours in cuBLASLt's epilogues, as XLA FFI handlers.
+// Matmuls with their element-wise neighbours in cuBLASLt's epilogues, as XLA FFI handlers.
 //
 // mtx/kernels/gemm_epilogue.py builds this file on a host with NVIDIA GPUs and calls it from JAX; read it there
 // first. All matrices are bf16, row-major as JAX holds them; cuBLASLt is column-major, so each row-major product
 // C (M, N) = A (M, K) B (K, N) is computed as its transpose C^T = B^T A^T, the bias (or its gradient) running along
 // the N output columns, which are cuBLASLt's rows.
 //
+//   mtx_gemm_bias:   x (..., K), w (K, N), b (N) -> x w + b                            (epilogue BIAS)
 //   mtx_gemm_gelu:   x (..., K), w (K, N), b (N) -> gelu(x w + b), h = x w + b         (epilogue GELU_AUX_BIAS)
-//   mtx_gemm_dgelu:  dy (..., K), w (N, K), h (..., N) -> dh = (dy w^T) * gelu'(h),
-//                    db = column sums of dh                                            (epilogue DGELU_BGRAD)
+//   mtx_gemm_dgelu:  dy (..., K), w (N, K), h (..., N) -> dh = (dy w^T) * gelu'(h)     (epilogue DGELU)
+//
+// (Not DGELU_BGRAD, which sums dh's columns for the bias gradient too: its sums across the row blocks made the
+// matmul slower than DGELU and XLA's own column sums together, docs/benchmarks.md 21.)
 //
 // (x's and dy's leading dimensions are the M rows: the activations keep their (micro batch, sequence) shape.)
 //
@@ -91,8 +94,9 @@ enum : int {
   CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
 };
 enum cublasLtEpilogue_t : uint32_t {
+  CUBLASLT_EPILOGUE_BIAS = 4,
   CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,  // GELU | AUX | BIAS
-  CUBLASLT_EPILOGUE_DGELU_BGRAD = 64 | 128 | 16,   // DGELU (with its AUX input) | BGRAD
+  CUBLASLT_EPILOGUE_DGELU = 64 | 128,              // DGELU (with its AUX input)
 };
 constexpr cublasStatus_t CUBLAS_STATUS_SUCCESS = 0;
 constexpr cudaError_t cudaSuccess = 0;
@@ -166,10 +170,14 @@ ffi::Error Describe(const Problem& p, const void* bias, const void* aux, Descrip
   MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   uint32_t epilogue = p.epilogue;
   MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
-  int64_t aux_ld = p.rows;
-  MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
+  if (bias)
+    MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (aux) {
+    MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+    int64_t aux_ld = p.rows;
+    MTX_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                              sizeof(aux_ld)));
+  }
   MTX_CUBLAS(p.transpose_a ? cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, p.depth, p.rows, p.depth)
                            : cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, p.rows, p.depth, p.rows));
   MTX_CUBLAS(cublasLtMatrixLayoutCreate(&desc.b, CUDA_R_16BF, p.depth, p.cols, p.depth));
@@ -271,6 +279,18 @@ std::tuple<int64_t, int64_t> Shape(const Rows& a) {
   return {width ? static_cast<int64_t>(a.element_count()) / width : 0, width};
 }
 
+ffi::Error GemmBias(cudaStream_t stream, int32_t device, Rows x, Matrix w, Vector bias, ffi::Result<Rows> out,
+                    Workspace workspace) {
+  auto [m, k] = Shape(x);
+  int64_t n = w.dimensions()[1];
+  if (w.dimensions()[0] != k || bias.dimensions()[0] != n || Shape(*out) != std::make_tuple(m, n))
+    return ffi::Error::InvalidArgument("mtx_gemm_bias: x (..., K), w (K, N), b (N) and the output do not match");
+  Problem p{device, CUBLASLT_EPILOGUE_BIAS, false, n, m, k};
+  p.alignment = Alignment({x.untyped_data(), w.untyped_data(), bias.untyped_data(), out->untyped_data()});
+  return Matmul(p, stream, workspace, w.untyped_data(), x.untyped_data(), out->untyped_data(), bias.untyped_data(),
+                nullptr);
+}
+
 ffi::Error GemmGelu(cudaStream_t stream, int32_t device, Rows x, Matrix w, Vector bias, ffi::Result<Rows> out,
                     ffi::Result<Rows> h, Workspace workspace) {
   auto [m, k] = Shape(x);
@@ -286,21 +306,29 @@ ffi::Error GemmGelu(cudaStream_t stream, int32_t device, Rows x, Matrix w, Vecto
 }
 
 ffi::Error GemmDgelu(cudaStream_t stream, int32_t device, Rows dy, Matrix w, Rows h, ffi::Result<Rows> dh,
-                     ffi::Result<Vector> db, Workspace workspace) {
+                         Workspace workspace) {
   auto [m, k] = Shape(dy);
   int64_t n = w.dimensions()[0];
-  if (w.dimensions()[1] != k || Shape(h) != std::make_tuple(m, n) || Shape(*dh) != std::make_tuple(m, n) ||
-      db->dimensions()[0] != n)
-    return ffi::Error::InvalidArgument("mtx_gemm_dgelu: dy (..., K), w (N, K), h (..., N) and the outputs do not "
+  if (w.dimensions()[1] != k || Shape(h) != std::make_tuple(m, n) || Shape(*dh) != std::make_tuple(m, n))
+    return ffi::Error::InvalidArgument("mtx_gemm_dgelu: dy (..., K), w (N, K), h (..., N) and the output do not "
                                        "match");
-  Problem p{device, CUBLASLT_EPILOGUE_DGELU_BGRAD, true, n, m, k};
-  p.alignment = Alignment({dy.untyped_data(), w.untyped_data(), h.untyped_data(), dh->untyped_data(),
-                           db->untyped_data()});
-  return Matmul(p, stream, workspace, w.untyped_data(), dy.untyped_data(), dh->untyped_data(), db->untyped_data(),
+  Problem p{device, CUBLASLT_EPILOGUE_DGELU, true, n, m, k};
+  p.alignment = Alignment({dy.untyped_data(), w.untyped_data(), h.untyped_data(), dh->untyped_data()});
+  return Matmul(p, stream, workspace, w.untyped_data(), dy.untyped_data(), dh->untyped_data(), nullptr,
                 h.untyped_data());
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmBias, GemmBias,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<Rows>()
+                                  .Arg<Matrix>()
+                                  .Arg<Vector>()
+                                  .Ret<Rows>()
+                                  .Ret<Bytes>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmGelu, GemmGelu,
                               ffi::Ffi::Bind()
@@ -321,5 +349,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmDgelu, GemmDgelu,
                                   .Arg<Matrix>()
                                   .Arg<Rows>()
                                   .Ret<Rows>()
-                                  .Ret<Vector>()
                                   .Ret<Bytes>());

@@ -54,7 +54,7 @@ ACTIVATIONS = "gemm_epilogue_activations"  # checkpoint name of h and gelu(h), w
 SOURCE = Path(__file__).with_name("cublaslt_epilogues.cc")
 CACHE = Path("~/.cache/mtx/kernels")
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace, an output of each call (cuBLAS's recommendation for Hopper)
-TARGETS = {"mtx_gemm_gelu": "MtxGemmGelu", "mtx_gemm_dgelu": "MtxGemmDgelu"}
+TARGETS = {"mtx_gemm_bias": "MtxGemmBias", "mtx_gemm_gelu": "MtxGemmGelu", "mtx_gemm_dgelu": "MtxGemmDgelu"}
 _READY_LOCK = threading.Lock()
 
 
@@ -75,7 +75,8 @@ def _gelu_mlp_bwd(keep_activation, residuals, dy):
     x, w1, b1, w2, h, a = residuals
     if a is None:
         a = gelu_terms(h)[0]
-    dh, db1 = _gemm_dgelu(dy, w2, h)
+    dh = _gemm_dgelu(dy, w2, h)
+    db1 = dh.astype(jnp.float32).sum(tuple(range(dh.ndim - 1))).astype(h.dtype)  # XLA's column sums (see the .cc)
     dx, dw1 = jax.vjp(jnp.matmul, x, w1)[1](dh)  # autodiff's own transposes of the two matmuls
     dw2 = jax.vjp(jnp.matmul, a, w2)[1](dy)[1]
     return tuple(cotangent_like(grad.astype(p.dtype), p) for grad, p in zip((dx, dw1, db1, dw2), (x, w1, b1, w2)))
@@ -84,14 +85,37 @@ def _gelu_mlp_bwd(keep_activation, residuals, dy):
 gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
+def bias_matmul(x, w, b):
+    """x (..., K), w (K, N), b (N,) -> x w + b with the bias added inside the matmul (cuBLASLt's BIAS epilogue), its
+    backward autodiff's; the output named `ACTIVATIONS`, so `matmuls` recomputation keeps it as it keeps XLA's
+    matmuls' outputs."""
+    return checkpoint_name(_bias_matmul(x, w, b), ACTIVATIONS)
+
+
+@jax.custom_vjp
+def _bias_matmul(x, w, b):
+    return _gemm_bias(x, w, b)
+
+
+def _bias_matmul_bwd(residuals, dy):
+    grads = jax.vjp(_xla_gemm_bias, *residuals)[1](dy)
+    return tuple(cotangent_like(grad.astype(p.dtype), p) for grad, p in zip(grads, residuals))
+
+
+_bias_matmul.defvjp(lambda x, w, b: (_gemm_bias(x, w, b), (x, w, b)), _bias_matmul_bwd)
+
+
+def _xla_gemm_bias(x, w, b):
+    return x @ w + b
+
+
+def _ffi_gemm_bias(x, w, b):
+    return _ffi("mtx_gemm_bias", (jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[1]), x.dtype),), x, w, b)[0]
+
+
 def _xla_gemm_gelu(x, w, b):
     h = x @ w + b
     return gelu_terms(h)[0], h
-
-
-def _xla_gemm_dgelu(dy, w, h):
-    dh = (dy @ w.T) * gelu_terms(h)[1]
-    return dh, dh.astype(jnp.float32).sum(tuple(range(dh.ndim - 1))).astype(h.dtype)
 
 
 def _ffi_gemm_gelu(x, w, b):
@@ -99,9 +123,12 @@ def _ffi_gemm_gelu(x, w, b):
     return _ffi("mtx_gemm_gelu", (out, out), x, w, b)
 
 
+def _xla_gemm_dgelu(dy, w, h):
+    return (dy @ w.T) * gelu_terms(h)[1]
+
+
 def _ffi_gemm_dgelu(dy, w, h):
-    outs = jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape[-1:], h.dtype)
-    return _ffi("mtx_gemm_dgelu", outs, dy, w, h)
+    return _ffi("mtx_gemm_dgelu", (jax.ShapeDtypeStruct(h.shape, h.dtype),), dy, w, h)[0]
 
 
 def _ffi(target, outs, *args):
@@ -130,8 +157,9 @@ def _on_cuda(ffi, xla):
     return dispatch
 
 
+_gemm_bias = _on_cuda(_ffi_gemm_bias, _xla_gemm_bias)  # x, w, b -> x w + b
 _gemm_gelu = _on_cuda(_ffi_gemm_gelu, _xla_gemm_gelu)  # x, w, b -> gelu(x w + b), x w + b
-_gemm_dgelu = _on_cuda(_ffi_gemm_dgelu, _xla_gemm_dgelu)  # dy, w, h -> (dy w^T) gelu'(h), its column sums
+_gemm_dgelu = _on_cuda(_ffi_gemm_dgelu, _xla_gemm_dgelu)  # dy, w, h -> (dy w^T) gelu'(h)
 
 
 def extension_ready() -> bool:

@@ -212,7 +212,7 @@ class ParallelSelfAttention(nnx.Module):
             g = cfg.query_groups
             self.query, self.key, self.value = linear(d, d), linear(d, g * h, groups=g), linear(d, g * h, groups=g)
         else:  # columns ordered (N, 3, H): a contiguous split over ranks gives each rank the q, k, v of its heads
-            self.qkv = linear(d, 3 * d)
+            self.qkv = linear(d, 3 * d, epilogues=cfg.gemm_epilogues)
         self.proj = RowParallelLinear(d, d, std=std / math.sqrt(2 * cfg.num_layers),
                                       use_bias=not cfg.disable_bias_linear, sequence_parallel=sequence_parallel,
                                       comm_overlap=tp_comm_overlap,

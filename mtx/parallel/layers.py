@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtx.kernels import collective_matmul, elementwise  # modules: they import mtx.parallel too
+from mtx.kernels import collective_matmul, elementwise, gemm_epilogue  # modules: they import mtx.parallel too
 from mtx.parallel.mesh import MODEL, PIPELINE
 from mtx.parallel.ops import (f, g, gather_from_model_parallel, gather_from_sequence_parallel, model_rank,
                               reduce_scatter_to_sequence_parallel, scatter_to_model_parallel)
@@ -58,11 +58,13 @@ class ColumnParallelLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, std: float, use_bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, parts: int = 1,
-                 groups: int | None = None, comm_overlap: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+                 groups: int | None = None, comm_overlap: bool = False, epilogues: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         """parts > 1: `parts` matrices (in, parts, out) whose columns split over ranks alike, so each rank holds the
         matching columns of each (SwiGLU's gate and up; `parts_call`). groups: the columns are this many groups,
         replicated on every rank when the model size does not divide them (grouped-query attention's key/value
-        heads, see `param`); `local_call` then uses the group it is given."""
+        heads, see `param`); `local_call` then uses the group it is given. epilogues: the bias added inside each
+        matmul (`gemm_epilogue.bias_matmul`, --gemm-epilogues)."""
         shape, spec = ((in_features, out_features), (REPLICATED, MODEL)) if parts == 1 else (
             (in_features, parts, out_features), (REPLICATED, REPLICATED, MODEL))
         self.kernel = param(rngs, shape, spec, std=std, groups=groups)
@@ -70,6 +72,7 @@ class ColumnParallelLinear(nnx.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.comm_overlap = comm_overlap and sequence_parallel and not gather_output
+        self.epilogues = epilogues
         self.dtype = dtype
 
     def __call__(self, x_BSD, *, skip_bias_add: bool = False):
@@ -124,18 +127,21 @@ class ColumnParallelLinear(nnx.Module):
         return y if bias is None else y + bias
 
     def _matmuls(self, x, kernels, biases):
-        spec = "...d,df->...f" if kernels[0].ndim == 2 else "...d,dnh->...nh"
+        biases = biases or [None] * len(kernels)
         if self.comm_overlap:
-            ys = self._gathered_matmuls(x, kernels)
+            ys = [y if b is None else y + b for y, b in zip(self._gathered_matmuls(x, kernels), biases)]
         else:
             x = self.enter(x)
-            ys = [jnp.einsum(spec, x, kernel) for kernel in kernels]
-        outs = []
-        for j, y in enumerate(ys):
-            if biases is not None:
-                y = y + biases[j]
-            outs.append(gather_from_model_parallel(y) if self.gather_output else y)
-        return outs
+            ys = [self._biased_matmul(x, kernel, bias) for kernel, bias in zip(kernels, biases)]
+        return [gather_from_model_parallel(y) if self.gather_output else y for y in ys]
+
+    def _biased_matmul(self, x, kernel, bias):
+        """x (..., D) times kernel (D, ...) plus bias (...), the bias inside the matmul with `epilogues`."""
+        if self.epilogues and bias is not None:
+            y = gemm_epilogue.bias_matmul(x, kernel.reshape(kernel.shape[0], -1), bias.reshape(-1))
+            return y.reshape(*x.shape[:-1], *kernel.shape[1:])
+        y = jnp.einsum("...d,df->...f" if kernel.ndim == 2 else "...d,dnh->...nh", x, kernel)
+        return y if bias is None else y + bias
 
     def _gathered_matmuls(self, x_BSD, kernels):
         """--tp-comm-overlap: this rank's rows times each kernel's columns for every row, the rows gathered inside
