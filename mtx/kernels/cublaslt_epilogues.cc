@@ -318,35 +318,14 @@ ffi::Error GemmDgelu(cudaStream_t stream, int32_t device, Rows dy, Matrix w, Row
                 h.untyped_data());
 }
 
+// What every handler takes first: the stream, the device, x (or dy) and w.
+auto BindOperands() {
+  return ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::DeviceOrdinal>().Arg<Rows>().Arg<Matrix>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmBias, GemmBias,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<Rows>()
-                                  .Arg<Matrix>()
-                                  .Arg<Vector>()
-                                  .Ret<Rows>()
-                                  .Ret<Bytes>());
-
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmBias, GemmBias, BindOperands().Arg<Vector>().Ret<Rows>().Ret<Bytes>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmGelu, GemmGelu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<Rows>()
-                                  .Arg<Matrix>()
-                                  .Arg<Vector>()
-                                  .Ret<Rows>()
-                                  .Ret<Rows>()
-                                  .Ret<Bytes>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmDgelu, GemmDgelu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<Rows>()
-                                  .Arg<Matrix>()
-                                  .Arg<Rows>()
-                                  .Ret<Rows>()
-                                  .Ret<Bytes>());
+                              BindOperands().Arg<Vector>().Ret<Rows>().Ret<Rows>().Ret<Bytes>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtxGemmDgelu, GemmDgelu, BindOperands().Arg<Rows>().Ret<Rows>().Ret<Bytes>());

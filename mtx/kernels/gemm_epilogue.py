@@ -1,32 +1,37 @@
-"""The GeLU MLP's matmuls with their element-wise neighbours inside cuBLASLt's epilogues (NVIDIA GPUs), as
-Transformer Engine's fused MLP does for Megatron-Core: `--gemm-epilogues`, off by default.
+"""Matmuls with their element-wise neighbours inside cuBLASLt's epilogues (NVIDIA GPUs), as Transformer Engine does
+for Megatron-Core: `--gemm-epilogues`.
 
-XLA calls cuBLAS for every matmul but folds no GeLU into one (docs/benchmarks.md 12, 14): the bias + GeLU forward
-and the GeLU's derivative with the bias gradient backward are passes of their own over (tokens, F) bf16 activations,
-~5% of the 1.2B model's step. Here, on this rank's columns (inside the training step's shard_map, between the
-column-parallel layer's `f` and the row-parallel layer's `g`), `gelu_mlp(x, w1, b1, w2)` is gelu(x w1 + b1) w2 with
-its backward written out:
+XLA calls cuBLAS for every matmul but folds no GeLU into one, and in the training step no bias either (docs/
+benchmarks.md 12, 14): the MLP's bias + GeLU forward, the GeLU's derivative backward and the q, k, v projections'
+bias adds are passes of their own over the activations. Here, on this rank's columns (inside the training step's
+shard_map, between the column-parallel layer's `f` and the row-parallel layer's `g`, so collectives are untouched):
+
+`gelu_mlp(x, w1, b1, w2)` is gelu(x w1 + b1) w2 with its backward written out:
 
     forward   a, h = gelu(x w1 + b1), x w1 + b1       one matmul, epilogue GELU_AUX_BIAS (h kept for the backward)
               y = a w2
-    backward  dh, db1 = (dy w2^T) * gelu'(h), sums    one matmul, epilogue DGELU_BGRAD
+    backward  dh = (dy w2^T) * gelu'(h)               one matmul, epilogue DGELU; db1 = dh's column sums (XLA)
               dw2 = a^T dy, dw1 = x^T dh, dx = dh w1^T (autodiff's own transposes of the two matmuls)
 
-Measured on an H200 (docs/benchmarks.md 20): the MLP's forward is 3.5% faster, its backward 10% slower (cuBLASLt's
-DGELU_BGRAD matmul), and the 1.2B step at micro batch 24 4.6% slower, with 11.3 GiB less memory (one (tokens, F)
-activation a layer: the backward keeps h and GeLU(h), and by the arithmetic not autodiff's tanh as well); so the
-default stays autodiff's MLP.
+`bias_matmul(x, w, b)` is x w + b, epilogue BIAS, with autodiff's backward (the fused q, k, v projection's three
+matmuls, `ColumnParallelLinear(epilogues=True)`).
 
-mtx/kernels/cublaslt_epilogues.cc holds the two epilogue matmuls as XLA FFI handlers; it is compiled on first use on
+Measured on an H200 (docs/benchmarks.md 20, 21): the MLP alone forward + backward 8.7% faster than autodiff's, the
+1.2B step at micro batch 24 2% faster with 11.3 GiB less memory (one (tokens, F) activation a layer). DGELU_BGRAD,
+which sums the bias gradient inside the matmul too, made the MLP's forward + backward 7% slower than autodiff's
+instead.
+
+mtx/kernels/cublaslt_epilogues.cc holds the three epilogue matmuls as XLA FFI handlers; it is compiled on first use on
 a host whose JAX runs on CUDA GPUs (a C++ compiler, jaxlib's FFI headers, and the cuBLASLt and CUDA runtime
 libraries JAX loaded) into ~/.cache/mtx/kernels/, once per source and toolchain. Elsewhere, in other dtypes than
-bf16, and where the library cannot be built (the reason said once on stderr), the same function runs through XLA
+bf16, and where the library cannot be built (the reason said once on stderr), the same functions run through XLA
 with the same backward, so the tests on simulated CPU devices cover it (tests/test_gemm_epilogue.py); on GPUs its
 values are those of XLA's up to bf16 rounding (the epilogue adds the bias and applies GeLU to the float32
 accumulator, rounding once; benchmarks/gpu_checks.py checks them).
 
-h and a are what the backward reads (`ACTIVATIONS`, kept by `--recompute-granularity matmuls`); with
-`keep_activation=False` (`--bias-gelu-fusion`) only h is kept and a is recomputed from it in the backward.
+h and a are what the MLP's backward reads, and bias_matmul's output is what attention's reads (`ACTIVATIONS`, kept
+by `--recompute-granularity matmuls`); with `keep_activation=False` (`--bias-gelu-fusion`) only h is kept and a is
+recomputed from it in the backward.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mtx.kernels.elementwise import gelu_terms
 from mtx.parallel.ops import cotangent_like, vary, varying_axes
 
-ACTIVATIONS = "gemm_epilogue_activations"  # checkpoint name of h and gelu(h), which the backward reads
+ACTIVATIONS = "gemm_epilogue_activations"  # checkpoint name of the outputs the backward reads (h, gelu(h), x w + b)
 SOURCE = Path(__file__).with_name("cublaslt_epilogues.cc")
 CACHE = Path("~/.cache/mtx/kernels")
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace, an output of each call (cuBLAS's recommendation for Hopper)
