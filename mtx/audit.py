@@ -116,7 +116,7 @@ def audit_layer(cfg: Config) -> dict:
     sp = cfg.sequence_parallel
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TransformerLayer(
         cfg.model, dtype=jnp.float32, rngs=nnx.Rngs(0), selective_recompute=recompute == "selective",
-        sequence_parallel=sp, tp_comm_overlap=cfg.tp_comm_overlap)))
+        sequence_parallel=sp, tp_comm_overlap=cfg.tp_comm_overlap, recompute_elementwise=recompute == "matmuls")))
     tp = mesh.shape[MODEL]
     specs = partition_specs(abstract, tp)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -1,7 +1,10 @@
 """The GeLU MLP with its bias + GeLU and their backward inside the matmuls, and the q, k, v matmuls with their biases
 inside (mtx/kernels/gemm_epilogue.py): autodiff's values and gradients through XLA (how the CPU runs it), the whole
-model the same with it on or off on a mesh with sequence parallelism, `matmuls` recomputation keeping their outputs,
-and its library's build refusing a missing toolchain in one line. On GPUs, where the tests do not run, benchmarks/gpu_checks.py checks cuBLASLt's epilogues."""
+model the same with it on or off on a mesh with sequence parallelism and through 1F1B, `matmuls` recomputation
+keeping what autodiff's keeps, and its library's build refusing a missing toolchain in one line. On GPUs, where the
+tests do not run, benchmarks/gpu_checks.py checks cuBLASLt's epilogues."""
+
+import functools
 
 import jax
 import jax.extend
@@ -61,15 +64,17 @@ def test_bf16_gradients_keep_their_dtypes_and_are_as_accurate_as_autodiffs():
         assert error(grad, want) <= 2 * error(ref, want), name
 
 
-def test_matmuls_recomputation_keeps_both_outputs_and_recomputes_no_matmul(capsys):
-    """Under `--recompute-granularity matmuls` the backward reads h and GeLU(h) as saved (each (tokens, F)): no
-    matmul of the forward runs again."""
+@pytest.mark.parametrize("keep_activation", [True, False], ids=["kept", "recomputed"])
+def test_matmuls_recomputation_keeps_the_outputs_and_recomputes_no_matmul(keep_activation, capsys):
+    """Under `--recompute-granularity matmuls` the backward reads h and GeLU(h) as saved (each (tokens, F)), or h
+    alone where GeLU(h) is recomputed (as the model asks there): no matmul of the forward runs again."""
     args, dy = operands()
-    fn = jax.checkpoint(gemm_epilogue.gelu_mlp, policy=save_matmul_outputs)
+    mlp = functools.partial(gemm_epilogue.gelu_mlp, keep_activation=keep_activation)
+    fn = jax.checkpoint(mlp, policy=save_matmul_outputs)
     jax.ad_checkpoint.print_saved_residuals(fn, *args)
     saved = capsys.readouterr().out
-    assert saved.count(f"[2,12,64] named '{gemm_epilogue.ACTIVATIONS}'") == 2, saved
-    assert _matmuls(fn, args, dy) == _matmuls(gemm_epilogue.gelu_mlp, args, dy)  # as many as without recomputation
+    assert saved.count(f"[2,12,64] named '{gemm_epilogue.ACTIVATIONS}'") == 1 + keep_activation, saved
+    assert _matmuls(fn, args, dy) == _matmuls(mlp, args, dy)  # as many as without recomputation
     assert _matmuls(jax.checkpoint(gemm_epilogue.gelu_mlp), args, dy) > _matmuls(gemm_epilogue.gelu_mlp, args, dy)
     x, w, b, _ = args  # the biased matmul's output, where what follows reads it (as attention does), is kept too
     biased = lambda x, w, b: jnp.sin(gemm_epilogue.bias_matmul(x, w, b))
@@ -113,16 +118,21 @@ def test_the_model_trains_as_with_autodiffs_mlp_on_a_mesh(bias_gelu_fusion, cuda
                                        err_msg=path)
 
 
-def test_in_1f1b_without_biases_under_matmuls_recomputation():
-    """Through 1F1B's slots (the default schedule) with `matmuls` recomputation, on a (1, 2, 2) mesh, a model without
-    biases (the epilogue's bias a zero, its gradient dropped): the same loss and gradients as autodiff's MLP."""
+@pytest.mark.parametrize("biases", [False, True], ids=["no-biases", "biases"])
+def test_in_1f1b_under_matmuls_recomputation(biases, monkeypatch):
+    """Through 1F1B's slots (the default schedule) with `matmuls` recomputation, on a (1, 2, 2) mesh, with biases (the
+    q, k, v matmuls' epilogue too) and without (the MLP epilogue's bias a zero, its gradient dropped): the same loss
+    and gradients as autodiff's MLP; and the MLP keeps only h, GeLU(h) recomputed, as autodiff's does there."""
     preset = {**load_preset("configs/tiny.toml"), "global_batch_size": 8, "micro_batch_size": 2}
-    cfg = Config().replace(**preset, hidden_dropout=0.0, attention_dropout=0.0, disable_bias_linear=True,
+    cfg = Config().replace(**preset, hidden_dropout=0.0, attention_dropout=0.0, disable_bias_linear=not biases,
                            recompute_granularity="matmuls")
+    kept, gelu_mlp = [], gemm_epilogue.gelu_mlp
+    monkeypatch.setattr(gemm_epilogue, "gelu_mlp", lambda *a: kept.append(a[-1]) or gelu_mlp(*a))
     loss, grads = loss_and_grads(cfg, 1, 2, 2, gemm_epilogues=True)
     ref_loss, ref = loss_and_grads(cfg, 1, 2, 2)
+    assert kept and not any(kept)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    assert grads.keys() == ref.keys() and not any("bias" in path and "mlp" in path for path in ref)
+    assert grads.keys() == ref.keys() and biases == any("bias" in path and "mlp" in path for path in ref)
     for path in ref:
         np.testing.assert_allclose(grads[path], ref[path], rtol=1e-4, atol=1e-6 * np.abs(ref[path]).max(),
                                    err_msg=path)
@@ -144,10 +154,12 @@ def test_a_missing_compiler_or_cuda_is_one_line(monkeypatch, tmp_path):
     assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
 
 
+TP_COMM_OVERLAP = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "tp_comm_overlap": True}
+
+
 @pytest.mark.parametrize("other", [{"swiglu": True, "disable_bias_linear": True},
                                    {"swiglu": True, "group_query_attention": True, "num_query_groups": 2},
-                                   {"tensor_model_parallel_size": 2, "sequence_parallel": True, "tp_comm_overlap": True}],
-                         ids=["swiglu-no-biases", "swiglu-grouped", "tp-comm-overlap"])
+                                   TP_COMM_OVERLAP], ids=["swiglu-no-biases", "swiglu-grouped", "tp-comm-overlap"])
 def test_the_flag_where_it_would_do_nothing_is_one_line(other):
     """--gemm-epilogues acts on the GeLU MLP's and the fused q, k, v projection's XLA matmuls: with SwiGLU and no
     biases or grouped projections, or with the peer-memory kernels running the matmuls, it would do nothing, and is

@@ -306,7 +306,7 @@ ffi::Error GemmGelu(cudaStream_t stream, int32_t device, Rows x, Matrix w, Vecto
 }
 
 ffi::Error GemmDgelu(cudaStream_t stream, int32_t device, Rows dy, Matrix w, Rows h, ffi::Result<Rows> dh,
-                         Workspace workspace) {
+                     Workspace workspace) {
   auto [m, k] = Shape(dy);
   int64_t n = w.dimensions()[0];
   if (w.dimensions()[1] != k || Shape(h) != std::make_tuple(m, n) || Shape(*dh) != std::make_tuple(m, n))

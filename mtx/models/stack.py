@@ -54,9 +54,9 @@ def save_matmul_outputs(prim, *args, **params) -> bool:
     backward adds none: tests/test_audit.py); so are sequence parallelism's all-gathers and reduce-scatters (the
     gathered whole-batch inputs of the column-parallel matmuls stay alive for the backward: speed over SP's
     activation-memory saving, which `full` recomputation keeps), and the peer-memory kernels' outputs
-    (`collective_matmul.KERNEL_OUTPUT`: those collectives and matmuls in one), and the GeLU MLP's epilogue matmul's
-    two outputs (`gemm_epilogue.ACTIVATIONS`: recomputed, they would cost the matmul again). Without cuDNN the
-    attention core's einsums have batch dimensions and are recomputed (as `selective` does).
+    (`collective_matmul.KERNEL_OUTPUT`: those collectives and matmuls in one), and the epilogue matmuls' outputs
+    (`gemm_epilogue.ACTIVATIONS`: recomputed, they would cost the matmul again; the GeLU MLP keeps only h here).
+    Without cuDNN the attention core's einsums have batch dimensions and are recomputed (as `selective` does).
     """
     return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
             or prim.name.startswith(_SAVED_PRIMITIVES)
@@ -128,7 +128,8 @@ class ParallelTransformer:
             return TransformerLayer(self.cfg, dtype=self.dtype, rngs=rngs,
                                     selective_recompute=self.recompute == "selective", flash=self.flash,
                                     causal=self.causal, post_layernorm=self.post_layernorm,
-                                    sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap)
+                                    sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap,
+                                    recompute_elementwise=self.recompute == "matmuls")
 
         return make_layers(rngs)
 

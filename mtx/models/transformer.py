@@ -292,15 +292,20 @@ class ParallelMLP(nnx.Module):
     Column split first: GeLU is element-wise, so it commutes with the split and needs no all-reduce in between. So
     is SwiGLU's product when each rank holds the same columns of the gate and the up matrix: fc1's kernel is
     (D, 2, F), gate then up, split over "model" along F, and one `f` serves both matmuls.
+
+    recompute_elementwise (--recompute-granularity matmuls): the epilogue MLP keeps only the matmul's output for the
+    backward, the GeLU recomputed from it, as that policy does with autodiff's MLP (keeping both costs one (tokens, F)
+    activation more a layer); in every layer, those --recompute-method leaves whole too (they share this module).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, sequence_parallel: bool = False,
-                 tp_comm_overlap: bool = False):
+                 tp_comm_overlap: bool = False, recompute_elementwise: bool = False):
         d, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_method_std
         bias = not cfg.disable_bias_linear
         self.swiglu = cfg.swiglu
         self.bias_gelu_fusion, self.bias_swiglu_fusion = cfg.bias_gelu_fusion, cfg.bias_swiglu_fusion
         self.gemm_epilogues = cfg.gemm_epilogues
+        self.keep_gelu = not (cfg.bias_gelu_fusion or recompute_elementwise)  # the epilogue MLP's GeLU(h) kept
         self.fc1 = ColumnParallelLinear(d, f, std=std, use_bias=bias, parts=2 if cfg.swiglu else 1,
                                         sequence_parallel=sequence_parallel, comm_overlap=tp_comm_overlap,
                                         dtype=dtype, rngs=rngs)
@@ -325,7 +330,7 @@ class ParallelMLP(nnx.Module):
         dtype = self.fc1.dtype
         w1, w2 = self.fc1.kernel[...].astype(dtype), self.fc2.kernel[...].astype(dtype)
         b1 = jnp.zeros(w1.shape[1:], dtype) if self.fc1.bias is None else self.fc1.bias[...].astype(dtype)
-        y = gemm_epilogue.gelu_mlp(self.fc1.enter(x_BSD), w1, b1, w2, not self.bias_gelu_fusion)
+        y = gemm_epilogue.gelu_mlp(self.fc1.enter(x_BSD), w1, b1, w2, self.keep_gelu)
         return self.fc2.reduce(y)
 
 
@@ -340,14 +345,14 @@ class TransformerLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, selective_recompute: bool = False,
                  flash: bool = False, causal: bool = True, post_layernorm: bool = False,
-                 sequence_parallel: bool = False, tp_comm_overlap: bool = False):
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False, recompute_elementwise: bool = False):
         self.ln1 = normalization(cfg, cfg.hidden_size, dtype=dtype)
         self.attention = ParallelSelfAttention(cfg, dtype=dtype, rngs=rngs, selective_recompute=selective_recompute,
                                                flash=flash, causal=causal, sequence_parallel=sequence_parallel,
                                                tp_comm_overlap=tp_comm_overlap)
         self.ln2 = normalization(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = ParallelMLP(cfg, dtype=dtype, rngs=rngs, sequence_parallel=sequence_parallel,
-                               tp_comm_overlap=tp_comm_overlap)
+                               tp_comm_overlap=tp_comm_overlap, recompute_elementwise=recompute_elementwise)
         self.dropout_rate = cfg.hidden_dropout
         self.post_layernorm = post_layernorm
 
