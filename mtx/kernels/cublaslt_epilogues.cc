@@ -9,8 +9,8 @@
 //   mtx_gemm_gelu:   x (..., K), w (K, N), b (N) -> gelu(x w + b), h = x w + b         (epilogue GELU_AUX_BIAS)
 //   mtx_gemm_dgelu:  dy (..., K), w (N, K), h (..., N) -> dh = (dy w^T) * gelu'(h)     (epilogue DGELU)
 //
-// (Not DGELU_BGRAD, which sums dh's columns for the bias gradient too: its sums across the row blocks made the
-// matmul slower than DGELU and XLA's own column sums together, docs/benchmarks.md 21.)
+// (Not DGELU_BGRAD, which sums dh's columns for the bias gradient too: measured slower than DGELU and XLA's own
+// column sums together, docs/benchmarks.md 21.)
 //
 // (x's and dy's leading dimensions are the M rows: the activations keep their (micro batch, sequence) shape.)
 //
@@ -41,7 +41,6 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
-const char* cudaGetErrorString(cudaError_t error);
 
 typedef int cublasStatus_t;  // CUBLAS_STATUS_SUCCESS = 0
 typedef struct cublasLtContext* cublasLtHandle_t;
@@ -122,13 +121,6 @@ using Workspace = ffi::Result<Bytes>;
       return ffi::Error::Internal(std::string(#expr) + ": " + cublasLtGetStatusString(status_)); \
   } while (0)
 
-#define MTX_CUDA(expr)                                                                        \
-  do {                                                                                        \
-    cudaError_t status_ = (expr);                                                             \
-    if (status_ != cudaSuccess)                                                               \
-      return ffi::Error::Internal(std::string(#expr) + ": " + cudaGetErrorString(status_));   \
-  } while (0)
-
 // One product: D (rows, cols) = op(A) (rows, depth) B (depth, cols), all column-major, with an epilogue.
 struct Problem {
   int device;
@@ -197,6 +189,14 @@ ffi::Error Handle(int device, cublasLtHandle_t& handle) {
   return ffi::Error::Success();
 }
 
+// D = op(A) B with `algo`, the epilogue's pointers in the descriptors.
+cublasStatus_t Run(cublasLtHandle_t handle, const Descriptors& desc, const cublasLtMatmulAlgo_t* algo, const void* a,
+                   const void* b, void* d, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  const float one = 1.0f, zero = 0.0f;
+  return cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, algo, workspace,
+                        workspace_bytes, stream);
+}
+
 // The fastest of the heuristic's candidates on this call's buffers (each run writes what the final run overwrites).
 ffi::Error Choose(const Problem& p, cublasLtHandle_t handle, const Descriptors& desc, cudaStream_t stream,
                   const void* a, const void* b, void* d, void* workspace, size_t workspace_bytes,
@@ -216,10 +216,8 @@ ffi::Error Choose(const Problem& p, cublasLtHandle_t handle, const Descriptors& 
     return ffi::Error::Internal("cuBLASLt has no algorithm for epilogue " + std::to_string(p.epilogue) + " at " +
                                 std::to_string(p.rows) + " x " + std::to_string(p.cols) + " x " +
                                 std::to_string(p.depth));
-  const float one = 1.0f, zero = 0.0f;
   auto run = [&](const cublasLtMatmulAlgo_t* algo) {
-    return cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, algo, workspace,
-                          workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+    return Run(handle, desc, algo, a, b, d, workspace, workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
   };
   cudaEvent_t start = nullptr, stop = nullptr;
   bool timed = cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess;
@@ -266,9 +264,7 @@ ffi::Error Matmul(const Problem& p, cudaStream_t stream, Workspace& workspace, c
     std::lock_guard<std::mutex> lock(mutex);
     algorithms[p.key()] = algo;
   }
-  const float one = 1.0f, zero = 0.0f;
-  MTX_CUBLAS(cublasLtMatmul(handle, desc.op, &one, a, desc.a, b, desc.b, &zero, d, desc.d, d, desc.d, &algo,
-                            space, space_bytes, stream));
+  MTX_CUBLAS(Run(handle, desc, &algo, a, b, d, space, space_bytes, stream));
   return ffi::Error::Success();
 }
 

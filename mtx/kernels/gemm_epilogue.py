@@ -115,36 +115,28 @@ def _xla_gemm_bias(x, w, b):
     return x @ w + b
 
 
-def _ffi_gemm_bias(x, w, b):
-    return _ffi("mtx_gemm_bias", (jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[1]), x.dtype),), x, w, b)[0]
-
-
 def _xla_gemm_gelu(x, w, b):
     h = x @ w + b
     return gelu_terms(h)[0], h
-
-
-def _ffi_gemm_gelu(x, w, b):
-    out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[1]), x.dtype)
-    return _ffi("mtx_gemm_gelu", (out, out), x, w, b)
 
 
 def _xla_gemm_dgelu(dy, w, h):
     return (dy @ w.T) * gelu_terms(h)[1]
 
 
-def _ffi_gemm_dgelu(dy, w, h):
-    return _ffi("mtx_gemm_dgelu", (jax.ShapeDtypeStruct(h.shape, h.dtype),), dy, w, h)[0]
-
-
-def _ffi(target, outs, *args):
-    """The FFI call's outputs (cuBLASLt's workspace, a last output, left out), typed to vary over the mesh axes its
-    inputs vary over inside shard_map, as XLA's branch of `platform_dependent` does (JAX types an FFI call's outputs
+def _ffi(target, xla, *args):
+    """The FFI call `target` with XLA's function `xla` on the same arguments: the outputs typed as xla's (which
+    `platform_dependent` requires of both branches), cuBLASLt's workspace a last output left out, and typed to vary
+    over the mesh axes the inputs vary over inside shard_map, as xla's are (JAX types an FFI call's outputs
     invariant)."""
+    outs = jax.eval_shape(xla, *args)
+    single = not isinstance(outs, tuple)
+    structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in ((outs,) if single else outs)]
     workspace = jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)
-    results = jax.ffi.ffi_call(target, (*outs, workspace), vmap_method="sequential")(*args)[:-1]
+    results = jax.ffi.ffi_call(target, (*structs, workspace), vmap_method="sequential")(*args)[:-1]
     axes = set().union(*(varying_axes(a) for a in args))
-    return tuple(vary(r, axes) for r in results)
+    results = tuple(vary(r, axes) for r in results)
+    return results[0] if single else results
 
 
 def _epilogue_operands(*arrays) -> bool:
@@ -153,19 +145,19 @@ def _epilogue_operands(*arrays) -> bool:
     return all(a.dtype == jnp.bfloat16 and a.shape[-1] % 8 == 0 for a in arrays)
 
 
-def _on_cuda(ffi, xla):
-    """ffi(*operands) where the program runs on CUDA GPUs and the library is ready for these operands, else
+def _on_cuda(target, xla):
+    """The FFI call `target` where the program runs on CUDA GPUs and the library is ready for these operands, else
     xla(*operands) (the same values up to bf16 rounding)."""
     def dispatch(*operands):
         if not (_epilogue_operands(*operands) and extension_ready()):
             return xla(*operands)
-        return jax.lax.platform_dependent(*operands, cuda=ffi, default=xla)
+        return jax.lax.platform_dependent(*operands, cuda=functools.partial(_ffi, target, xla), default=xla)
     return dispatch
 
 
-_gemm_bias = _on_cuda(_ffi_gemm_bias, _xla_gemm_bias)  # x, w, b -> x w + b
-_gemm_gelu = _on_cuda(_ffi_gemm_gelu, _xla_gemm_gelu)  # x, w, b -> gelu(x w + b), x w + b
-_gemm_dgelu = _on_cuda(_ffi_gemm_dgelu, _xla_gemm_dgelu)  # dy, w, h -> (dy w^T) gelu'(h)
+_gemm_bias = _on_cuda("mtx_gemm_bias", _xla_gemm_bias)  # x, w, b -> x w + b
+_gemm_gelu = _on_cuda("mtx_gemm_gelu", _xla_gemm_gelu)  # x, w, b -> gelu(x w + b), x w + b
+_gemm_dgelu = _on_cuda("mtx_gemm_dgelu", _xla_gemm_dgelu)  # dy, w, h -> (dy w^T) gelu'(h)
 
 
 def extension_ready() -> bool:
