@@ -112,6 +112,7 @@ class TrainingConfig:
     recompute_num_layers: int | None = _f(None, "--recompute-method's layers: a group's (uniform) or each stage's "
                                                 "recomputed ones (block)", step=True)
     scan_layers: bool = _f(True, "the layer stack as one lax.scan (compiles one layer); False unrolls it", step=True)
+    layer_calls: bool = _f(False, "each layer a compiled call of its own: one layer compiled, run unrolled", step=True)
     compilation_cache_dir: str | None = _f(
         "~/.cache/mtx/xla", "JAX's persistent compilation cache on GPUs: a later start of the same program loads it "
                             "instead of compiling (none turns it off; CPU runs compile quickly and ignore it)",

@@ -45,6 +45,7 @@ def check_combinations(cfg, num_devices: int | None = None) -> None:
     _check_checkpointing(t)
     _check_megatron_flags(cfg)
     _check_recompute(cfg)
+    _check_layer_calls(cfg)
     if num_devices is not None:
         dp = cfg.data_parallel_size(num_devices)
         _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -60,6 +61,23 @@ def _check_overlap(p) -> None:
     _check(not p.overlap_grad_reduce or p.pipeline_model_parallel_size == 1,
            "--overlap-grad-reduce reduces inside the unpipelined backward; with --pipeline-model-parallel-size "
            f"{p.pipeline_model_parallel_size} the schedule reduces once after its last tick: drop the flag.")
+
+
+def _check_layer_calls(cfg) -> None:
+    """--layer-calls runs the unpipelined step with a replicated optimizer, each layer recomputed alike (what it
+    does not build: mtx/layer_calls.py)."""
+    if not cfg.training.layer_calls:
+        return
+    p, t = cfg.parallel, cfg.training
+    off = (("--pipeline-model-parallel-size", p.pipeline_model_parallel_size > 1, "1"),
+           ("--use-distributed-optimizer", p.use_distributed_optimizer, None),
+           ("--overlap-grad-reduce", p.overlap_grad_reduce, None),
+           ("--recompute-method", t.recompute_method is not None, "none (each layer recomputed alike)"))
+    for flag, on, fix in off:
+        _check(not on, f"--layer-calls runs each layer as a call of its own, without {flag} (the fused step's); "
+                       f"pass {flag} {fix}, or drop --layer-calls." if fix else
+               f"--layer-calls runs each layer as a call of its own, without {flag} (the fused step's); drop one of "
+               "the two.")
 
 
 def _check_checkpointing(t) -> None:

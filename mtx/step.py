@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from mtx.layer_calls import LayerCalls
 from mtx.objectives import micro_loss
 from mtx.optim import learning_rate_schedule
 from mtx.parallel.mesh import BATCH, DATA, MODEL, PIPELINE
@@ -86,6 +87,10 @@ class TrainStep:
         self.optimizer = optimizer_for(model)
         self.lr_schedule = learning_rate_schedule(self.cfg.optimizer, self.cfg.training.train_iters)
         self._step = jax.jit(self._train_step, donate_argnums=0, compiler_options=compiler_options(self.cfg))
+        # Per parameter, the mesh axes its gradient is summed over (`gradient_axes`)
+        self.reduce_axes = gradient_axes(model.param_specs, model.master_specs, self.cfg.sequence_parallel,
+                                         model.replicated_groups)
+        self._calls = LayerCalls(self) if self.cfg.training.layer_calls else None  # --layer-calls
 
     @classmethod
     def build(cls, cfg, mesh) -> "TrainStep":
@@ -93,7 +98,7 @@ class TrainStep:
         return cls(ShardedModel(cfg, mesh))
 
     def __call__(self, state: TrainState, batch):
-        return self._step(state, batch)
+        return self._step(state, batch) if self._calls is None else self._calls.step(state, batch)
 
     def init_state(self) -> TrainState:
         return init_state(self.model)
@@ -115,8 +120,7 @@ class TrainStep:
         first = jax.lax.axis_index(DATA) * rows
         keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
         # Each rank differentiates its own copy: gradients stay local until the explicit reductions below.
-        reduce_axes = gradient_axes(model.param_specs, model.master_specs, cfg.sequence_parallel,
-                                    model.replicated_groups)
+        reduce_axes = self.reduce_axes
         kinds = self._reduction_kinds()
         # With --overlap-grad-reduce the layer stack stays invariant over "data" (replicated optimizer) or takes its
         # shards (distributed): each layer's reduction then happens in the backward (mtx/parallel/overlap.py).
@@ -173,6 +177,18 @@ class TrainStep:
         grads = map_specs(lambda g, master, axes, kind: _reduce(g, axes, data_dim(master)) if kind == "after" else
                           _reduce_rest(g, axes), grads, model.master_specs, reduce_axes, kinds)
         return jax.lax.psum(loss, (DATA, PIPELINE)) / scale, grads
+
+    def differentiated(self, params):
+        """Inside shard_map, the copy of the (stored) parameters each rank differentiates: cast to vary over the axes
+        its gradient is summed over, so autodiff inserts no reduction (--layer-calls' pieces, mtx/layer_calls.py)."""
+        return jax.tree.map(vary, params, self.reduce_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def reduce_local(self, loss, grads):
+        """Inside shard_map, this rank's loss share and local fp32 gradients (of `differentiated` parameters) ->
+        the step's loss and gradients: the same sums as the fused step's, after the backward."""
+        grads = map_specs(lambda g, master, axes: _reduce(g, axes, data_dim(master)), grads, self.model.master_specs,
+                          self.reduce_axes)
+        return jax.lax.psum(loss, (DATA, PIPELINE)), grads
 
     def _reduction_kinds(self):
         """Per parameter, where its "data" reduction happens: "after" the backward, or inside it, layer by layer
@@ -308,8 +324,12 @@ class TrainStep:
         return loss, grads
 
     def _train_step(self, state: TrainState, batch):
-        t = self.cfg.training
         loss, grads = self.loss_and_grads(state.params, batch, state.step, state.loss_scale.scale)
+        return self.update(state, loss, grads)
+
+    def update(self, state: TrainState, loss, grads):
+        """The step's optimizer update from its loss and gradients (of loss x the loss scale) -> (state, metrics)."""
+        t = self.cfg.training
         if t.fp16:  # undo the loss scale (bf16/fp32 train at scale 1: no extra pass over the gradients)
             grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
         grad_norm = optax.tree.norm(grads)
