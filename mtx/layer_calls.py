@@ -29,6 +29,7 @@ step's backward), and --recompute-method (which picks layers of a stack).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +59,12 @@ class Local:
     def signature(self):
         return self.treedef, self.specs
 
-    def inside(self):
-        """The local tree again, inside the shard_map that takes `arrays` with `specs`."""
-        return jax.tree.unflatten(self.treedef, [a[0] for a in self.arrays])
+
+def _inside(signature, arrays):
+    """Inside the shard_map that takes a `Local`'s arrays with its specs: its local tree again. Programs keep the
+    signature (structure and specs) of what they were compiled for, never a `Local`, whose arrays they would keep
+    alive."""
+    return jax.tree.unflatten(signature[0], [a[0] for a in arrays])
 
 
 class Program:
@@ -70,8 +74,9 @@ class Program:
     over) come from tracing it once first. `donate`: the positions of the local arguments whose buffers the result
     may take (the accumulators, updated in place; a cotangent, dead once the input's is computed)."""
 
-    def __init__(self, mesh, fn, specs: tuple, donate: tuple[int, ...] = ()):
+    def __init__(self, mesh, fn, specs: tuple, donate: tuple[int, ...] = (), compiler_options=None):
         self.mesh, self.fn, self.specs, self.donate = mesh, fn, specs, donate
+        self.compiler_options = compiler_options
         self._compiled, self.abstract_args = {}, {}
 
     def __call__(self, global_args: tuple, *local_args: Local) -> Local:
@@ -80,17 +85,14 @@ class Program:
             self._compiled[signature] = self._compile(global_args, local_args)
         call, result = self._compiled[signature]
         arrays = call(global_args, *(local.arrays for local in local_args))
-        if self.mesh.devices.flat[0].platform == "cpu":  # one call at a time: in flight together, calls with
-            # collectives deadlocked XLA's CPU runtime (seen once in three 2-device runs)
-            jax.block_until_ready(arrays)
-        return Local(tuple(arrays), *result)
+        return Local(tuple(_serial(self.mesh, arrays)), *result)
 
     def _compile(self, global_args, local_args):
-        axes = self.mesh.axis_names
+        axes, signatures = self.mesh.axis_names, signature_of(local_args)
         result = [None, None]
 
         def body(global_args, *arrays):
-            trees = [dataclasses.replace(local, arrays=a).inside() for local, a in zip(local_args, arrays)]
+            trees = [_inside(signature, a) for signature, a in zip(signatures, arrays)]
             leaves, result[0] = jax.tree.flatten(self.fn(*global_args, *trees))
             result[1] = tuple(P(tuple(a for a in axes if a in varying_axes(x)) or None) for x in leaves)
             return tuple(x[None] for x in leaves)
@@ -100,8 +102,9 @@ class Program:
         jax.eval_shape(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=P(axes)),
                        global_args, *arrays)  # traced once for the result's specs
         call = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=result[1]),
-                       donate_argnums=tuple(1 + k for k in self.donate if k < len(local_args)))
-        self.abstract_args[signature_of(local_args)] = jax.tree.map(_abstract, (global_args, *arrays))
+                       donate_argnums=tuple(1 + k for k in self.donate if k < len(local_args)),
+                       compiler_options=self.compiler_options)
+        self.abstract_args[signatures] = jax.tree.map(_abstract, (global_args, *arrays))
         return call, result
 
     def hlo(self, compiler_options=None) -> list[str]:
@@ -112,6 +115,12 @@ class Program:
 
 def signature_of(local_args) -> tuple:
     return tuple(local.signature for local in local_args)
+
+
+def _serial(mesh, results):
+    """`results`, awaited first on CPUs: there, calls with collectives in flight together deadlocked XLA's runtime
+    (seen once in three 2-device runs), so each call finishes before the next starts."""
+    return jax.block_until_ready(results) if mesh.devices.flat[0].platform == "cpu" else results
 
 
 def _abstract(x):
@@ -139,13 +148,13 @@ class LayerCalls:
         self.train_step, self.model, self.cfg = train_step, train_step.model, train_step.cfg
         mesh, specs = train_step.mesh, self.model.master_specs
         self.num_layers = self.cfg.model.num_layers
-        index = P()
-        self._zeros = Program(mesh, self._zeros_fn, (specs,))
-        self._embed = Program(mesh, self._embed_fn, (specs, BATCH, index, index))
-        self._layer = Program(mesh, self._layer_fn, (specs, BATCH, index, index, index))
-        self._head = Program(mesh, self._head_fn, (specs, BATCH, index, index, index), donate=(0, 1))  # x, acc
-        self._layer_back = Program(mesh, self._layer_back_fn, (), donate=(1, 2))  # dy, the earlier microbatches'
-        self._embed_back = Program(mesh, self._embed_back_fn, (), donate=(2,))  # acc
+        index, program = P(), functools.partial(Program, mesh, compiler_options=train_step.compiler_options)
+        self._zeros = program(self._zeros_fn, (specs, BATCH))
+        self._embed = program(self._embed_fn, (specs, BATCH, index, index))
+        self._layer = program(self._layer_fn, (specs, BATCH, index, index, index))
+        self._head = program(self._head_fn, (specs, BATCH, index, index, index), donate=(0, 1))  # x, acc
+        self._layer_back = program(self._layer_back_fn, (), donate=(1, 2))  # dy, the earlier microbatches'
+        self._embed_back = program(self._embed_back_fn, (), donate=(2,))  # acc
         self._finishers, self._finish_args = {}, {}
         self._indices = {}
 
@@ -165,7 +174,7 @@ class LayerCalls:
         gradients, ..., layer L - 1's]. Each layer's gradients are buffers of their own, made by its first backward,
         so none is alive before the backward reaches its layer (a stacked accumulator would be, at the peak)."""
         step, scale = jnp.asarray(step, jnp.int32), jnp.asarray(scale, jnp.float32)
-        acc, grads = self._zeros((params,)), [()] * self.num_layers
+        acc, grads = self._zeros((params, batch)), [()] * self.num_layers
         for j in range(self.model.num_microbatches):
             micro = (batch, step, self._index(j))
             out, pullbacks = self._embed((params, *micro)), []
@@ -193,10 +202,11 @@ class LayerCalls:
         (TrainStep.reduce_local), the layers' stacked on the way; `kind` "grads": (loss, grads) for the loss scale
         `arg`; "step": the optimizer update of the state `arg` from them, in the same program (XLA can fuse the
         stacking into the update's passes)."""
-        key = (kind, tuple(local.signature for local in accumulated))
+        signatures = signature_of(accumulated)
+        key = (kind, signatures)
         if key not in self._finishers:
             def reduce(scale, *arrays):
-                acc, *layers = [dataclasses.replace(local, arrays=a).inside() for local, a in zip(accumulated, arrays)]
+                acc, *layers = [_inside(signature, a) for signature, a in zip(signatures, arrays)]
                 stacked = jax.tree.map(lambda *grads: jnp.concatenate(grads), *layers)
                 loss, grads = self.train_step.reduce_local(acc["loss"], _joined(acc["outer"], stacked))
                 return loss / scale, grads
@@ -204,15 +214,17 @@ class LayerCalls:
             reduced = jax.shard_map(reduce, mesh=self.train_step.mesh,
                                     in_specs=(P(), *(local.specs for local in accumulated)),
                                     out_specs=(P(), self.model.master_specs))
+            options = self.train_step.compiler_options
             if kind == "grads":
-                finish = jax.jit(reduced)
+                finish = jax.jit(reduced, compiler_options=options)
             else:
                 update = lambda state, *arrays: self.train_step.update(state, *reduced(state.loss_scale.scale,
                                                                                         *arrays))
-                finish = jax.jit(update, donate_argnums=0)  # the sums' buffers fit no result: not donated
+                # the sums' buffers fit no result: not donated
+                finish = jax.jit(update, donate_argnums=0, compiler_options=options)
             self._finishers[key] = finish
             self._finish_args[key] = jax.tree.map(_abstract, (arg, *(local.arrays for local in accumulated)))
-        return self._finishers[key](arg, *(local.arrays for local in accumulated))
+        return _serial(self.train_step.mesh, self._finishers[key](arg, *(local.arrays for local in accumulated)))
 
     def collectives(self, compiler_options=None) -> dict[str, list]:
         """Program name -> the collectives (`mtx.hlo.collectives`: (kind, axes, elements)) of each of its compiled
@@ -243,10 +255,12 @@ class LayerCalls:
         rows = jax.tree.leaves(batch)[0].shape[0]
         return batch_B, sample_keys(key, jax.lax.axis_index(DATA) * rows + j * b, b)
 
-    def _zeros_fn(self, params):
+    def _zeros_fn(self, params, batch):
+        """The step's sums, zero, and its global counts the loss is averaged over (summed over "data" once here)."""
         outer, _ = _split(self._varying(params))
         loss = jax.lax.pcast(jnp.zeros((), jnp.float32), (DATA, PIPELINE), to="varying")
-        return {"loss": loss, "outer": jax.tree.map(accumulator, outer)}
+        counts = jax.tree.map(jnp.asarray, self.model.objective.normalizers(batch))
+        return {"loss": loss, "outer": jax.tree.map(accumulator, outer), "counts": counts}
 
     def _embed_fn(self, params, batch, step, j):
         outer, layers = _split(self._varying(params))
@@ -274,7 +288,7 @@ class LayerCalls:
     def _head_fn(self, params, batch, step, j, scale, x_BSD, acc):
         outer, layers = _split(self._varying(params))
         batch_B, _ = self._micro(batch, step, j)
-        objective, counts = self.model.objective, self.model.objective.normalizers(batch)
+        objective, counts = self.model.objective, acc["counts"]
         loss_fn = lambda outer, x_BSD: objective.head_loss(self.model.merge(_joined(outer, layers)), x_BSD, batch_B,
                                                            counts) * scale
         loss, (d_outer, dx_BSD) = jax.value_and_grad(loss_fn, argnums=(0, 1))(outer, x_BSD)

@@ -86,7 +86,8 @@ class TrainStep:
         self.model, self.cfg, self.mesh = model, model.cfg, model.mesh
         self.optimizer = optimizer_for(model)
         self.lr_schedule = learning_rate_schedule(self.cfg.optimizer, self.cfg.training.train_iters)
-        self._step = jax.jit(self._train_step, donate_argnums=0, compiler_options=compiler_options(self.cfg))
+        self.compiler_options = compiler_options(self.cfg)
+        self._step = jax.jit(self._train_step, donate_argnums=0, compiler_options=self.compiler_options)
         # Per parameter, the mesh axes its gradient is summed over (`gradient_axes`)
         self.reduce_axes = gradient_axes(model.param_specs, model.master_specs, self.cfg.sequence_parallel,
                                          model.replicated_groups)

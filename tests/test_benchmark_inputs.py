@@ -86,6 +86,7 @@ def test_bench_and_compile_probe_help_list_their_own_flags(capsys):
     (["--data-path", "/nope"], "--data-path is a train.py flag the benchmark does not use"),
     (["--compilation-cache-dir", "/x"], "--compilation-cache-dir is a train.py flag"),  # the probe compiles afresh
     (["--top", "x"], "argument --top: invalid int value: 'x'"),  # argparse's usage block, once
+    (["--layer-calls"], "--layer-calls is a train.py flag the benchmark does not use"),  # one program probed
 ])
 def test_compile_probe_refuses_flags_it_does_not_use(tmp_path, capsys, argv, fix):
     err = _refused(compile_probe.main, [str(tmp_path / "t"), "--config", "configs/tiny.toml", *argv], capsys)

@@ -13,7 +13,7 @@ from mtx.presets import load_preset
 from mtx.run import train
 from mtx.state import state_shardings
 from mtx.step import TrainStep
-from helpers import refused_in_one_line
+from helpers import LLAMA_BLOCKS, refused_in_one_line
 
 TINY = Config().replace(**load_preset("configs/tiny.toml"))
 
@@ -51,6 +51,9 @@ def _params(train_step):
     (1, 1, {}),
     (2, 2, dict(hidden_dropout=0.1, attention_dropout=0.1)),  # dropout, accumulation over 4 microbatches
     (2, 4, dict(sequence_parallel=True, recompute_granularity="full", micro_batch_size=4)),
+    # Llama's blocks, key/value groups replicated (2 groups, TP 4), selective recomputation, label smoothing
+    (2, 4, dict(LLAMA_BLOCKS, num_query_groups=2, sequence_parallel=True, recompute_granularity="selective",
+                micro_batch_size=4, label_smoothing=0.1, hidden_dropout=0.1, attention_dropout=0.1)),
 ])
 def test_the_fused_steps_loss_and_gradients(dp, tp, flags):
     (loss, grads), (calls_loss, calls_grads) = _both(TINY, dp, tp, **flags)
@@ -127,3 +130,24 @@ def test_collectives_the_papers_per_layer_and_one_data_reduction_a_step():
 def test_what_it_does_not_run_is_refused_in_one_line(flags, match):
     refused_in_one_line(match, TINY.replace(layer_calls=True, data_parallel_size=2, tensor_model_parallel_size=2,
                                             **flags).validate, 8)
+
+
+def test_fp16_loss_scaling_trains_as_the_fused_step(tmp_path):
+    base = TINY.replace(fp16=True, train_iters=3, log_interval=1, global_batch_size=8, initial_loss_scale=1024.0)
+    fused, calls = (_train(tmp_path, f"fp16{c}", base, (2, 1, 2), layer_calls=c) for c in (False, True))
+    np.testing.assert_allclose([calls.losses[s] for s in (1, 2, 3)], [fused.losses[s] for s in (1, 2, 3)], rtol=1e-4)
+
+
+def test_nothing_stays_alive_between_steps_but_the_state():
+    """The step's programs keep the shapes they were compiled for, never a call's buffers: after each step the device
+    holds the state, the batch and the metrics, and the step indices (a few scalars)."""
+    cfg = TINY.replace(data_parallel_size=2, tensor_model_parallel_size=2, layer_calls=True, global_batch_size=8)
+    train_step = TrainStep.build(cfg.validate(8), make_mesh(2, 1, 2, devices=jax.devices()[:4]))
+    before = {id(x) for x in jax.live_arrays()}
+    state = train_step.init_state()
+    batch = train_step.model.put_batch(np.zeros((8, cfg.model.seq_length + 1), np.int32))
+    for _ in range(2):
+        state, metrics = train_step(state, batch)
+        kept = {id(x) for x in jax.tree.leaves((state, batch, metrics))}
+        extra = [x for x in jax.live_arrays() if id(x) not in before | kept]
+        assert sum(x.nbytes for x in extra) <= 4 * 8 and all(x.ndim == 0 for x in extra), extra
