@@ -8,7 +8,8 @@ unrolled stack has none of it but compiles every layer. Here each layer's forwar
 output and its pullback (`jax.vjp`'s residuals, each its own buffer), and each layer's backward one program that takes
 them: compiled once, called L times, nothing stacked. The pieces, each one `jit(shard_map)` over the whole mesh:
 
-  zeros          the step's local sums: its loss share and the gradients outside the layer stack (fp32)
+  zeros          the step's local sums (its loss share and the gradients outside the layer stack, fp32) and
+                 its global counts (the tokens the loss is averaged over, summed over "data" once a step)
   embed          a microbatch's embeddings, and their pullback
   layer          layer i's output and pullback (its parameters sliced from the stack inside the call)
   head           the head's loss share and gradients (of the loss x the loss scale, as the fused step)
