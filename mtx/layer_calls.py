@@ -109,7 +109,7 @@ class Program:
         return call, result
 
     def hlo(self, compiler_options=None) -> list[str]:
-        """The compiled HLO text of each signature this program was called with (the audit's, mtx/audit.py)."""
+        """The compiled HLO text of each signature this program was called with (`LayerCalls.collectives`)."""
         return [self._compiled[key][0].lower(*args).compile(compiler_options=compiler_options).as_text()
                 for key, args in self.abstract_args.items()]
 
@@ -242,7 +242,7 @@ class LayerCalls:
 
     # ---- the pieces, inside shard_map ----
     def _varying(self, params):
-        """The step's copy of the parameters (TrainStep.differentiated): gradients stay local until `reduce`."""
+        """The step's copy of the parameters (TrainStep.differentiated): gradients stay local until `_finish`."""
         return self.train_step.differentiated(params)
 
     def _micro(self, batch, step, j):

@@ -329,7 +329,7 @@ class TrainStep:
         return self.update(state, loss, grads)
 
     def update(self, state: TrainState, loss, grads):
-        """The step's optimizer update from its loss and gradients (of loss x the loss scale) -> (state, metrics)."""
+        """The step's optimizer update from its loss and the gradients of loss x the loss scale -> (state, metrics)."""
         t = self.cfg.training
         if t.fp16:  # undo the loss scale (bf16/fp32 train at scale 1: no extra pass over the gradients)
             grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
