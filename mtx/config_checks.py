@@ -69,15 +69,17 @@ def _check_layer_calls(cfg) -> None:
     if not cfg.training.layer_calls:
         return
     p, t = cfg.parallel, cfg.training
-    off = (("--pipeline-model-parallel-size", p.pipeline_model_parallel_size > 1, "1"),
-           ("--use-distributed-optimizer", p.use_distributed_optimizer, None),
-           ("--overlap-grad-reduce", p.overlap_grad_reduce, None),
-           ("--recompute-method", t.recompute_method is not None, "none (each layer recomputed alike)"))
-    for flag, on, fix in off:
-        _check(not on, f"--layer-calls runs each layer as a call of its own, without {flag} (the fused step's); "
-                       f"pass {flag} {fix}, or drop --layer-calls." if fix else
-               f"--layer-calls runs each layer as a call of its own, without {flag} (the fused step's); drop one of "
-               "the two.")
+    off = (("--pipeline-model-parallel-size", p.pipeline_model_parallel_size > 1, p.pipeline_model_parallel_size,
+            "the pipeline schedules are the fused step's", "pass --pipeline-model-parallel-size 1"),
+           ("--use-distributed-optimizer", p.use_distributed_optimizer, "", "only the fused step shards the optimizer",
+            None),
+           ("--overlap-grad-reduce", p.overlap_grad_reduce, "", "its reductions run inside the fused step's backward",
+            None),
+           ("--recompute-method", t.recompute_method is not None, t.recompute_method,
+            "it picks layers of a stack, and each call runs one", "pass --recompute-method none"))
+    for flag, on, value, why, fix in off:
+        _check(not on, f"--layer-calls does not run with {flag}{f' {value}' if value else ''} ({why}); "
+                       + (f"{fix}, or drop --layer-calls." if fix else "drop one of the two."))
 
 
 def _check_checkpointing(t) -> None:
