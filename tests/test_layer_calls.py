@@ -121,9 +121,9 @@ def test_collectives_the_papers_per_layer_and_one_data_reduction_a_step():
 
 @pytest.mark.parametrize("flags, match", [
     (dict(pipeline_model_parallel_size=2), "pass --pipeline-model-parallel-size 1, or drop --layer-calls"),
-    (dict(use_distributed_optimizer=True), "not run with --use-distributed-optimizer (only the fused step shards"),
+    (dict(use_distributed_optimizer=True), r"not run with --use-distributed-optimizer \(only the fused step shards"),
     (dict(use_distributed_optimizer=True, overlap_grad_reduce=True), "not run with --use-distributed-optimizer"),
-    (dict(overlap_grad_reduce=True), "not run with --overlap-grad-reduce (its reductions run inside"),
+    (dict(overlap_grad_reduce=True), r"not run with --overlap-grad-reduce \(its reductions run inside"),
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
      "pass --recompute-method none"),
 ])
