@@ -154,7 +154,8 @@ class LayerCalls:
         self._embed = program(self._embed_fn, (specs, BATCH, index, index))
         self._layer = program(self._layer_fn, (specs, BATCH, index, index, index))
         self._head = program(self._head_fn, (specs, BATCH, index, index, index), donate=(0, 1))  # x, acc
-        self._layer_back = program(self._layer_back_fn, (), donate=(1, 2))  # dy, the earlier microbatches'
+        # the layer's input x (dx takes its buffer) and the earlier microbatches' gradients
+        self._layer_back = program(self._layer_back_fn, (specs, index), donate=(1, 3))
         self._embed_back = program(self._embed_back_fn, (), donate=(2,))  # acc
         self._finishers, self._finish_args = {}, {}
         self._indices = {}
@@ -178,16 +179,17 @@ class LayerCalls:
         acc, grads = self._zeros((params, batch)), [()] * self.num_layers
         for j in range(self.model.num_microbatches):
             micro = (batch, step, self._index(j))
-            out, pullbacks = self._embed((params, *micro)), []
+            out, inputs, pullbacks = self._embed((params, *micro)), [], []
             x, embed_pullback = _part(out, 0), _part(out, 1)
             for i in range(self.num_layers):
                 out = self._layer((params, *micro, self._index(i)), x)
+                inputs.append(x)  # its backward takes it again (`_Pruned`)
                 x = _part(out, 0)
                 pullbacks.append(_part(out, 1))
             out = self._head((params, *micro, scale), x, acc)
             dx, acc = _part(out, 0), _part(out, 1)
             for i in reversed(range(self.num_layers)):
-                out = self._layer_back((), pullbacks.pop(), dx, *grads[i])
+                out = self._layer_back((params, self._index(i)), pullbacks.pop(), inputs.pop(), dx, *grads[i])
                 dx, grads[i] = _part(out, 0), (_part(out, 1),)
             acc = self._embed_back((), embed_pullback, dx, acc)
         return [acc, *(g for g, in grads)]
@@ -208,7 +210,7 @@ class LayerCalls:
         if key not in self._finishers:
             def reduce(scale, *arrays):
                 acc, *layers = [_inside(signature, a) for signature, a in zip(signatures, arrays)]
-                stacked = jax.tree.map(lambda *grads: jnp.concatenate(grads), *layers)
+                stacked = jax.tree.map(lambda *grads: jnp.stack(grads), *layers)
                 loss, grads = self.train_step.reduce_local(acc["loss"], _joined(acc["outer"], stacked))
                 return loss / scale, grads
 
@@ -270,19 +272,21 @@ class LayerCalls:
         return jax.vjp(embed, outer)
 
     def _layer_fn(self, params, batch, step, j, i, x_BSD):
-        outer, layers = _split(params)
-        one = self._varying_layer(jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1), layers))
+        outer, _ = _split(params)
+        one = self._layer_params(params, i)
         batch_B, keys_B = self._micro(batch, step, j)
         mask_BS = self.model.objective.attention_mask(batch_B)
 
         def layer(one, x_BSD):
-            module = self.model.merge(_joined(outer, one))
-            module.stack = dataclasses.replace(module.stack, scan_layers=False)
-            return module.transform(x_BSD, mask_BS=mask_BS, keys_B=keys_B, first_layer=i)
+            module = self.model.merge(_joined(outer, one))  # the layer's parameters in the stack's place, unstacked
+            return module.stack.one_layer(module.layers, x_BSD, i, mask_BS=mask_BS, keys_B=keys_B)
 
-        return jax.vjp(layer, one, x_BSD)
+        y_BSD, pullback = jax.vjp(layer, one, x_BSD)
+        return y_BSD, _Pruned.of(pullback, (one, x_BSD))
 
-    def _varying_layer(self, one):
+    def _layer_params(self, params, i):
+        """Layer i's parameters, indexed in the stack and cast to vary as `differentiated` casts them."""
+        one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), _split(params)[1])
         axes = self.train_step.reduce_axes.raw_mapping[LAYERS]
         return jax.tree.map(vary, one, axes, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -295,15 +299,45 @@ class LayerCalls:
         loss, (d_outer, dx_BSD) = jax.value_and_grad(loss_fn, argnums=(0, 1))(outer, x_BSD)
         return dx_BSD, dict(acc, loss=acc["loss"] + loss, outer=jax.tree.map(jnp.add, acc["outer"], d_outer))
 
-    def _layer_back_fn(self, pullback, dy_BSD, *earlier):
-        """Layer's backward -> (the input's cotangent, its parameters' gradients (1, ...), added to `earlier`'s: the
-        earlier microbatches' sum, when there are some)."""
-        d_one, dx_BSD = pullback(dy_BSD)
+    def _layer_back_fn(self, params, i, pruned, x_BSD, dy_BSD, *earlier):
+        """Layer i's backward -> (the input's cotangent, its parameters' gradients, added to `earlier`'s: the
+        earlier microbatches' sum, when there are some). Its pullback completed with the layer's parameters and
+        input, sliced and cast again here as the forward did."""
+        d_one, dx_BSD = pruned.complete((self._layer_params(params, i), x_BSD))(dy_BSD)
         return dx_BSD, jax.tree.map(jnp.add, earlier[0], d_one) if earlier else d_one
 
     def _embed_back_fn(self, pullback, dx_BSD, acc):
         d_outer, = pullback(dx_BSD)
         return dict(acc, outer=jax.tree.map(jnp.add, acc["outer"], d_outer))
+
+
+@jax.tree_util.register_pytree_node_class
+class _Pruned:
+    """A layer's pullback without the saved values that are its own inputs: the layer's parameters (which a policy
+    that recomputes their casts saves as the fp32 slices, 113 MB a layer at 1.2B) and its input x (which the forward
+    would return as a copy). The backward's program has both anyway and puts them back (`complete`); `where` says,
+    for each of the pullback's leaves, None (kept) or which of the inputs' leaves it is."""
+
+    def __init__(self, kept: tuple, treedef, where: tuple):
+        self.kept, self.treedef, self.where = kept, treedef, where
+
+    @classmethod
+    def of(cls, pullback, inputs) -> "_Pruned":
+        leaves, treedef = jax.tree.flatten(pullback)
+        given = jax.tree.leaves(inputs)
+        where = tuple(next((k for k, x in enumerate(given) if leaf is x), None) for leaf in leaves)
+        return cls(tuple(leaf for leaf, w in zip(leaves, where) if w is None), treedef, where)
+
+    def complete(self, inputs):
+        given, kept = jax.tree.leaves(inputs), iter(self.kept)
+        return jax.tree.unflatten(self.treedef, [next(kept) if w is None else given[w] for w in self.where])
+
+    def tree_flatten(self):
+        return self.kept, (self.treedef, self.where)
+
+    @classmethod
+    def tree_unflatten(cls, aux, kept):
+        return cls(tuple(kept), *aux)
 
 
 def _part(local: Local, k: int) -> Local:

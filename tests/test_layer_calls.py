@@ -8,6 +8,7 @@ from flax import nnx
 
 from mtx.audit import _NO_COMBINER
 from mtx.config import Config
+from mtx.layer_calls import _part
 from mtx.parallel.mesh import make_mesh
 from mtx.presets import load_preset
 from mtx.run import train
@@ -151,3 +152,23 @@ def test_nothing_stays_alive_between_steps_but_the_state():
         kept = {id(x) for x in jax.tree.leaves((state, batch, metrics))}
         extra = [x for x in jax.live_arrays() if id(x) not in before | kept]
         assert sum(x.nbytes for x in extra) <= 4 * 8 and all(x.ndim == 0 for x in extra), extra
+
+
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_a_layers_pullback_keeps_no_copy_of_its_parameters_or_input(recompute):
+    """The backward call gets the layer's parameters and input again: its forward returns neither (with `full`
+    recomputation they were all it saved, the parameters as fp32 copies), only the input named for the
+    recomputation."""
+    cfg = TINY.replace(data_parallel_size=1, tensor_model_parallel_size=1, layer_calls=True, global_batch_size=2,
+                       recompute_granularity=recompute, hidden_dropout=0.0, attention_dropout=0.0).validate(8)
+    train_step = TrainStep.build(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    state, calls = train_step.init_state(), train_step._calls
+    micro = (train_step.model.put_batch(np.zeros((2, cfg.model.seq_length + 1), np.int32)), state.step,
+             calls._index(0))
+    x = _part(calls._embed((state.params, *micro)), 0)
+    kept = [a.shape[1:] for a in _part(calls._layer((state.params, *micro, calls._index(0)), x), 1).arrays]
+    assert not {a.shape[1:] for a in jax.tree.leaves(state.params["layers"])} & set(kept), kept
+    if recompute == "full":
+        assert kept == [x.arrays[0].shape[1:]]
+    else:
+        assert len(kept) > 1

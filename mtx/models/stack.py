@@ -209,6 +209,21 @@ class ParallelTransformer:
         index = jnp.searchsorted(jnp.asarray(choices), count)
         return jax.lax.switch(index, [functools.partial(run_first, n) for n in choices], x_BSD)
 
+    def one_layer(self, layer: TransformerLayer, x_BSD, index, *, mask_BS=None, keys_B=None):
+        """Global layer `index` alone, its parameters unstacked in `layer`, as `__call__` runs each layer (its
+        recomputation at the granularity, its dropout draws): --layer-calls' layer (mtx/layer_calls.py). Nothing
+        slices or reshapes the parameters or the input on the way, so they are what a recomputation saves, never
+        copies of them."""
+        assert self.recompute_method is None and self.per_layer is None, "--layer-calls runs each layer alike"
+        graphdef, state = nnx.split(layer)
+        draws = None if keys_B is None else jax.tree.map(lambda a: a[0], self.draws(keys_B, 1, index, x_BSD.shape[1]))
+
+        def run(x_BSD, inputs):
+            state, _, draws = inputs
+            return nnx.merge(graphdef, state)(x_BSD, mask_BS=mask_BS, draws=draws)
+
+        return (self._recomputed(run) if self.recompute in ("full", "matmuls") else run)(x_BSD, (state, index, draws))
+
     def recomputed_runs(self, n: int) -> list[tuple[int, int, int]]:
         """The first n held layers as runs (start, size, unit) of what the backward recomputes: unit 0 keeps the
         layers' activations, 1 recomputes each layer from its input (at the granularity: `full` or `matmuls`), U > 1
