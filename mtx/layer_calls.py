@@ -73,7 +73,7 @@ class Program:
     laid out by `specs`, local ones as their `Local` says. Called with the global arguments and `Local`s, it returns
     a `Local`. Compiled once per signature of its local arguments: the result's specs (the mesh axes each leaf varies
     over) come from tracing it once first. `donate`: the positions of the local arguments whose buffers the result
-    may take (the accumulators, updated in place; a cotangent, dead once the input's is computed)."""
+    may take (the accumulators, updated in place; a layer's input, dead once its cotangent is computed)."""
 
     def __init__(self, mesh, fn, specs: tuple, donate: tuple[int, ...] = (), compiler_options=None):
         self.mesh, self.fn, self.specs, self.donate = mesh, fn, specs, donate

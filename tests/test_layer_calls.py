@@ -52,6 +52,7 @@ def _params(train_step):
     (1, 1, {}),
     (2, 2, dict(hidden_dropout=0.1, attention_dropout=0.1)),  # dropout, accumulation over 4 microbatches
     (2, 4, dict(sequence_parallel=True, recompute_granularity="full", micro_batch_size=4)),
+    (2, 2, dict(sequence_parallel=True, recompute_granularity="matmuls", micro_batch_size=4, hidden_dropout=0.1)),
     # Llama's blocks, key/value groups replicated (2 groups, TP 4), selective recomputation, label smoothing
     (2, 4, dict(LLAMA_BLOCKS, num_query_groups=2, sequence_parallel=True, recompute_granularity="selective",
                 micro_batch_size=4, label_smoothing=0.1, hidden_dropout=0.1, attention_dropout=0.1)),
@@ -154,21 +155,21 @@ def test_nothing_stays_alive_between_steps_but_the_state():
         assert sum(x.nbytes for x in extra) <= 4 * 8 and all(x.ndim == 0 for x in extra), extra
 
 
-@pytest.mark.parametrize("recompute", [None, "full"])
+@pytest.mark.parametrize("recompute", [None, "full", "matmuls"])
 def test_a_layers_pullback_keeps_no_copy_of_its_parameters_or_input(recompute):
-    """The backward call gets the layer's parameters and input again: its forward returns neither (with `full`
-    recomputation they were all it saved, the parameters as fp32 copies), only the input named for the
-    recomputation."""
+    """The backward call gets the layer's parameters and input again, so its forward returns neither: no fp32
+    parameter (under recomputation the casts are recomputed from them), and under `full` nothing but scalars."""
     cfg = TINY.replace(data_parallel_size=1, tensor_model_parallel_size=1, layer_calls=True, global_batch_size=2,
-                       recompute_granularity=recompute, hidden_dropout=0.0, attention_dropout=0.0).validate(8)
+                       bf16=True, recompute_granularity=recompute, hidden_dropout=0.0,
+                       attention_dropout=0.0).validate(8)
     train_step = TrainStep.build(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     state, calls = train_step.init_state(), train_step._calls
     micro = (train_step.model.put_batch(np.zeros((2, cfg.model.seq_length + 1), np.int32)), state.step,
              calls._index(0))
     x = _part(calls._embed((state.params, *micro)), 0)
-    kept = [a.shape[1:] for a in _part(calls._layer((state.params, *micro, calls._index(0)), x), 1).arrays]
-    assert not {a.shape[1:] for a in jax.tree.leaves(state.params["layers"])} & set(kept), kept
+    kept = [(a.shape[1:], a.dtype) for a in _part(calls._layer((state.params, *micro, calls._index(0)), x), 1).arrays]
+    assert not {(a.shape[1:], a.dtype) for a in jax.tree.leaves(state.params["layers"])} & set(kept), kept
     if recompute == "full":
-        assert kept == [x.arrays[0].shape[1:]]
-    else:
-        assert len(kept) > 1
+        assert all(shape == () for shape, _ in kept), kept
+    if recompute is not None:  # the casts are recomputed too: no parameter's shape at all
+        assert not {a.shape[1:] for a in jax.tree.leaves(state.params["layers"])} & {s for s, _ in kept}, kept

@@ -222,7 +222,14 @@ class ParallelTransformer:
             state, _, draws = inputs
             return nnx.merge(graphdef, state)(x_BSD, mask_BS=mask_BS, draws=draws)
 
-        return (self._recomputed(run) if self.recompute in ("full", "matmuls") else run)(x_BSD, (state, index, draws))
+        # Recomputed as `_recomputed` does, but with no name on the input and no barrier: nothing encloses this
+        # checkpoint, so its input stays the caller's array (which the backward call has again), and the forward and
+        # the backward are programs of their own (`prevent_cse`).
+        if self.recompute == "full":
+            run = jax.checkpoint(run, prevent_cse=False)
+        elif self.recompute == "matmuls":
+            run = jax.checkpoint(run, policy=save_matmul_outputs, prevent_cse=False)
+        return run(x_BSD, (state, index, draws))
 
     def recomputed_runs(self, n: int) -> list[tuple[int, int, int]]:
         """The first n held layers as runs (start, size, unit) of what the backward recomputes: unit 0 keeps the
