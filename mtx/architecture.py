@@ -108,6 +108,10 @@ class ModelConfig:
     def is_bert(self) -> bool:
         return self.model_type == "bert"
 
+    @property
+    def has_dropout(self) -> bool:
+        return self.hidden_dropout > 0 or self.attention_dropout > 0
+
     def acts(self, name: str) -> bool:
         """Whether the field `name` changes this model: a setting of a feature that is off (--rotary-base without
         rope, --num-query-groups without grouped-query attention, ...) does not."""

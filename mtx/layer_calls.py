@@ -42,7 +42,7 @@ from mtx.parallel.compat import varying_axes
 from mtx.parallel.mesh import BATCH, DATA, PIPELINE
 from mtx.parallel.ops import vary
 from mtx.parallel.overlap import accumulator
-from mtx.parallel.random import sample_keys
+from mtx.parallel.random import rank_sample_keys, step_key
 
 LAYERS = "layers"  # the stacked layers' key in the parameters (GPT's and BERT's `layers` attribute)
 
@@ -251,12 +251,10 @@ class LayerCalls:
         """Microbatch j of this rank's rows, and its dropout keys (None without dropout): the fused step's."""
         b = self.cfg.training.micro_batch_size
         batch_B = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, j * b, b), batch)
-        m = self.cfg.model
-        if not (m.hidden_dropout > 0 or m.attention_dropout > 0):
+        if not self.cfg.model.has_dropout:
             return batch_B, None
-        key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
         rows = jax.tree.leaves(batch)[0].shape[0]
-        return batch_B, sample_keys(key, jax.lax.axis_index(DATA) * rows + j * b, b)
+        return batch_B, rank_sample_keys(step_key(self.cfg.training.seed, step), rows, j * b, b)
 
     def _zeros_fn(self, params, batch):
         """The step's sums, zero, and its global counts the loss is averaged over (summed over "data" once here)."""

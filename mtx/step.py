@@ -28,7 +28,7 @@ from mtx.parallel.mesh import BATCH, DATA, MODEL, PIPELINE
 from mtx.parallel.one_f_one_b import one_f_one_b
 from mtx.parallel.overlap import LayerReduction, accumulator, gather_shard, layer_hook, reduction_kind
 from mtx.parallel.pipeline import pipelined_loss
-from mtx.parallel.random import sample_keys
+from mtx.parallel.random import rank_sample_keys, step_key
 from mtx.parallel.ops import vary
 from mtx.parallel.sharded import data_dim, is_stacked, map_specs
 from mtx.sharded_model import DTYPES, ShardedModel
@@ -116,10 +116,9 @@ class TrainStep:
         rows = jax.tree.leaves(batch)[0].shape[0]
         batch_M = jax.tree.map(lambda a: a.reshape(m, b, *a.shape[1:]), batch)
         counts = model.objective.normalizers(batch)  # the step's global counts the loss is averaged over
-        dropout_on = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
-        # Global batch position of this rank's first sequence: dropout keys follow the sequence, not the rank.
-        first = jax.lax.axis_index(DATA) * rows
-        keys_MB = jax.vmap(lambda i: sample_keys(key, first + i * b, b))(jnp.arange(m)) if dropout_on else None
+        # Dropout keys follow the sequence (its global batch position), not the rank.
+        keys_MB = (jax.vmap(lambda i: rank_sample_keys(key, rows, i * b, b))(jnp.arange(m)) if cfg.model.has_dropout
+                   else None)
         # Each rank differentiates its own copy: gradients stay local until the explicit reductions below.
         reduce_axes = self.reduce_axes
         kinds = self._reduction_kinds()
@@ -317,7 +316,7 @@ class TrainStep:
         """Global mean loss and gradients (of loss x scale) of one step's batch (GPT: (G, S + 1) tokens; BERT: a dict
         of (G, ...) fields); params and gradients in their stored (canonical) layout."""
         model = self.model
-        key = jax.random.fold_in(jax.random.key(self.cfg.training.seed), step)
+        key = step_key(self.cfg.training.seed, step)
         loss, grads = jax.shard_map(
             self._local_loss_and_grads, mesh=self.mesh,
             in_specs=(model.master_specs, BATCH, P(), P()), out_specs=(P(), model.master_specs),

@@ -222,13 +222,8 @@ class ParallelTransformer:
             state, _, draws = inputs
             return nnx.merge(graphdef, state)(x_BSD, mask_BS=mask_BS, draws=draws)
 
-        # Recomputed as `_recomputed` does, but with no name on the input and no barrier: nothing encloses this
-        # checkpoint, so its input stays the caller's array (which the backward call has again), and the forward and
-        # the backward are programs of their own (`prevent_cse`).
-        if self.recompute == "full":
-            run = jax.checkpoint(run, prevent_cse=False)
-        elif self.recompute == "matmuls":
-            run = jax.checkpoint(run, policy=save_matmul_outputs, prevent_cse=False)
+        if self.recompute in ("full", "matmuls"):
+            run = self._recomputed(run, alone=True)
         return run(x_BSD, (state, index, draws))
 
     def recomputed_runs(self, n: int) -> list[tuple[int, int, int]]:
@@ -247,15 +242,18 @@ class ParallelTransformer:
             runs = [(0, whole, u), (whole, n, n - whole)]
         return [(start, end - start, unit) for start, end, unit in runs if end > start]
 
-    def _recomputed(self, fn):
+    def _recomputed(self, fn, alone: bool = False):
         """fn (x, inputs) -> x under the granularity's recomputation: `full` keeps its input x only (named
         LAYER_INPUT), `matmuls` the matmul outputs too (`save_matmul_outputs`). With --recompute-method, kept so even
-        inside 1F1B's chunk checkpoint (`_kept_apart`), which then keeps the other layers' activations."""
-        if self.recompute == "full":
-            inner = jax.checkpoint(fn, prevent_cse=self.prevent_cse)
+        inside 1F1B's chunk checkpoint (`_kept_apart`), which then keeps the other layers' activations. alone: no
+        checkpoint encloses this one and its forward and backward are programs of their own (`one_layer`): the input
+        is not named (a name is a new array, which the layer's pullback would keep beside the caller's) and there is
+        no barrier."""
+        policy = None if self.recompute == "full" else save_matmul_outputs
+        recomputed = jax.checkpoint(fn, policy=policy, prevent_cse=self.prevent_cse and not alone)
+        if self.recompute == "full" and not alone:
+            inner = recomputed
             recomputed = lambda x_BSD, inputs: inner(checkpoint_name(x_BSD, LAYER_INPUT), inputs)
-        else:
-            recomputed = jax.checkpoint(fn, policy=save_matmul_outputs, prevent_cse=self.prevent_cse)
         return recomputed if self.recompute_method is None else _kept_apart(recomputed)
 
     def draws(self, keys_B, count: int, first_layer, length: int):

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtx.parallel.mesh import DATA
 from mtx.parallel.ops import model_rank
 
 
@@ -41,6 +42,17 @@ def fold(keys, data):
 def sample_keys(key, first: int | jax.Array, count: int):
     """Keys of the `count` sequences at global batch positions first, first + 1, ... (one key per sequence)."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(first + jnp.arange(count, dtype=jnp.uint32))
+
+
+def step_key(seed: int, step):
+    """The training step's key, from which every sequence's is folded (`rank_sample_keys`)."""
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def rank_sample_keys(key, rows: int, first: int | jax.Array, count: int):
+    """Inside shard_map: the keys of `count` of this data rank's `rows` sequences from its row `first` on, keyed by
+    their global batch position (the rank's first row is row `rank x rows`), not by the rank."""
+    return sample_keys(key, jax.lax.axis_index(DATA) * rows + first, count)
 
 
 def model_parallel_keys(keys_B, n_local: int):
