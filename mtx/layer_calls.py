@@ -35,6 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtx.hlo import collectives
@@ -98,6 +99,7 @@ class Program:
             result[1] = tuple(P(tuple(a for a in axes if a in varying_axes(x)) or None) for x in leaves)
             return tuple(x[None] for x in leaves)
 
+        body.__name__ = self.fn.__name__.strip("_").removesuffix("_fn")  # the module's name in profiles: jit_layer
         in_specs = (self.specs, *(local.specs for local in local_args))
         arrays = tuple(local.arrays for local in local_args)
         jax.eval_shape(jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=P(axes)),
@@ -221,10 +223,10 @@ class LayerCalls:
             if kind == "grads":
                 finish = jax.jit(reduced, compiler_options=options)
             else:
-                update = lambda state, *arrays: self.train_step.update(state, *reduced(state.loss_scale.scale,
-                                                                                        *arrays))
+                def finish(state, *arrays):
+                    return self.train_step.update(state, *reduced(state.loss_scale.scale, *arrays))
                 # the sums' buffers fit no result: not donated
-                finish = jax.jit(update, donate_argnums=0, compiler_options=options)
+                finish = jax.jit(finish, donate_argnums=0, compiler_options=options)
             self._finishers[key] = finish
             self._finish_args[key] = jax.tree.map(_abstract, (arg, *(local.arrays for local in accumulated)))
         return _serial(self.train_step.mesh, self._finishers[key](arg, *(local.arrays for local in accumulated)))
@@ -279,8 +281,7 @@ class LayerCalls:
             module = self.model.merge(_joined(outer, one))  # the layer's parameters in the stack's place, unstacked
             return module.stack.one_layer(module.layers, x_BSD, i, mask_BS=mask_BS, keys_B=keys_B)
 
-        y_BSD, pullback = jax.vjp(layer, one, x_BSD)
-        return y_BSD, _Pruned.of(pullback, (one, x_BSD))
+        return _Pruned.vjp(layer, one, x_BSD)
 
     def _layer_params(self, params, i):
         """Layer i's parameters, indexed in the stack and cast to vary as `differentiated` casts them."""
@@ -311,24 +312,34 @@ class LayerCalls:
 
 @jax.tree_util.register_pytree_node_class
 class _Pruned:
-    """A layer's pullback without the saved values that are its own inputs: the layer's parameters (which a policy
-    that recomputes their casts saves as the fp32 slices, 113 MB a layer at 1.2B) and its input x (which the forward
-    would return as a copy). The backward's program has both anyway and puts them back (`complete`); `where` says,
-    for each of the pullback's leaves, None (kept) or which of the inputs' leaves it is."""
+    """A layer's pullback without the saved values its backward has anyway or gets for free: the layer's own inputs
+    (its parameters, which a policy that recomputes their casts saves as the fp32 slices, 113 MB a layer at 1.2B, and
+    its input x, which the forward would return as a copy) and views (reshapes) of them or of another saved value
+    (cuDNN's attention saves its output, the output projection the same output reshaped: a copy each, 50 MB a layer).
+    `where` says, for each of the pullback's leaves, None (kept) or (is_input, k, shape): the k-th leaf of the inputs
+    (is_input) or of the pullback, reshaped to `shape`; the backward puts them back (`complete`)."""
 
     def __init__(self, kept: tuple, treedef, where: tuple):
         self.kept, self.treedef, self.where = kept, treedef, where
 
     @classmethod
-    def of(cls, pullback, inputs) -> "_Pruned":
+    def vjp(cls, fn, *inputs) -> tuple:
+        """jax.vjp(fn, *inputs) -> (fn's output, its pullback pruned). Where each saved value comes from is read off
+        the pullback's jaxpr (traced a second time: the values themselves are the first trace's)."""
+        out, pullback = jax.vjp(fn, *inputs)
         leaves, treedef = jax.tree.flatten(pullback)
-        given = jax.tree.leaves(inputs)
-        where = tuple(next((k for k, x in enumerate(given) if leaf is x), None) for leaf in leaves)
-        return cls(tuple(leaf for leaf, w in zip(leaves, where) if w is None), treedef, where)
+        jaxpr = jax.make_jaxpr(lambda *inputs: jax.tree.leaves(jax.vjp(fn, *inputs)[1]))(*inputs).jaxpr
+        where = _sources(jaxpr)
+        return out, cls(tuple(leaf for leaf, w in zip(leaves, where) if w is None), treedef, where)
 
     def complete(self, inputs):
         given, kept = jax.tree.leaves(inputs), iter(self.kept)
-        return jax.tree.unflatten(self.treedef, [next(kept) if w is None else given[w] for w in self.where])
+        leaves = [next(kept) if w is None else None for w in self.where]
+        for k, w in enumerate(self.where):
+            if w is not None:
+                is_input, source, shape = w
+                leaves[k] = (given if is_input else leaves)[source].reshape(shape)
+        return jax.tree.unflatten(self.treedef, leaves)
 
     def tree_flatten(self):
         return self.kept, (self.treedef, self.where)
@@ -336,6 +347,42 @@ class _Pruned:
     @classmethod
     def tree_unflatten(cls, aux, kept):
         return cls(tuple(kept), *aux)
+
+
+_VIEWS = ("reshape", "squeeze", "expand_dims")  # the same elements in the same order: a reshape redoes them
+
+
+def _sources(jaxpr) -> tuple:
+    """For each output of `jaxpr` (a pullback's saved values): None if it is computed here and kept, else (is_input,
+    k, shape): a view of input k or of kept output k, reshaped (see `_Pruned`). Each value reached through views
+    (its root) is kept once: as itself where it is an output, else as its first view among the outputs."""
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+
+    def root(v):
+        while (eqn := producer.get(v)) is not None and _is_view(eqn):
+            v = eqn.invars[0]
+        return v
+
+    roots = [None if _is_literal(v) else root(v) for v in jaxpr.outvars]
+    kept = {v: k for k, v in reversed(list(enumerate(jaxpr.outvars))) if not _is_literal(v) and v not in inputs
+            and root(v) is v}  # outputs that are their own root: each kept, its first place
+    where = []
+    for k, (v, r) in enumerate(zip(jaxpr.outvars, roots)):
+        if r is None or (r not in inputs and kept.setdefault(r, k) == k):
+            where.append(None)  # computed here (or a literal): kept
+        else:
+            where.append((r in inputs, inputs[r] if r in inputs else kept[r], tuple(v.aval.shape)))
+    return tuple(where)
+
+
+def _is_view(eqn) -> bool:
+    return (eqn.primitive.name in _VIEWS and eqn.params.get("dimensions") is None  # (a reshape's transpose: no view)
+            and not _is_literal(eqn.invars[0]))
+
+
+def _is_literal(v) -> bool:
+    return isinstance(v, Literal)
 
 
 def _part(local: Local, k: int) -> Local:

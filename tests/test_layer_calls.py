@@ -2,13 +2,14 @@
 gradients on every mesh, with dropout, sequence parallelism, recomputation and accumulation; it trains and resumes."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from mtx.audit import _NO_COMBINER
 from mtx.config import Config
-from mtx.layer_calls import _part
+from mtx.layer_calls import _part, _Pruned
 from mtx.parallel.mesh import make_mesh
 from mtx.presets import load_preset
 from mtx.run import train
@@ -153,6 +154,20 @@ def test_nothing_stays_alive_between_steps_but_the_state():
         kept = {id(x) for x in jax.tree.leaves((state, batch, metrics))}
         extra = [x for x in jax.live_arrays() if id(x) not in before | kept]
         assert sum(x.nbytes for x in extra) <= 4 * 8 and all(x.ndim == 0 for x in extra), extra
+
+
+def test_a_pullback_keeps_a_value_once_not_its_views_or_the_inputs():
+    """exp saves its output, the matmul after it the same output reshaped and its weights: the pruned pullback
+    keeps the output once (the reshape and the weights are put back in the backward) and gives vjp's cotangents."""
+    def fn(w, x):
+        return jnp.exp(x).reshape(-1) @ w
+
+    w, x = jnp.arange(12.0) / 10, jnp.ones((3, 4)) / 2
+    _, pullback = jax.vjp(fn, w, x)
+    y, pruned = _Pruned.vjp(fn, w, x)
+    assert len(jax.tree.leaves(pullback)) == 3 and [a.shape for a in pruned.kept] == [(3, 4)], pruned.where
+    for got, want in zip(pruned.complete((w, x))(y), pullback(y)):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("recompute", [None, "full", "matmuls"])
