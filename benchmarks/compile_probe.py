@@ -63,6 +63,10 @@ def main(argv=None) -> int:
         # the fused step's one program; --layer-calls' programs compile as they are first called (bench.py times it)
         uses = tuple(name for name in STEP_FIELDS if name != "layer_calls")
         own, cfg = parse_flags(ap, argv, uses=uses, description=__doc__.split("\n\n")[0])
+        if cfg.training.layer_calls:  # a preset's (the flag is refused above)
+            print("compile_probe.py: the preset's --layer-calls left out: this probes the fused step's one program",
+                  file=sys.stderr)
+            cfg = cfg.replace(layer_calls=False)
         check_writable(own.out, "OUT_DIR")
         check_mesh(cfg)  # the GPU memory share (XLA plans within it), the mesh against the devices there are
     except ValueError as e:

@@ -63,23 +63,32 @@ def _check_overlap(p) -> None:
            f"{p.pipeline_model_parallel_size} the schedule reduces once after its last tick: drop the flag.")
 
 
+# What --layer-calls does not run (mtx/layer_calls.py): field, whether its value asks for it, why, the fix (None:
+# drop one of the two). A preset's --layer-calls yields to these given on the command line (mtx/cli.py).
+LAYER_CALLS_OFF = (
+    ("pipeline_model_parallel_size", lambda v: v > 1, "the pipeline schedules are the fused step's",
+     "pass --pipeline-model-parallel-size 1"),
+    ("use_distributed_optimizer", bool, "only the fused step shards the optimizer", None),
+    ("overlap_grad_reduce", bool, "its reductions run inside the fused step's backward", None),
+    ("recompute_method", lambda v: v is not None, "it picks layers of a stack, and each call runs one",
+     "pass --recompute-method none"),
+)
+
+
+def layer_calls_conflicts(cfg) -> list[str]:
+    """The fields of `cfg` set to something --layer-calls does not run (LAYER_CALLS_OFF), whether it is on or not."""
+    return [name for name, asks, *_ in LAYER_CALLS_OFF if asks(cfg.value(name))]
+
+
 def _check_layer_calls(cfg) -> None:
-    """--layer-calls runs the unpipelined step with a replicated optimizer, each layer recomputed alike (what it
-    does not build: mtx/layer_calls.py)."""
+    """--layer-calls runs the unpipelined step with a replicated optimizer, each layer recomputed alike."""
     if not cfg.training.layer_calls:
         return
-    p, t = cfg.parallel, cfg.training
-    off = (("--pipeline-model-parallel-size", p.pipeline_model_parallel_size > 1, p.pipeline_model_parallel_size,
-            "the pipeline schedules are the fused step's", "pass --pipeline-model-parallel-size 1"),
-           ("--use-distributed-optimizer", p.use_distributed_optimizer, "", "only the fused step shards the optimizer",
-            None),
-           ("--overlap-grad-reduce", p.overlap_grad_reduce, "", "its reductions run inside the fused step's backward",
-            None),
-           ("--recompute-method", t.recompute_method is not None, t.recompute_method,
-            "it picks layers of a stack, and each call runs one", "pass --recompute-method none"))
-    for flag, on, value, why, fix in off:
-        _check(not on, f"--layer-calls does not run with {flag}{f' {value}' if value else ''} ({why}); "
-                       + (f"{fix}, or drop --layer-calls." if fix else "drop one of the two."))
+    for name, asks, why, fix in LAYER_CALLS_OFF:
+        value = cfg.value(name)
+        shown = "" if isinstance(value, bool) else f" {value}"
+        _check(not asks(value), f"--layer-calls does not run with {flag_name(name)}{shown} ({why}); "
+                                + (f"{fix}, or drop --layer-calls." if fix else "drop one of the two."))
 
 
 def _check_checkpointing(t) -> None:

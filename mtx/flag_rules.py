@@ -46,6 +46,8 @@ def check_unused_flags(cfg, given) -> None:
              (("tp_comm_overlap",), p.tensor_model_parallel_size > 1, "--tensor-model-parallel-size 2 or more",
               again),
              (("profile_step_start", "profile_step_end"), t.profile, "--profile", again),
+             (("scan_layers",), not t.layer_calls, "the fused step's layer stack, not --layer-calls (each layer a "
+              "call of its own)", "leave it out, or pass --no-layer-calls."),
              (("manual_gc_interval", "manual_gc_eval"), t.manual_gc, "--manual-gc", again),
              (("tensorboard_log_interval",), cfg.logging.tensorboard_dir or cfg.logging.wandb_project,
               "--tensorboard-dir or --wandb-project", again),

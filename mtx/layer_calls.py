@@ -46,6 +46,10 @@ from mtx.parallel.overlap import accumulator
 from mtx.parallel.random import rank_sample_keys, step_key
 
 LAYERS = "layers"  # the stacked layers' key in the parameters (GPT's and BERT's `layers` attribute)
+# XLA's options for the layer's programs on GPUs: no dot merger, which joins the key's and value's weight-gradient
+# matmuls (they share an operand) into one whose other operand is a concatenation of their cotangents, a 100 MB copy
+# a layer at 1.2B (the unrolled step's matmuls are not joined)
+LAYER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,7 @@ class Program:
     laid out by `specs`, local ones as their `Local` says. Called with the global arguments and `Local`s, it returns
     a `Local`. Compiled once per signature of its local arguments: the result's specs (the mesh axes each leaf varies
     over) come from tracing it once first. `donate`: the positions of the local arguments whose buffers the result
-    may take (the accumulators, updated in place; a layer's input, dead once its cotangent is computed)."""
+    may take (the accumulators, updated in place)."""
 
     def __init__(self, mesh, fn, specs: tuple, donate: tuple[int, ...] = (), compiler_options=None):
         self.mesh, self.fn, self.specs, self.donate = mesh, fn, specs, donate
@@ -151,16 +155,19 @@ class LayerCalls:
         self.train_step, self.model, self.cfg = train_step, train_step.model, train_step.cfg
         mesh, specs = train_step.mesh, self.model.master_specs
         self.num_layers = self.cfg.model.num_layers
-        index, program = P(), functools.partial(Program, mesh, compiler_options=train_step.compiler_options)
+        options = train_step.compiler_options
+        index, program = P(), functools.partial(Program, mesh, compiler_options=options)
         self._zeros = program(self._zeros_fn, (specs, BATCH))
         self._embed = program(self._embed_fn, (specs, BATCH, index, index))
-        self._layer = program(self._layer_fn, (specs, BATCH, index, index, index))
+        layer_options = dict(options or {}, **LAYER_OPTIONS) if mesh.devices.flat[0].platform == "gpu" else options
+        self._layer = Program(mesh, self._layer_fn, (specs, BATCH, index, index, index), compiler_options=layer_options)
         self._head = program(self._head_fn, (specs, BATCH, index, index, index), donate=(0, 1))  # x, acc
-        # the layer's input x (dx takes its buffer) and the earlier microbatches' gradients
-        self._layer_back = program(self._layer_back_fn, (specs, index), donate=(1, 3))
+        # the earlier microbatches' gradients (not the layer's input or output cotangent: the dx that took either's
+        # buffer is copied into it, since the fusion that makes dx reads them)
+        self._layer_back = Program(mesh, self._layer_back_fn, (specs, index), donate=(3,),
+                                   compiler_options=layer_options)
         self._embed_back = program(self._embed_back_fn, (), donate=(2,))  # acc
-        self._finishers, self._finish_args = {}, {}
-        self._indices = {}
+        self._finishers, self._finish_args, self._indices = {}, {}, {}
 
     def step(self, state, batch):
         """The training step: `state, metrics = calls.step(state, batch)` (the state is donated)."""

@@ -93,6 +93,17 @@ def test_compile_probe_refuses_flags_it_does_not_use(tmp_path, capsys, argv, fix
     assert fix in err and not (tmp_path / "t").exists()
 
 
+def test_compile_probe_of_a_preset_with_layer_calls_probes_the_fused_step(tmp_path, capsys, monkeypatch):
+    """A preset's --layer-calls (the 1.2B one's) is left out, saying so: the probe compiles the fused step."""
+    seen = []
+    monkeypatch.setattr(compile_probe, "probe", lambda cfg, out, top: seen.append(cfg) or
+                        {"trace_lower_s": 1.0, "compile_s": 1.0, "custom_calls": {}, "events": []})
+    preset = tmp_path / "p.toml"
+    preset.write_text(Path("configs/tiny.toml").read_text() + "layer_calls = true\n")
+    assert compile_probe.main([str(tmp_path / "t"), "--config", str(preset)]) == 0
+    assert not seen[0].training.layer_calls and "preset's --layer-calls left out" in capsys.readouterr().err
+
+
 def test_suite_baseline_of_another_shape_is_one_line(tmp_path, capsys, monkeypatch):
     """bench.py's --json records are no suite records: the file, line and what a record needs (a KeyError, once)."""
     monkeypatch.setattr(suite, "run_row", lambda *a: pytest.fail("a row ran"))

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from mtx.audit import _NO_COMBINER
+from mtx.cli import parse_config
 from mtx.config import Config
 from mtx.layer_calls import _part, _Pruned
 from mtx.parallel.mesh import make_mesh
@@ -133,6 +134,22 @@ def test_collectives_the_papers_per_layer_and_one_data_reduction_a_step():
 def test_what_it_does_not_run_is_refused_in_one_line(flags, match):
     refused_in_one_line(match, TINY.replace(layer_calls=True, data_parallel_size=2, tensor_model_parallel_size=2,
                                             **flags).validate, 8)
+
+
+@pytest.mark.parametrize("flags", [["--pipeline-model-parallel-size", "2"], ["--use-distributed-optimizer"],
+                                   ["--overlap-grad-reduce"], ["--scan-layers"], ["--no-scan-layers"],
+                                   ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                    "--recompute-num-layers", "1"]])
+def test_a_presets_layer_calls_yield_to_what_the_command_line_asks_for(flags):
+    """The 1.2B preset runs each layer as a call; a layer stack (--scan-layers or not) or what the calls do not run,
+    given on the command line, takes the fused step instead, as the preset's stack; asked for both it is refused."""
+    preset = ["--config", "configs/gpt_1.2b.toml"]
+    assert parse_config(preset).training.layer_calls
+    cfg = parse_config([*preset, *flags])
+    assert not cfg.training.layer_calls and cfg.training.scan_layers == ("--scan-layers" in flags)
+    if flags != ["--no-scan-layers"]:  # (unrolled or not: no matter to the calls, so no refusal)
+        with pytest.raises(ValueError, match="drop (--layer-calls|one of the two)|pass --no-layer-calls"):
+            parse_config([*preset, *flags, "--layer-calls"]).validate(8)
 
 
 def test_fp16_loss_scaling_trains_as_the_fused_step(tmp_path):
