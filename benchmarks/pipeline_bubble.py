@@ -49,7 +49,9 @@ def main(argv=None) -> int:
         mb = base.training.micro_batch_size
         runs = []  # per microbatch count: the step without pipelining, and the pipelined step of each schedule
         for m in a.microbatches:
-            common = dict(global_batch_size=mb * m, data_parallel_size=1, tensor_model_parallel_size=1)
+            # (the fused step without pipelining, as the pipelined one: a preset's --layer-calls left out)
+            common = dict(global_batch_size=mb * m, data_parallel_size=1, tensor_model_parallel_size=1,
+                          layer_calls=False)
             flat = base.replace(pipeline_model_parallel_size=1, **common)
             piped = [(schedule, base.replace(pipeline_model_parallel_size=a.pp, **common, **(
                 {"pipeline_schedule": "1f1b", "virtual_pipeline_model_parallel_size": virtual}

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mtx.config import DERIVED, FIELD_TYPES, SECTIONS, Config
-from mtx.config_checks import layer_calls_conflicts
+from mtx.config_checks import yield_layer_calls
 from mtx.errors import UsageError
 from mtx.files import expand_home, refuse_empty
 from mtx.flag_rules import check_unused_flags
@@ -339,11 +339,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "train.py") -> Confi
                 fields.pop(name, None)
     fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
     cfg = Config().replace(**unset_nones(fields))
-    if "layer_calls" not in values and cfg.training.layer_calls and (
-            set(layer_calls_conflicts(cfg)) | {"scan_layers"}) & set(values):
-        # a preset's --layer-calls yields to a layer stack the command line asks for (--scan-layers or not) or to
-        # what the calls do not run (--pipeline-model-parallel-size 2, ...); asked for both, the check refuses it
-        cfg = cfg.replace(layer_calls=False)
+    cfg = yield_layer_calls(cfg, values)  # a preset's --layer-calls yields to a stack or to what they do not run
     for name in set(values) & set(CHOICES):  # a setting mtx lacks is named as such, not as a flag that does nothing
         check_field(name, FIELD_TYPES[name], cfg.value(name))
     check_unused_flags(cfg, values)

@@ -6,8 +6,7 @@ are Megatron-LM's argument names (`--hidden-size` is `hidden_size`), unique acro
 map to fields without a table (presets are read by mtx/presets.py); each field carries its flag's help (`_f`, shown
 by mtx/cli.py's `--help`). The model section, `ModelConfig`, and its arithmetic live in mtx/architecture.py, the
 logging section, `LoggingConfig`, in mtx/logging_config.py.
-`Config.validate()` is the one place where bad values and combinations are refused, before any device work (the
-checks themselves: mtx/schema_checks.py and mtx/config_checks.py).
+`Config.validate()` refuses bad values and combinations before any device work: mtx/schema_checks.py, config_checks.py.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any, get_type_hints
 
 from mtx.architecture import ModelConfig
 from mtx.logging_config import LoggingConfig
-from mtx.config_checks import check_combinations
+from mtx.config_checks import check_combinations, yield_layer_calls
 from mtx.files import expand_home, unexpanded_home
 from mtx.schema_checks import check_field, described as _f, flag_name, is_path_list
 
@@ -266,7 +265,8 @@ class Config:
 
     def replace(self, **flat: Any) -> "Config":
         """Returns a copy with fields set by their (unique) names, e.g. `cfg.replace(hidden_size=64)`. A step count
-        and the Megatron flag it is derived from (--train-iters and --train-samples, ...) cannot both be set."""
+        and the Megatron flag it is derived from (--train-iters and --train-samples, ...) cannot both be set; set
+        --layer-calls yields to a stack or to what the calls do not run set here (`yield_layer_calls`)."""
         parts = {name: {} for name in SECTIONS}
         for key, value in flat.items():
             section = FIELD_SECTION.get(key)
@@ -279,7 +279,7 @@ class Config:
             given = [s for s in sources if new.value(s) is not None]
             if target in flat and given:
                 raise ValueError(f"{flag_name(given[0])} sets {flag_name(target)}; pass only one of the two.")
-        return new
+        return yield_layer_calls(new, flat)
 
     def value(self, name: str) -> Any:
         """A field's value by its flat name (`replace`'s), whatever section holds it."""

@@ -80,6 +80,18 @@ def layer_calls_conflicts(cfg) -> list[str]:
     return [name for name, asks, *_ in LAYER_CALLS_OFF if asks(cfg.value(name))]
 
 
+def yield_layer_calls(cfg, given):
+    """`cfg` with --layer-calls off where `given` (the fields set after it: a command line over a preset, a replace
+    over a config) names a layer stack (--scan-layers or not) or asks for what the calls do not run: the later choice
+    wins, as flags override a preset (a checkpoint trained with the calls evaluated on a pipeline). Given together
+    with --layer-calls, the check below refuses them."""
+    if "layer_calls" in given or not cfg.training.layer_calls:
+        return cfg
+    if "scan_layers" in given or set(layer_calls_conflicts(cfg)) & set(given):
+        return cfg.replace(layer_calls=False)
+    return cfg
+
+
 def _check_layer_calls(cfg) -> None:
     """--layer-calls runs the unpipelined step with a replicated optimizer, each layer recomputed alike."""
     if not cfg.training.layer_calls:
@@ -88,7 +100,8 @@ def _check_layer_calls(cfg) -> None:
         value = cfg.value(name)
         shown = "" if isinstance(value, bool) else f" {value}"
         _check(not asks(value), f"--layer-calls does not run with {flag_name(name)}{shown} ({why}); "
-                                + (f"{fix}, or drop --layer-calls." if fix else "drop one of the two."))
+                                + (f"{fix}, or drop --layer-calls" if fix else "drop one of the two")
+                                + " (--no-layer-calls where a preset sets it).")
 
 
 def _check_checkpointing(t) -> None:

@@ -319,9 +319,9 @@ class LayerCalls:
 
 @jax.tree_util.register_pytree_node_class
 class _Pruned:
-    """A layer's pullback without the saved values its backward has anyway or gets for free: the layer's own inputs
-    (its parameters, which a policy that recomputes their casts saves as the fp32 slices, 113 MB a layer at 1.2B, and
-    its input x, which the forward would return as a copy) and views (reshapes) of them or of another saved value
+    """A layer's pullback without the saved values its backward has anyway or gets for free: the layer's own inputs (its
+    parameters, which a policy that recomputes their casts saves as the fp32 slices, 113 MB a layer at 1.2B, and its
+    input x, which the forward would return as a copy) and views (reshapes, squeezes) of them or of another saved value
     (cuDNN's attention saves its output, the output projection the same output reshaped: a copy each, 50 MB a layer).
     `where` says, for each of the pullback's leaves, None (kept) or (is_input, k, shape): the k-th leaf of the inputs
     (is_input) or of the pullback, reshaped to `shape`; the backward puts them back (`complete`)."""
@@ -336,8 +336,9 @@ class _Pruned:
         out, pullback = jax.vjp(fn, *inputs)
         leaves, treedef = jax.tree.flatten(pullback)
         jaxpr = jax.make_jaxpr(lambda *inputs: jax.tree.leaves(jax.vjp(fn, *inputs)[1]))(*inputs).jaxpr
+        assert [(x.shape, x.dtype) for x in leaves] == [(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
         where = _sources(jaxpr)
-        return out, cls(tuple(leaf for leaf, w in zip(leaves, where) if w is None), treedef, where)
+        return out, cls(tuple(leaf for leaf, w in zip(leaves, where, strict=True) if w is None), treedef, where)
 
     def complete(self, inputs):
         given, kept = jax.tree.leaves(inputs), iter(self.kept)
@@ -354,9 +355,6 @@ class _Pruned:
     @classmethod
     def tree_unflatten(cls, aux, kept):
         return cls(tuple(kept), *aux)
-
-
-_VIEWS = ("reshape", "squeeze", "expand_dims")  # the same elements in the same order: a reshape redoes them
 
 
 def _sources(jaxpr) -> tuple:
@@ -384,7 +382,9 @@ def _sources(jaxpr) -> tuple:
 
 
 def _is_view(eqn) -> bool:
-    return (eqn.primitive.name in _VIEWS and eqn.params.get("dimensions") is None  # (a reshape's transpose: no view)
+    """A reshape (no transpose first) or a squeeze: the same elements in the same order, which a reshape redoes."""
+    name = eqn.primitive.name
+    return ((name == "squeeze" or name == "reshape" and eqn.params.get("dimensions") is None)
             and not _is_literal(eqn.invars[0]))
 
 

@@ -174,17 +174,29 @@ def test_nothing_stays_alive_between_steps_but_the_state():
 
 
 def test_a_pullback_keeps_a_value_once_not_its_views_or_the_inputs():
-    """exp saves its output, the matmul after it the same output reshaped and its weights: the pruned pullback
-    keeps the output once (the reshape and the weights are put back in the backward) and gives vjp's cotangents."""
-    def fn(w, x):
-        return jnp.exp(x).reshape(-1) @ w
+    """exp saves its output; the product after it the output squeezed (and v), the matmul the output reshaped (and w):
+    the pruned pullback keeps the output once (the views and inputs are put back in the backward), vjp's cotangents."""
+    def fn(w, x, v):
+        e = jnp.exp(x)
+        return (jnp.squeeze(e, -1) * v).sum() + e.reshape(-1) @ w
 
-    w, x = jnp.arange(12.0) / 10, jnp.ones((3, 4)) / 2
-    _, pullback = jax.vjp(fn, w, x)
-    y, pruned = _Pruned.vjp(fn, w, x)
-    assert len(jax.tree.leaves(pullback)) == 3 and [a.shape for a in pruned.kept] == [(3, 4)], pruned.where
-    for got, want in zip(pruned.complete((w, x))(y), pullback(y)):
+    w, x, v = jnp.arange(12.0) / 10, jnp.ones((3, 4, 1)) / 2, jnp.arange(12.0).reshape(3, 4)
+    _, pullback = jax.vjp(fn, w, x, v)
+    y, pruned = _Pruned.vjp(fn, w, x, v)
+    assert len(jax.tree.leaves(pullback)) == 5 and [a.shape for a in pruned.kept] == [(3, 4, 1)], pruned.where
+    for got, want in zip(pruned.complete((w, x, v))(y), pullback(y)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_config_change_after_layer_calls_that_they_do_not_run_turns_them_off():
+    """As flags over a preset, so a replace over a config (a checkpoint trained with the calls evaluated on a
+    pipeline): what the calls do not run, or a layer stack, set later turns them off; set together, refused."""
+    calls = TINY.replace(layer_calls=True)
+    assert calls.replace(data_parallel_size=2, recompute_granularity="full").training.layer_calls
+    assert not calls.replace(pipeline_model_parallel_size=2).training.layer_calls
+    assert not calls.replace(scan_layers=True).training.layer_calls
+    refused_in_one_line("--no-layer-calls where a preset sets it", TINY.replace(
+        layer_calls=True, use_distributed_optimizer=True, data_parallel_size=2).validate, 8)
 
 
 @pytest.mark.parametrize("recompute", [None, "full", "matmuls"])
