@@ -35,7 +35,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mtx.hlo import collectives
@@ -44,6 +43,7 @@ from mtx.parallel.mesh import BATCH, DATA, PIPELINE
 from mtx.parallel.ops import vary
 from mtx.parallel.overlap import accumulator
 from mtx.parallel.random import rank_sample_keys, step_key
+from mtx.pullback import Pruned
 
 LAYERS = "layers"  # the stacked layers' key in the parameters (GPT's and BERT's `layers` attribute)
 # XLA's options for the layer's programs on GPUs: no dot merger, which joins the key's and value's weight-gradient
@@ -192,7 +192,7 @@ class LayerCalls:
             x, embed_pullback = _part(out, 0), _part(out, 1)
             for i in range(self.num_layers):
                 out = self._layer((params, *micro, self._index(i)), x)
-                inputs.append(x)  # its backward takes it again (`_Pruned`)
+                inputs.append(x)  # its backward takes it again (`Pruned`)
                 x = _part(out, 0)
                 pullbacks.append(_part(out, 1))
             out = self._head((params, *micro, scale), x, acc)
@@ -288,7 +288,7 @@ class LayerCalls:
             module = self.model.merge(_joined(outer, one))  # the layer's parameters in the stack's place, unstacked
             return module.stack.one_layer(module.layers, x_BSD, i, mask_BS=mask_BS, keys_B=keys_B)
 
-        return _Pruned.vjp(layer, one, x_BSD)
+        return Pruned.vjp(layer, one, x_BSD)
 
     def _layer_params(self, params, i):
         """Layer i's parameters, indexed in the stack and cast to vary as `differentiated` casts them."""
@@ -315,81 +315,6 @@ class LayerCalls:
     def _embed_back_fn(self, pullback, dx_BSD, acc):
         d_outer, = pullback(dx_BSD)
         return dict(acc, outer=jax.tree.map(jnp.add, acc["outer"], d_outer))
-
-
-@jax.tree_util.register_pytree_node_class
-class _Pruned:
-    """A layer's pullback without the saved values its backward has anyway or gets for free: the layer's own inputs (its
-    parameters, which a policy that recomputes their casts saves as the fp32 slices, 113 MB a layer at 1.2B, and its
-    input x, which the forward would return as a copy) and views (reshapes, squeezes) of them or of another saved value
-    (cuDNN's attention saves its output, the output projection the same output reshaped: a copy each, 50 MB a layer).
-    `where` says, for each of the pullback's leaves, None (kept) or (is_input, k, shape): the k-th leaf of the inputs
-    (is_input) or of the pullback, reshaped to `shape`; the backward puts them back (`complete`)."""
-
-    def __init__(self, kept: tuple, treedef, where: tuple):
-        self.kept, self.treedef, self.where = kept, treedef, where
-
-    @classmethod
-    def vjp(cls, fn, *inputs) -> tuple:
-        """jax.vjp(fn, *inputs) -> (fn's output, its pullback pruned). Where each saved value comes from is read off
-        the pullback's jaxpr (traced a second time: the values themselves are the first trace's)."""
-        out, pullback = jax.vjp(fn, *inputs)
-        leaves, treedef = jax.tree.flatten(pullback)
-        jaxpr = jax.make_jaxpr(lambda *inputs: jax.tree.leaves(jax.vjp(fn, *inputs)[1]))(*inputs).jaxpr
-        assert [(x.shape, x.dtype) for x in leaves] == [(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
-        where = _sources(jaxpr)
-        return out, cls(tuple(leaf for leaf, w in zip(leaves, where, strict=True) if w is None), treedef, where)
-
-    def complete(self, inputs):
-        given, kept = jax.tree.leaves(inputs), iter(self.kept)
-        leaves = [next(kept) if w is None else None for w in self.where]
-        for k, w in enumerate(self.where):
-            if w is not None:
-                is_input, source, shape = w
-                leaves[k] = (given if is_input else leaves)[source].reshape(shape)
-        return jax.tree.unflatten(self.treedef, leaves)
-
-    def tree_flatten(self):
-        return self.kept, (self.treedef, self.where)
-
-    @classmethod
-    def tree_unflatten(cls, aux, kept):
-        return cls(tuple(kept), *aux)
-
-
-def _sources(jaxpr) -> tuple:
-    """For each output of `jaxpr` (a pullback's saved values): None if it is computed here and kept, else (is_input,
-    k, shape): a view of input k or of kept output k, reshaped (see `_Pruned`). Each value reached through views
-    (its root) is kept once: as itself where it is an output, else as its first view among the outputs."""
-    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    inputs = {v: k for k, v in enumerate(jaxpr.invars)}
-
-    def root(v):
-        while (eqn := producer.get(v)) is not None and _is_view(eqn):
-            v = eqn.invars[0]
-        return v
-
-    roots = [None if _is_literal(v) else root(v) for v in jaxpr.outvars]
-    kept = {v: k for k, v in reversed(list(enumerate(jaxpr.outvars))) if not _is_literal(v) and v not in inputs
-            and root(v) is v}  # outputs that are their own root: each kept, its first place
-    where = []
-    for k, (v, r) in enumerate(zip(jaxpr.outvars, roots)):
-        if r is None or (r not in inputs and kept.setdefault(r, k) == k):
-            where.append(None)  # computed here (or a literal): kept
-        else:
-            where.append((r in inputs, inputs[r] if r in inputs else kept[r], tuple(v.aval.shape)))
-    return tuple(where)
-
-
-def _is_view(eqn) -> bool:
-    """A reshape (no transpose first) or a squeeze: the same elements in the same order, which a reshape redoes."""
-    name = eqn.primitive.name
-    return ((name == "squeeze" or name == "reshape" and eqn.params.get("dimensions") is None)
-            and not _is_literal(eqn.invars[0]))
-
-
-def _is_literal(v) -> bool:
-    return isinstance(v, Literal)
 
 
 def _part(local: Local, k: int) -> Local:

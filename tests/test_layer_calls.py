@@ -10,9 +10,10 @@ from flax import nnx
 from mtx.audit import _NO_COMBINER
 from mtx.cli import parse_config
 from mtx.config import Config
-from mtx.layer_calls import _part, _Pruned
+from mtx.layer_calls import _part
 from mtx.parallel.mesh import make_mesh
 from mtx.presets import load_preset
+from mtx.pullback import Pruned
 from mtx.run import train
 from mtx.state import state_shardings
 from mtx.step import TrainStep
@@ -182,7 +183,7 @@ def test_a_pullback_keeps_a_value_once_not_its_views_or_the_inputs():
 
     w, x, v = jnp.arange(12.0) / 10, jnp.ones((3, 4, 1)) / 2, jnp.arange(12.0).reshape(3, 4)
     _, pullback = jax.vjp(fn, w, x, v)
-    y, pruned = _Pruned.vjp(fn, w, x, v)
+    y, pruned = Pruned.vjp(fn, w, x, v)
     assert len(jax.tree.leaves(pullback)) == 5 and [a.shape for a in pruned.kept] == [(3, 4, 1)], pruned.where
     for got, want in zip(pruned.complete((w, x, v))(y), pullback(y)):
         np.testing.assert_array_equal(got, want)
