@@ -265,8 +265,8 @@ class Config:
 
     def replace(self, **flat: Any) -> "Config":
         """Returns a copy with fields set by their (unique) names, e.g. `cfg.replace(hidden_size=64)`. A step count
-        and the Megatron flag it is derived from (--train-iters and --train-samples, ...) cannot both be set; set
-        --layer-calls yields to a stack or to what the calls do not run set here (`yield_layer_calls`)."""
+        and the Megatron flag it is derived from (--train-iters and --train-samples, ...) cannot both be set; an
+        earlier --layer-calls yields to a layer stack or to what the calls do not run set here (`yield_layer_calls`)."""
         parts = {name: {} for name in SECTIONS}
         for key, value in flat.items():
             section = FIELD_SECTION.get(key)

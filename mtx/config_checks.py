@@ -64,7 +64,8 @@ def _check_overlap(p) -> None:
 
 
 # What --layer-calls does not run (mtx/layer_calls.py): field, whether its value asks for it, why, the fix (None:
-# drop one of the two). A preset's --layer-calls yields to these given on the command line (mtx/cli.py).
+# drop one of the two). --layer-calls set earlier (a preset's, a config's) yields to these set later
+# (`yield_layer_calls`).
 LAYER_CALLS_OFF = (
     ("pipeline_model_parallel_size", lambda v: v > 1, "the pipeline schedules are the fused step's",
      "pass --pipeline-model-parallel-size 1"),
