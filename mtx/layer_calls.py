@@ -127,7 +127,11 @@ def signature_of(local_args) -> tuple:
 def _serial(mesh, results):
     """`results`, awaited first on CPUs: there, calls with collectives in flight together deadlocked XLA's runtime
     (seen once in three 2-device runs), so each call finishes before the next starts."""
-    return jax.block_until_ready(results) if mesh.devices.flat[0].platform == "cpu" else results
+    return jax.block_until_ready(results) if _platform(mesh) == "cpu" else results
+
+
+def _platform(mesh) -> str:
+    return mesh.devices.flat[0].platform
 
 
 def _abstract(x):
@@ -159,7 +163,7 @@ class LayerCalls:
         index, program = P(), functools.partial(Program, mesh, compiler_options=options)
         self._zeros = program(self._zeros_fn, (specs, BATCH))
         self._embed = program(self._embed_fn, (specs, BATCH, index, index))
-        layer_options = dict(options or {}, **LAYER_OPTIONS) if mesh.devices.flat[0].platform == "gpu" else options
+        layer_options = dict(options or {}, **LAYER_OPTIONS) if _platform(mesh) == "gpu" else options
         self._layer = Program(mesh, self._layer_fn, (specs, BATCH, index, index, index), compiler_options=layer_options)
         self._head = program(self._head_fn, (specs, BATCH, index, index, index), donate=(0, 1))  # x, acc
         # the earlier microbatches' gradients (not the layer's input or output cotangent: the dx that took either's

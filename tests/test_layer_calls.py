@@ -161,17 +161,21 @@ def test_fp16_loss_scaling_trains_as_the_fused_step(tmp_path):
 
 def test_nothing_stays_alive_between_steps_but_the_state():
     """The step's programs keep the shapes they were compiled for, never a call's buffers: after each step the device
-    holds the state, the batch and the metrics, and the step indices (a few scalars)."""
+    holds the state, the batch and the metrics, and the step indices (a few scalars). The second step compiles
+    nothing."""
     cfg = TINY.replace(data_parallel_size=2, tensor_model_parallel_size=2, layer_calls=True, global_batch_size=8)
     train_step = TrainStep.build(cfg.validate(8), make_mesh(2, 1, 2, devices=jax.devices()[:4]))
     before = {id(x) for x in jax.live_arrays()}
     state = train_step.init_state()
     batch = train_step.model.put_batch(np.zeros((8, cfg.model.seq_length + 1), np.int32))
+    calls, compiled = train_step._calls, []
     for _ in range(2):
         state, metrics = train_step(state, batch)
         kept = {id(x) for x in jax.tree.leaves((state, batch, metrics))}
         extra = [x for x in jax.live_arrays() if id(x) not in before | kept]
         assert sum(x.nbytes for x in extra) <= 4 * 8 and all(x.ndim == 0 for x in extra), extra
+        compiled.append([len(p._compiled) for p in calls._programs().values()] + [len(calls._finishers)])
+    assert compiled[0] == compiled[1], compiled
 
 
 def test_a_pullback_keeps_a_value_once_not_its_views_or_the_inputs():
